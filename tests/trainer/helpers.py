@@ -1,0 +1,38 @@
+"""Shared by the trainer tests: the tiny model, its layouts, and what a valid result looks like."""
+
+from __future__ import annotations
+
+import math
+
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, ParallelConfig
+
+TINY = MODEL_PRESETS["tiny"]  # 4 layers, d=64, 4 heads, seq 32, vocab 256
+GLOBAL_BATCH = 8
+
+
+def tiny_config(parallel: ParallelConfig, **kwargs) -> BenchmarkConfig:
+    kwargs = {"warmup_steps": 1, "measure_steps": 2, "device": "cpu", **kwargs}
+    return BenchmarkConfig(model=TINY, parallel=parallel, **kwargs)
+
+
+def assert_valid_result(result: BenchmarkResult, cfg: BenchmarkConfig) -> None:
+    """Every field an 'ok' result promises, consistent with the config that produced it."""
+    assert result.status == "ok", result.error
+    p = cfg.parallel
+    assert result.world_size == p.world_size
+    assert result.parallel == p.to_dict() and result.model == cfg.model.to_dict()
+    assert len(result.step_times_s) == cfg.measure_steps and all(t > 0 for t in result.step_times_s)
+    assert len(result.losses) == len(result.grad_norms) == cfg.warmup_steps + cfg.measure_steps
+    assert all(math.isfinite(v) for v in result.losses + result.grad_norms)
+    expected_tps = cfg.tokens_per_step * cfg.measure_steps / sum(result.step_times_s)
+    assert math.isclose(result.tokens_per_s, expected_tps, rel_tol=1e-9)
+    assert math.isclose(result.tokens_per_s_per_device * p.world_size, result.tokens_per_s, rel_tol=1e-9)
+    tflops = cfg.model.flops_per_token * result.tokens_per_s_per_device / 1e12
+    assert math.isclose(result.model_tflops_per_device, tflops, rel_tol=1e-9)
+    assert result.peak_tflops_per_device > 0
+    assert math.isclose(result.mfu, tflops / result.peak_tflops_per_device, rel_tol=1e-9)
+    assert len(result.peak_memory_bytes_per_rank) == p.world_size
+    assert all(b > 0 for b in result.peak_memory_bytes_per_rank)
+    assert result.peak_memory_bytes == max(result.peak_memory_bytes_per_rank)
+    assert result.device == "cpu" and result.dtype == "float32" and result.torch_version
+    assert result.wall_time_s > 0

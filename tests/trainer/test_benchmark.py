@@ -1,0 +1,121 @@
+"""`python -m trainer.benchmark` under torchrun: valid results, and failures that are results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.helpers import assert_valid_result, tiny_config
+from trainer.config import BenchmarkResult, ParallelConfig
+from trainer.launch import local_env, run_local
+
+P = ParallelConfig
+TP2 = P(tp=2, micro_batch_size=8)
+
+pytestmark = pytest.mark.distributed
+
+
+def test_one_rank_under_torchrun(tmp_path: Path) -> None:
+    cfg = tiny_config(P(micro_batch_size=8))
+    result = run_local(cfg, tmp_path, timeout_s=120)
+    assert_valid_result(result, cfg)
+    assert (tmp_path / "result.json").exists()
+
+
+def test_four_ranks_2d(tmp_path: Path) -> None:
+    cfg = tiny_config(P(tp=2, dp_replicate=2, micro_batch_size=4), warmup_steps=2)
+    assert_valid_result(run_local(cfg, tmp_path, timeout_s=300), cfg)
+
+
+def test_invalid_layout_is_reported_with_reasons(tmp_path: Path) -> None:
+    # tp=3 cannot split 4 heads; launched on 3 ranks, every rank refuses before any collective.
+    result = run_local(tiny_config(P(tp=3, micro_batch_size=8)), tmp_path, timeout_s=120)
+    assert result.status == "invalid"
+    assert "tp (3) must divide num_heads (4)" in result.error
+    assert result.tokens_per_s == 0 and result.failed_rank is None
+
+
+def test_memory_cap_gives_oom(tmp_path: Path) -> None:
+    cfg = tiny_config(TP2, max_memory_bytes=1_000_000)  # the tiny model needs ~3.5 MB per rank
+    result = run_local(cfg, tmp_path, timeout_s=120)
+    assert result.status == "oom"
+    assert "over the cap max_memory_bytes" in result.error
+
+
+def test_memory_cap_above_peak_passes(tmp_path: Path) -> None:
+    cfg = tiny_config(TP2, max_memory_bytes=64 * 2**20)
+    assert_valid_result(run_local(cfg, tmp_path, timeout_s=120), cfg)
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"),
+    [("raise:1:1", "error"), ("oom:1:1", "oom"), ("raise:0:2", "error")],
+)
+def test_failure_on_one_rank_is_written_by_rank_0(fault: str, status: str, tmp_path: Path) -> None:
+    """Another rank fails mid-run: rank 0 still writes the result, naming the failed rank and its
+    error, and nobody waits for a collective timeout (init timeout here is 10 minutes)."""
+    started = time.monotonic()
+    result = run_local(
+        tiny_config(TP2, warmup_steps=2), tmp_path, timeout_s=120, env={"TRAINER_FAULT": fault}
+    )
+    assert result.status == status
+    assert result.failed_rank == int(fault.split(":")[1])
+    assert "injected" in result.error and "step" in result.error
+    assert time.monotonic() - started < 60
+
+
+def test_hung_rank_fails_fast_after_step_1(tmp_path: Path) -> None:
+    """Rank 1 hangs at step 3; the collective timeout, shortened after step 1, ends the run."""
+    cfg = tiny_config(TP2, warmup_steps=2, step_timeout_s=5)
+    started = time.monotonic()
+    result = run_local(cfg, tmp_path, timeout_s=120, env={"TRAINER_FAULT": "hang:1:2"})
+    assert result.status == "error"
+    assert "Timed out" in result.error or "timed out" in result.error
+    assert time.monotonic() - started < 60
+
+
+def test_crashed_rank_without_traceback_is_an_error(tmp_path: Path) -> None:
+    """A rank that dies hard (like a segfault) leaves no result file: the launcher reports it."""
+    result = run_local(tiny_config(TP2), tmp_path, timeout_s=120, env={"TRAINER_FAULT": "exit:1:1"})
+    assert result.status == "error"
+    assert "no valid result file" in result.error and "exitcode" in result.error
+
+
+def test_launcher_timeout_kills_the_process_group(tmp_path: Path) -> None:
+    started = time.monotonic()
+    run = run_local(
+        tiny_config(P(micro_batch_size=8)), tmp_path, timeout_s=8, env={"TRAINER_FAULT": "hang:0:1"}
+    )
+    assert run.status == "error" and "timed out after 8 s" in run.error
+    assert time.monotonic() - started < 30
+
+
+def test_bad_config_file_exits_cleanly_with_invalid_result(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model": "tiny", "parallel": {"tp": 2, "tensor_parallel": 2}}))
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.benchmark", "--config", str(config), "--out", str(out)],
+        env=local_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "unknown field(s) ['tensor_parallel']" in proc.stderr
+    result = BenchmarkResult.from_json(out.read_text())
+    assert result.status == "invalid" and "tensor_parallel" in result.error
+
+
+def test_world_size_mismatch_is_invalid(tmp_path: Path) -> None:
+    from trainer.launch import CONFIG_FILE, torchrun_command
+
+    cfg = tiny_config(TP2)
+    (tmp_path / CONFIG_FILE).write_text(cfg.to_json())
+    cmd = torchrun_command(1, tmp_path / CONFIG_FILE, tmp_path / "result.json")
+    subprocess.run(cmd, env=local_env(), capture_output=True, timeout=120, check=False)
+    result = BenchmarkResult.from_json((tmp_path / "result.json").read_text())
+    assert result.status == "invalid"
+    assert "needs 2 ranks, launched with 1" in result.error

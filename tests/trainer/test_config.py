@@ -1,0 +1,127 @@
+"""trainer.config: the torch-free contract with the tuner."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, GPTConfig, ParallelConfig
+
+TINY = MODEL_PRESETS["tiny"]
+
+
+def test_config_module_does_not_import_torch() -> None:
+    code = "import sys, trainer.config, trainer.launch; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_benchmark_config_json_round_trip() -> None:
+    cfg = BenchmarkConfig(
+        model=MODEL_PRESETS["1b"],
+        parallel=ParallelConfig(
+            tp=2,
+            pp=4,
+            dp_shard=2,
+            zero_stage=3,
+            micro_batch_size=2,
+            num_microbatches=8,
+            activation_checkpoint="selective",
+            sequence_parallel=True,
+            pp_schedule="interleaved_1f1b",
+            virtual_stages=2,
+        ),
+        max_memory_bytes=80 * 2**30,
+    )
+    assert BenchmarkConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_model_preset_by_name() -> None:
+    assert BenchmarkConfig.from_dict({"model": "tiny"}).model == TINY
+
+
+def test_result_json_round_trip() -> None:
+    r = BenchmarkResult(
+        status="ok", step_times_s=[0.5, 0.25], losses=[1.0], peak_memory_bytes_per_rank=[3, 4]
+    )
+    assert BenchmarkResult.from_json(r.to_json()) == r
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"model": "tiny", "parallel": {"tpp": 2}}, "ParallelConfig: unknown field(s) ['tpp']"),
+        ({"parallel": {}}, "missing field 'model'"),
+        ({"model": {"num_layers": 2, "hidden_size": 64}}, "num_heads"),
+        ({"model": "tiny", "warmup_steps": 0}, "warmup_steps must be >= 1"),
+        ({"model": "tiny", "dtype": "fp16"}, "dtype 'fp16' is not one of"),
+        ({"model": {"num_layers": 2, "hidden_size": 65, "num_heads": 4}}, "divisible by num_heads"),
+    ],
+)
+def test_bad_config_names_the_field(data: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        BenchmarkConfig.from_json(json.dumps(data))
+
+
+def test_layout_arithmetic() -> None:
+    p = ParallelConfig(
+        tp=4, pp=2, dp_replicate=2, dp_shard=3, zero_stage=3, micro_batch_size=2, num_microbatches=8
+    )
+    assert p.world_size == 4 * 2 * 2 * 3
+    assert p.global_batch_size == 2 * 8 * 2 * 3
+    assert p.describe() == "tp4 pp2(1f1b) dpr2 dps3(z3) mbs2x8"
+
+
+@pytest.mark.parametrize(
+    ("layout", "reason"),
+    [
+        (ParallelConfig(tp=3), "tp (3) must divide num_heads (4)"),
+        (ParallelConfig(sequence_parallel=True), "sequence_parallel needs tp > 1"),
+        (ParallelConfig(pp=8), "num_layers (4) < pp (8) * virtual_stages (1)"),
+        (ParallelConfig(pp=2, num_microbatches=1), "1F1B needs num_microbatches (1) >= pp (2)"),
+        (ParallelConfig(pp=2, virtual_stages=2, num_microbatches=2), "virtual_stages > 1 needs"),
+        (
+            ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", num_microbatches=2),
+            "needs virtual_stages >= 2",
+        ),
+        (ParallelConfig(pp=2, pp_schedule="zb"), "pp_schedule 'zb' is not one of"),
+        (ParallelConfig(dp_shard=2), "dp_shard (2) > 1 needs zero_stage 2 or 3"),
+        (ParallelConfig(zero_stage=3), "zero_stage 3 needs dp_shard > 1"),
+        (ParallelConfig(dp_shard=2, zero_stage=1), "zero_stage 1 is not one of"),
+        (ParallelConfig(activation_checkpoint="some"), "activation_checkpoint 'some'"),
+        (ParallelConfig(micro_batch_size=0), "micro_batch_size must be >= 1"),
+    ],
+)
+def test_invalid_layouts_say_why(layout: ParallelConfig, reason: str) -> None:
+    assert any(reason in p for p in layout.problems(TINY)), layout.problems(TINY)
+
+
+def test_valid_layouts_have_no_problems() -> None:
+    for layout in [
+        ParallelConfig(),
+        ParallelConfig(tp=4, sequence_parallel=True),
+        ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, num_microbatches=4),
+        ParallelConfig(pp=4, pp_schedule="gpipe", num_microbatches=1),
+        ParallelConfig(dp_replicate=2, dp_shard=2, zero_stage=2),
+    ]:
+        assert layout.problems(TINY) == []
+
+
+def test_vocab_must_split_over_tp() -> None:
+    model = GPTConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=50257)
+    assert any("pad the vocabulary" in p for p in ParallelConfig(tp=2).problems(model))
+
+
+@pytest.mark.parametrize(("preset", "billions"), [("1b", 1.42), ("22b", 22), ("175b", 175), ("1t", 1000)])
+def test_presets_have_their_size(preset: str, billions: float) -> None:
+    assert abs(MODEL_PRESETS[preset].num_params / 1e9 - billions) / billions < 0.05
+
+
+def test_flops_per_token_is_palm_formula() -> None:
+    m = MODEL_PRESETS["175b"]
+    n = m.num_nonembed_params
+    assert m.flops_per_token == 6 * n + 12 * 96 * 12288 * 2048
+    # GPT-3 175B: ~6 * 175e9 = 1.05 TFLOP per token, plus attention.
+    assert 1.0e12 < m.flops_per_token < 1.2e12

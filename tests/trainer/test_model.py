@@ -1,0 +1,54 @@
+"""The plain model and the pipeline split (single process)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.trainer.helpers import TINY
+from trainer.model import GPT, cross_entropy_loss
+from trainer.pipeline import local_stage_ids, split_model, stage_layer_ranges
+
+
+def test_param_count_matches_config() -> None:
+    assert sum(p.numel() for p in GPT(TINY).parameters()) == TINY.num_params
+
+
+def test_forward_and_loss() -> None:
+    model = GPT(TINY)
+    model.init_weights(torch.Generator().manual_seed(0))
+    x = torch.randint(TINY.vocab_size, (2, TINY.seq_len))
+    logits = model(x)
+    assert logits.shape == (2, TINY.seq_len, TINY.vocab_size)
+    # Untrained, near-uniform: loss close to ln(V).
+    assert abs(cross_entropy_loss(logits, x).item() - torch.log(torch.tensor(256.0)).item()) < 0.1
+
+
+def test_init_is_deterministic_and_layout_free() -> None:
+    a, b = GPT(TINY), GPT(TINY)
+    a.init_weights(torch.Generator().manual_seed(3))
+    b.init_weights(torch.Generator().manual_seed(3))
+    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), na
+
+
+def test_stage_ranges_cover_every_layer_once() -> None:
+    for layers, stages in [(4, 2), (5, 2), (7, 4), (96, 8), (4, 4)]:
+        ranges = stage_layer_ranges(layers, stages)
+        assert [i for r in ranges for i in r] == list(range(layers))
+        assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+
+
+def test_looped_stage_placement() -> None:
+    assert local_stage_ids(1, 4, 2) == [1, 5]
+
+
+def test_stages_compose_to_the_whole_model() -> None:
+    model = GPT(TINY)
+    model.init_weights(torch.Generator().manual_seed(0))
+    x = torch.randint(TINY.vocab_size, (2, TINY.seq_len))
+    h = x
+    for s in range(4):
+        stage = split_model(model, s, 4)
+        assert (stage.embed is None) == (s != 0) and (stage.head is None) == (s != 3)
+        h = stage(h)
+    torch.testing.assert_close(h, model(x))

@@ -1,0 +1,129 @@
+"""Loss parity: every layout trains the same model on the same global batch, so its losses and
+gradient norm must match one process holding everything. This is what proves the parallelism is
+real: a rank that skipped its share of a reduction, a wrong shard or a lost micro-batch moves
+these numbers far beyond fp32 rounding.
+
+Multi-rank layouts run for real: `python -m trainer.benchmark` under torchrun, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.trainer.helpers import GLOBAL_BATCH, assert_valid_result, tiny_config
+from trainer.benchmark import run
+from trainer.config import BenchmarkResult, ParallelConfig
+from trainer.launch import run_local
+
+REL_TOL = 1e-4
+P = ParallelConfig
+
+# (id, layout): global batch 8 everywhere.
+LAYOUTS = [
+    ("tp2", P(tp=2, micro_batch_size=8)),
+    ("tp2-sp", P(tp=2, sequence_parallel=True, micro_batch_size=8)),
+    ("pp2-gpipe", P(pp=2, pp_schedule="gpipe", micro_batch_size=2, num_microbatches=4)),
+    ("pp2-1f1b", P(pp=2, pp_schedule="1f1b", micro_batch_size=2, num_microbatches=4)),
+    (
+        "pp2-interleaved-v2",
+        P(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, micro_batch_size=2, num_microbatches=4),
+    ),
+    ("dp2-replicate", P(dp_replicate=2, micro_batch_size=4)),
+    ("dp2-replicate-accum2", P(dp_replicate=2, micro_batch_size=2, num_microbatches=2)),
+    ("dp2-shard-zero2", P(dp_shard=2, zero_stage=2, micro_batch_size=4)),
+    ("dp2-shard-zero3", P(dp_shard=2, zero_stage=3, micro_batch_size=4)),
+    ("tp2-pp2", P(tp=2, pp=2, micro_batch_size=2, num_microbatches=4)),
+    ("tp2-dp2", P(tp=2, dp_shard=2, zero_stage=2, micro_batch_size=4)),
+    ("pp2-dp2", P(pp=2, dp_replicate=2, micro_batch_size=1, num_microbatches=4)),
+    ("hsdp-2x2", P(dp_replicate=2, dp_shard=2, zero_stage=3, micro_batch_size=2)),
+    ("tp2-pp2-dp2", P(tp=2, pp=2, dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=2)),
+    (
+        "tp2-pp2-dp2-sp-full",
+        P(
+            tp=2,
+            pp=2,
+            dp_shard=2,
+            zero_stage=3,
+            sequence_parallel=True,
+            activation_checkpoint="full",
+            micro_batch_size=2,
+            num_microbatches=2,
+        ),
+    ),
+    ("ac-full", P(activation_checkpoint="full", micro_batch_size=8)),
+    ("ac-selective", P(activation_checkpoint="selective", micro_batch_size=8)),
+    ("accum4-vs-big-batch", P(micro_batch_size=2, num_microbatches=4)),
+]
+
+
+_LAYOUTS = dict(LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory):
+    """Run a named layout once per module; later tests reuse the result."""
+    cache: dict[str, BenchmarkResult] = {}
+
+    def get(name: str) -> BenchmarkResult:
+        if name not in cache:
+            cfg = tiny_config(_LAYOUTS[name])
+            work = tmp_path_factory.mktemp(name)
+            if cfg.parallel.world_size == 1:  # same code path, no launcher needed
+                cache[name] = run(cfg, work / "result.json")
+            else:
+                cache[name] = run_local(cfg, work, timeout_s=300)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference() -> BenchmarkResult:
+    """One process, the whole global batch in one micro-batch."""
+    result = run(tiny_config(P(micro_batch_size=GLOBAL_BATCH)))
+    assert result.status == "ok", result.error
+    return result
+
+
+def test_reference_trains(reference: BenchmarkResult) -> None:
+    assert reference.losses[0] > reference.losses[1] > reference.losses[2]
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "layout"), LAYOUTS, ids=[n for n, _ in LAYOUTS])
+def test_loss_parity(name: str, layout: ParallelConfig, reference: BenchmarkResult, measured) -> None:
+    assert layout.global_batch_size == GLOBAL_BATCH
+    cfg = tiny_config(layout)
+    result = measured(name)
+    assert_valid_result(result, cfg)
+    for step, (got, want) in enumerate(zip(result.losses, reference.losses), start=1):
+        assert _relative(got, want) < REL_TOL, f"{name}: loss at step {step} is {got}, reference {want}"
+    assert _relative(result.grad_norms[0], reference.grad_norms[0]) < REL_TOL, (
+        f"{name}: step-1 gradient norm {result.grad_norms[0]}, reference {reference.grad_norms[0]}"
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("smaller", "larger"),
+    [
+        ("dp2-shard-zero3", "dp2-replicate"),  # parameters, gradients and Adam state sharded
+        ("pp2-1f1b", "pp2-gpipe"),  # 1F1B holds at most pp micro-batches of activations
+        ("ac-full", "ac-selective"),  # full recompute keeps only block inputs
+    ],
+)
+def test_peak_memory_follows_the_layout(smaller: str, larger: str, measured) -> None:
+    """The CPU memory measurement sees what each technique saves."""
+    assert measured(smaller).peak_memory_bytes < measured(larger).peak_memory_bytes
+
+
+def test_cpu_peak_memory_is_repeatable_and_covers_training_state(tmp_path) -> None:
+    cfg = tiny_config(P(micro_batch_size=GLOBAL_BATCH))
+    a, b = run(cfg), run(cfg)
+    assert a.peak_memory_bytes == b.peak_memory_bytes
+    # fp32 params + grads + two AdamW moments = 16 bytes per parameter, plus activations.
+    assert a.peak_memory_bytes > 16 * cfg.model.num_params

@@ -1,0 +1,401 @@
+"""One tuner trial: build the GPT on a mesh, run W warm-up and M measured steps, write a result.
+
+    torchrun --nproc-per-node 4 -m trainer.benchmark --config cfg.json --out result.json
+
+Also runs under `srun` (ranks from Slurm's environment) and as a plain single process. Synthetic
+token batches, so no dataset is downloaded; the sequences are learnable, so the loss falls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from trainer.config import BenchmarkConfig, BenchmarkResult
+from trainer.failures import FailureBoard, InvalidLayout, MemoryCapExceeded
+from trainer.metrics import LiveBytesTracker, cpu_peak_tflops, gpu_peak_tflops, grad_norm_
+from trainer.model import GPT, cross_entropy_loss, init_param_
+from trainer.parallel_dims import ParallelDims
+from trainer.parallelize import data_parallel_modules, parallelize_gpt
+from trainer.pipeline import build_schedule, local_stage_ids, split_model
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun, or from Slurm under srun."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ:
+        env = os.environ
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
+    return 0, 0, 1
+
+
+def synthetic_batch(cfg: BenchmarkConfig, step: int, rows: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `rows` of step `step`'s global batch: arithmetic sequences mod V with a random start
+    and stride per row, the same for every layout (so losses are comparable) and learnable."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    n, vocab, seq = cfg.parallel.global_batch_size, cfg.model.vocab_size, cfg.model.seq_len
+    start = torch.randint(vocab, (n, 1), generator=gen)[rows.start : rows.stop]
+    stride = torch.randint(1, 8, (n, 1), generator=gen)[rows.start : rows.stop]
+    tokens = (start + stride * torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class Trainer:
+    """The model (or this rank's pipeline stages), optimizer and step function of one layout."""
+
+    def __init__(self, cfg: BenchmarkConfig, rank: int, world_size: int, device: torch.device):
+        self.cfg, self.device, p = cfg, device, cfg.parallel
+        self.dims = ParallelDims.from_config(p, world_size)
+        self.mesh = self.dims.build_mesh(device.type)
+        self.groups = [self.mesh.get_group(a) for a in self.dims.enabled_axes] if self.mesh else []
+        set_timeouts(self.groups, cfg.init_timeout_s)
+        self.low_precision = _dtype(cfg, device) == torch.bfloat16
+        param_dtype = torch.bfloat16 if self.low_precision else torch.float32
+        self.dp_rank = self._dp_rank()
+        self.local_rows = p.micro_batch_size * p.num_microbatches
+        init = cfg.init if cfg.init != "auto" else ("exact" if device.type == "cpu" else "fast")
+
+        # Build whole on CPU from the seed (exact) or on meta (fast), then cut stages out of it.
+        with torch.device("meta") if init == "fast" else contextlib.nullcontext():
+            full = GPT(cfg.model)
+        if init == "exact":
+            full.init_weights(torch.Generator().manual_seed(cfg.seed))
+        if p.pp > 1:
+            pp_rank = self.mesh.get_local_rank("pp")
+            stage_ids = local_stage_ids(pp_rank, p.pp, p.virtual_stages)
+            parts = [(s, split_model(full, s, p.num_stages)) for s in stage_ids]
+        else:
+            parts = [(0, full)]
+        del full
+        for _, module in parts:
+            if init == "exact":
+                module.to(device)
+            parallelize_gpt(module, self.mesh, self.dims, p, param_dtype=param_dtype, compile=cfg.compile)
+            if init == "fast":
+                module.to_empty(device=device)
+                gen = torch.Generator(device=device).manual_seed(cfg.seed + rank)
+                for name, param in module.named_parameters():
+                    local = param.to_local() if isinstance(param, DTensor) else param
+                    init_param_(name, local, cfg.model, gen)
+            module.train()
+        self.modules = [m for _, m in parts]
+        self.params = [q for m in self.modules for q in m.parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        self.pp_group = self.mesh.get_group("pp") if p.pp > 1 else None
+        if p.pp > 1:
+            self.has_first = 0 in stage_ids
+            self.has_last = p.num_stages - 1 in stage_ids
+            self.schedule = build_schedule(
+                parts, p.num_stages, self.mesh["pp"], device, p.pp_schedule, p.num_microbatches,
+                cross_entropy_loss,
+            )  # fmt: skip
+
+    def _dp_rank(self) -> int:
+        if not self.dims.dp_axes:
+            return 0
+        r = self.mesh.get_local_rank("dp_replicate") if self.dims.dp_replicate > 1 else 0
+        s = self.mesh.get_local_rank("dp_shard") if self.dims.dp_shard > 1 else 0
+        return r * self.dims.dp_shard + s
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.dp_rank * self.local_rows
+        x, y = synthetic_batch(self.cfg, step, range(start, start + self.local_rows))
+        return x.to(self.device), y.to(self.device)
+
+    def _context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.dims.tp > 1:  # logits stay vocab-sharded; cross-entropy reduces across tp
+            stack.enter_context(loss_parallel())
+        if self.low_precision and not self.dims.dp_axes:  # with FSDP2/replicate: mp_policy
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        return stack
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over num_microbatches micro-batches; returns (loss, grad norm).
+        The loss is this rank's mean over its micro-batches (0 on non-last pipeline stages)."""
+        p = self.cfg.parallel
+        with self._context():
+            if p.pp > 1:
+                losses: list[torch.Tensor] = []
+                kwargs = {"target": y, "losses": losses} if self.has_last else {}
+                self.schedule.step(*([x] if self.has_first else []), **kwargs)
+                loss = torch.stack([_full(v) for v in losses]).mean() if self.has_last else None
+            else:
+                loss = self._accumulate(x, y)
+        if loss is None:
+            loss = torch.zeros((), device=self.device)
+        norm = grad_norm_(self.params, self.cfg.grad_clip, self.pp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach().float(), norm
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        (model,) = self.modules
+        n = self.cfg.parallel.num_microbatches
+        # Replicated DP: all-reduce once, after the last micro-batch (DDP's no_sync). Sharded DP
+        # reduce-scatters every micro-batch so that gradients stay sharded.
+        replicated_only = self.dims.dp_replicate > 1 and self.dims.dp_shard == 1
+        total = torch.zeros((), device=self.device)
+        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
+            if replicated_only:
+                for m in data_parallel_modules(model):
+                    m.set_requires_gradient_sync(i == n - 1, recurse=False)
+            loss = cross_entropy_loss(model(xm), ym)
+            (loss / n).backward()
+            total = total + _full(loss.detach())
+        return total / n
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _dtype(cfg: BenchmarkConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+
+def set_timeouts(groups: list[dist.ProcessGroup], seconds: float) -> None:
+    if dist.is_initialized():
+        for g in [None, *groups]:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), g)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    """Rank 0 measures/looks up the peak, everyone uses its value."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    value = 0.0
+    if rank == 0:
+        if device.type == "cuda":
+            value = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
+        else:
+            value = cpu_peak_tflops(dtype)
+    return _all_reduce([value], dist.ReduceOp.MAX, device)[0]
+
+
+def train(
+    cfg: BenchmarkConfig, rank: int, world_size: int, device: torch.device, base: dict
+) -> BenchmarkResult:
+    """The measured run; collective on every rank. Raises on failure."""
+    torch.manual_seed(cfg.seed)
+    dtype = _dtype(cfg, device)
+    peak = peak_tflops(device, dtype)
+    trainer = Trainer(cfg, rank, world_size, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    num_steps = cfg.warmup_steps + cfg.measure_steps
+    track_step = cfg.warmup_steps - 1  # CPU peak: last warm-up step, optimizer state already live
+    losses, norms, times, cpu_peak = [], [], [], 0
+    for step in range(num_steps):
+        inject_fault(rank, step)
+        x, y = trainer.batch(step)
+        if step == cfg.warmup_steps and dist.is_initialized():
+            dist.barrier()
+        tracker = LiveBytesTracker() if device.type == "cpu" and step == track_step else None
+        if tracker is not None:
+            tracker.track_all([*trainer.params, *_optimizer_tensors(trainer.optimizer), x, y])
+        _sync(device)
+        t0 = time.perf_counter()
+        with tracker or contextlib.nullcontext():
+            loss, norm = trainer.step(x, y)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        norms.append(norm)
+        if tracker is not None:
+            cpu_peak = tracker.peak_bytes
+        if step == 0:  # past lazy init: a wedged collective should now fail fast
+            set_timeouts(trainer.groups, cfg.step_timeout_s)
+        if cfg.max_memory_bytes is not None and (device.type == "cuda" or tracker is not None):
+            used = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else cpu_peak
+            worst = _all_reduce([used], dist.ReduceOp.MAX, device)[0]
+            if worst > cfg.max_memory_bytes:
+                raise MemoryCapExceeded(
+                    f"peak memory {worst / 2**20:.1f} MiB over the cap max_memory_bytes "
+                    f"{cfg.max_memory_bytes / 2**20:.1f} MiB (step {step + 1})"
+                )
+
+    measured = _all_reduce(times[cfg.warmup_steps :], dist.ReduceOp.MAX, device)
+    p = cfg.parallel
+    # Loss: mean over the global batch. Only last-stage ranks hold one; tp ranks hold copies.
+    loss_sum = torch.stack(losses).to(torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    loss_values = (loss_sum / (p.tp * p.dp)).tolist()
+    peak_bytes = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else cpu_peak
+    per_rank = [0] * world_size
+    per_rank[rank] = peak_bytes
+    per_rank = [int(v) for v in _all_reduce(per_rank, dist.ReduceOp.SUM, device)]
+
+    tokens_per_s = cfg.tokens_per_step * len(measured) / sum(measured)
+    tflops = cfg.model.flops_per_token * tokens_per_s / world_size / 1e12
+    return BenchmarkResult(
+        status="ok",
+        step_times_s=measured,
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_per_device=tokens_per_s / world_size,
+        model_tflops_per_device=tflops,
+        mfu=tflops / peak if peak else 0.0,
+        peak_tflops_per_device=peak,
+        peak_memory_bytes=max(per_rank),
+        peak_memory_bytes_per_rank=per_rank,
+        memory_source=(
+            "torch.cuda.max_memory_allocated"
+            if device.type == "cuda"
+            else f"live tensor storages (TorchDispatchMode), warm-up step {track_step + 1}"
+        ),
+        losses=loss_values,
+        grad_norms=[float(n) for n in norms],
+        dtype=str(dtype).removeprefix("torch."),
+        **base,
+    )
+
+
+def inject_fault(rank: int, step: int) -> None:
+    """Test hook: TRAINER_FAULT="<raise|hang|exit|oom>:<rank>:<step>" makes that rank fail that
+    way at the start of that (0-based) step, to exercise the failure paths for real."""
+    spec = os.environ.get("TRAINER_FAULT")
+    if not spec:
+        return
+    kind, fault_rank, fault_step = spec.split(":")
+    if int(fault_rank) != rank or int(fault_step) != step:
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if kind == "oom":
+        raise torch.OutOfMemoryError(f"injected: CUDA out of memory on rank {rank} at step {step}")
+    if kind == "exit":  # a crash that leaves no Python traceback (segfault, kill -9)
+        os._exit(1)
+    if kind == "hang":
+        time.sleep(3600)
+    raise ValueError(f"TRAINER_FAULT kind {kind!r} is not one of raise/hang/exit/oom")
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _device(cfg: BenchmarkConfig, local_rank: int) -> torch.device:
+    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidLayout("device 'cuda' requested but torch.cuda.is_available() is False")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def run(cfg: BenchmarkConfig, out: Path | None = None) -> BenchmarkResult:
+    """Run one trial in this process (one rank of it). Rank 0 writes `out`. Never raises for a
+    failed trial: the failure is the result."""
+    started = time.perf_counter()
+    rank, local_rank, world_size = dist_env()
+    base = {
+        "world_size": world_size,
+        "parallel": cfg.parallel.to_dict(),
+        "model": cfg.model.to_dict(),
+        "torch_version": torch.__version__,
+        "num_params": cfg.model.num_params,
+        "flops_per_token": cfg.model.flops_per_token,
+        "tokens_per_step": cfg.tokens_per_step,
+    }
+    board = FailureBoard(out, rank, world_size, base)
+    problems = cfg.parallel.problems(cfg.model)
+    if cfg.parallel.world_size != world_size:
+        problems.append(f"the layout needs {cfg.parallel.world_size} ranks, launched with {world_size}")
+    try:
+        if problems:  # every rank sees the same problems: no collective needed
+            raise InvalidLayout("; ".join(problems))
+        device = _device(cfg, local_rank)
+        base["device"] = device.type
+        base["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_label()
+        if world_size > 1 and not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.init_timeout_s))
+        board.watch()
+        result = train(cfg, rank, world_size, device, base)
+    except Exception as exc:  # the trial failed; the tuner gets a classified result
+        own = board.post(exc)
+        if rank != 0:
+            return BenchmarkResult(status=own["status"], error=own["error"], failed_rank=rank, **base)
+        result = board.finish(own)
+        return _with_wall(result, started, board)
+    return _with_wall(result, started, board)
+
+
+def _with_wall(result: BenchmarkResult, started: float, board: FailureBoard) -> BenchmarkResult:
+    import dataclasses
+
+    result = dataclasses.replace(result, wall_time_s=time.perf_counter() - started)
+    board.write(result)
+    return result
+
+
+def _cpu_label() -> str:
+    from trainer.metrics import cpu_name
+
+    return f"{cpu_name()} ({torch.get_num_threads()} threads)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, type=Path, help="BenchmarkConfig JSON file")
+    parser.add_argument(
+        "--out", required=True, type=Path, help="where rank 0 writes the BenchmarkResult JSON"
+    )
+    args = parser.parse_args(argv)
+    try:
+        cfg = BenchmarkConfig.from_json(args.config.read_text())
+    except (OSError, ValueError) as e:
+        print(f"trainer.benchmark: bad config {args.config}: {e}", file=sys.stderr)
+        result = BenchmarkResult(status="invalid", error=f"bad config: {e}")
+        if dist_env()[0] == 0:
+            args.out.write_text(result.to_json())
+        return 2
+    result = run(cfg, args.out)
+    rank = dist_env()[0]
+    if rank == 0:
+        summary = f"{result.status}: {result.tokens_per_s:.0f} tokens/s, mfu {result.mfu:.1%}"
+        print(
+            summary if result.ok else f"{result.status}: {result.error.strip().splitlines()[-1:]}", flush=True
+        )
+    if result.ok and dist.is_initialized():
+        dist.destroy_process_group()
+        return 0
+    # A failed trial: peers may be wedged in collectives, so skip teardown entirely.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""The contract between the tuner and the trainer: what to run and what came out.
+
+Torch-free on purpose: the tuner imports this on login nodes and in the API image, where torch is
+not installed. Everything here is a frozen dataclass with a JSON round-trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ActivationCheckpoint = Literal["none", "selective", "full"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Status = Literal["ok", "oom", "invalid", "error"]
+
+ACTIVATION_CHECKPOINTS = ("none", "selective", "full")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# zero_stage -> FSDP2 mode (docs/parallelism.md): 0 no sharding, 2 fully_shard without resharding
+# after forward (params, grads, optimizer state sharded between steps; params whole during
+# forward+backward), 3 fully_shard resharding after forward. Stage 1 is not offered: FSDP2 cannot
+# shard optimizer state alone, and stage 2 moves the same bytes (reduce-scatter + all-gather =
+# all-reduce) while holding less.
+ZERO_STAGES = (0, 2, 3)
+
+
+def _from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Build a flat dataclass from a dict, naming unknown or missing fields in the error."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; valid fields: {sorted(names)}")
+    try:
+        return cls(**data)
+    except TypeError as e:  # missing required field
+        raise ValueError(f"{cls.__name__}: {e}") from None
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-2/3 style decoder: learned positions, pre-LN blocks, GELU MLP, untied head, no biases
+    in the linear layers (PaLM; it also keeps row-parallel layers free of a replicated bias)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 128 (nanoGPT)
+    seq_len: int = 2048
+    ffn_hidden_size: int | None = None  # None -> 4 * hidden_size
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"GPTConfig: hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_heads ({self.num_heads})"
+            )
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            raise ValueError(f"GPTConfig.ffn_hidden_size must be >= 1, got {self.ffn_hidden_size}")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_layer_params(self) -> int:
+        h = self.hidden_size
+        attn = 4 * h * h  # q, k, v, out
+        mlp = 2 * h * self.ffn_size
+        norms = 2 * 2 * h  # two LayerNorms, weight + bias
+        return attn + mlp + norms
+
+    @property
+    def num_embedding_params(self) -> int:
+        return (self.vocab_size + self.seq_len) * self.hidden_size
+
+    @property
+    def num_nonembed_params(self) -> int:
+        # The untied head is a real matmul per token, so it counts (as in torchtitan).
+        head = self.vocab_size * self.hidden_size
+        return self.num_layers * self.num_layer_params + 2 * self.hidden_size + head
+
+    @property
+    def num_params(self) -> int:
+        return self.num_nonembed_params + self.num_embedding_params
+
+    @property
+    def flops_per_token(self) -> int:
+        """Model FLOPs per trained token (PaLM, appendix B): 6*N_nonembed + 12*L*h*s.
+
+        Recompute from activation checkpointing is not counted: this is model FLOPs, not hardware.
+        """
+        return 6 * self.num_nonembed_params + 12 * self.num_layers * self.hidden_size * self.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
+        return _from_dict(cls, data)
+
+
+# Shapes from the papers they name. "tiny" is the CPU test model; "1b" is GPT-3 XL's shape
+# (1.3B with tied embeddings, 1.42B with our untied head).
+# 22B / 175B / 1T are the Frontier study's shapes (Dash et al. 2023, table 1).
+MODEL_PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(num_layers=4, hidden_size=64, num_heads=4, vocab_size=256, seq_len=32),
+    "small": GPTConfig(num_layers=4, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=128),
+    "gpt2-124m": GPTConfig(num_layers=12, hidden_size=768, num_heads=12, seq_len=1024),
+    "gpt2-350m": GPTConfig(num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024),
+    "1b": GPTConfig(num_layers=24, hidden_size=2048, num_heads=16, seq_len=2048),
+    "gpt3-2.7b": GPTConfig(num_layers=32, hidden_size=2560, num_heads=32, seq_len=2048),
+    "22b": GPTConfig(num_layers=48, hidden_size=6144, num_heads=48, seq_len=2048),
+    "175b": GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048),
+    "1t": GPTConfig(num_layers=128, hidden_size=25600, num_heads=160, seq_len=2048),
+}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One layout. world_size = tp * pp * dp_replicate * dp_shard;
+    global_batch = micro_batch_size * num_microbatches * dp_replicate * dp_shard."""
+
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    micro_batch_size: int = 1
+    num_microbatches: int = 1  # gradient accumulation steps; with pp > 1, micro-batches per flush
+    zero_stage: int = 0
+    activation_checkpoint: ActivationCheckpoint = "none"
+    sequence_parallel: bool = False
+    pp_schedule: PipelineSchedule = "1f1b"
+    virtual_stages: int = 1  # pipeline stages per pp rank (interleaved 1F1B)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * self.dp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def problems(self, model: GPTConfig) -> list[str]:
+        """Every reason this layout cannot run `model`; empty when it can."""
+        out: list[str] = []
+        for name in ("tp", "pp", "dp_replicate", "dp_shard", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_microbatches < 1:
+            out.append(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.virtual_stages < 1:
+            out.append(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+        if out:
+            return out
+        out += self._tp_problems(model) + self._pp_problems(model) + self._dp_problems()
+        if self.activation_checkpoint not in ACTIVATION_CHECKPOINTS:
+            out.append(
+                f"activation_checkpoint {self.activation_checkpoint!r} is not one of "
+                f"{list(ACTIVATION_CHECKPOINTS)}"
+            )
+        return out
+
+    def _tp_problems(self, model: GPTConfig) -> list[str]:
+        out = []
+        if model.num_heads % self.tp:
+            out.append(f"tp ({self.tp}) must divide num_heads ({model.num_heads})")
+        if model.ffn_size % self.tp:
+            out.append(f"tp ({self.tp}) must divide ffn_hidden_size ({model.ffn_size})")
+        if model.vocab_size % self.tp:
+            out.append(
+                f"tp ({self.tp}) must divide vocab_size ({model.vocab_size}): the embedding and "
+                "head are vocab-parallel; pad the vocabulary"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            out.append("sequence_parallel needs tp > 1")
+        if self.sequence_parallel and model.seq_len % self.tp:
+            out.append(f"sequence_parallel: tp ({self.tp}) must divide seq_len ({model.seq_len})")
+        return out
+
+    def _pp_problems(self, model: GPTConfig) -> list[str]:
+        out = []
+        if self.pp_schedule not in PIPELINE_SCHEDULES:
+            out.append(f"pp_schedule {self.pp_schedule!r} is not one of {list(PIPELINE_SCHEDULES)}")
+            return out
+        if model.num_layers < self.num_stages:
+            out.append(
+                f"num_layers ({model.num_layers}) < pp ({self.pp}) * virtual_stages "
+                f"({self.virtual_stages}): every pipeline stage needs a layer"
+            )
+        interleaved = self.pp_schedule == "interleaved_1f1b"
+        if self.virtual_stages > 1 and not (interleaved and self.pp > 1):
+            out.append("virtual_stages > 1 needs pp > 1 and pp_schedule 'interleaved_1f1b'")
+        if self.pp == 1:
+            return out
+        if interleaved and self.virtual_stages < 2:
+            out.append("pp_schedule 'interleaved_1f1b' needs virtual_stages >= 2")
+        if self.pp_schedule == "1f1b" and self.num_microbatches < self.pp:
+            out.append(f"1F1B needs num_microbatches ({self.num_microbatches}) >= pp ({self.pp})")
+        if interleaved:
+            rounds = max(1, self.num_microbatches // self.pp)
+            if self.num_microbatches % rounds:
+                out.append(
+                    f"interleaved 1F1B needs num_microbatches ({self.num_microbatches}) to be a "
+                    f"multiple of num_microbatches // pp ({rounds})"
+                )
+        return out
+
+    def _dp_problems(self) -> list[str]:
+        if self.zero_stage not in ZERO_STAGES:
+            return [
+                f"zero_stage {self.zero_stage} is not one of {list(ZERO_STAGES)} (1 is not "
+                "offered: FSDP2 cannot shard optimizer state alone; 2 moves the same bytes)"
+            ]
+        if self.dp_shard > 1 and self.zero_stage == 0:
+            return [f"dp_shard ({self.dp_shard}) > 1 needs zero_stage 2 or 3"]
+        if self.dp_shard == 1 and self.zero_stage != 0:
+            return [f"zero_stage {self.zero_stage} needs dp_shard > 1 (got dp_shard 1)"]
+        return []
+
+    def describe(self) -> str:
+        """A short human label, e.g. 'tp2 pp2(1f1b) dp2(z3) mbs2 x4 ac=full sp'."""
+        parts = [f"tp{self.tp}"]
+        if self.pp > 1:
+            sched = self.pp_schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+            parts.append(f"pp{self.pp}({sched})")
+        else:
+            parts.append("pp1")
+        if self.dp_replicate > 1:
+            parts.append(f"dpr{self.dp_replicate}")
+        if self.dp_shard > 1:
+            parts.append(f"dps{self.dp_shard}(z{self.zero_stage})")
+        parts.append(f"mbs{self.micro_batch_size}x{self.num_microbatches}")
+        if self.activation_checkpoint != "none":
+            parts.append(f"ac={self.activation_checkpoint}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """One trial: a model, a layout, and how to measure it."""
+
+    model: GPTConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    warmup_steps: int = 2
+    measure_steps: int = 5
+    seed: int = 0
+    lr: float = 3e-4
+    grad_clip: float = 1.0  # 0 disables clipping; the norm is computed (and reported) anyway
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 mixed precision on GPU, fp32 on CPU
+    # "exact" builds the full model on CPU from the seed then shards it, so every layout starts
+    # from the same weights (loss parity); "fast" inits each shard on the device (large models).
+    init: Literal["auto", "exact", "fast"] = "auto"
+    compile: bool = False
+    max_memory_bytes: int | None = None  # peak over this -> status "oom" (emulates a smaller device)
+    init_timeout_s: float = 600.0  # process-group timeout until step 1 finished
+    step_timeout_s: float = 120.0  # process-group timeout afterwards: a wedged collective fails fast
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
+        if self.measure_steps < 1:
+            raise ValueError(f"measure_steps must be >= 1, got {self.measure_steps}")
+        choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "fp32", "bf16"),
+                   "init": ("auto", "exact", "fast")}  # fmt: skip
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of {list(valid)}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.parallel.global_batch_size * self.model.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchmarkConfig:
+        data = dict(data)
+        if "model" not in data:
+            raise ValueError("BenchmarkConfig: missing field 'model'")
+        model = data.pop("model")
+        data["model"] = (
+            MODEL_PRESETS[model] if isinstance(model, str) and model in MODEL_PRESETS
+            else GPTConfig.from_dict(model)
+        )  # fmt: skip
+        data["parallel"] = ParallelConfig.from_dict(data.get("parallel", {}))
+        return _from_dict(cls, data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchmarkConfig:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True)
+class BenchmarkResult:
+    """What one trial measured. Throughput fields are 0 unless status == 'ok'."""
+
+    status: Status
+    error: str = ""  # reason (invalid) or exception tail (error, oom)
+    failed_rank: int | None = None
+    step_times_s: list[float] = field(default_factory=list)  # measured steps, max over ranks
+    tokens_per_s: float = 0.0  # global
+    tokens_per_s_per_device: float = 0.0
+    model_tflops_per_device: float = 0.0
+    mfu: float = 0.0  # model_tflops_per_device / peak_tflops_per_device
+    peak_tflops_per_device: float = 0.0
+    peak_memory_bytes: int = 0  # max over ranks
+    peak_memory_bytes_per_rank: list[int] = field(default_factory=list)
+    memory_source: str = ""  # how peak memory was measured
+    losses: list[float] = field(default_factory=list)  # every step, warm-up included
+    grad_norms: list[float] = field(default_factory=list)  # before clipping
+    world_size: int = 0
+    parallel: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    device: str = ""
+    device_name: str = ""
+    dtype: str = ""
+    torch_version: str = ""
+    num_params: int = 0
+    flops_per_token: int = 0
+    tokens_per_step: int = 0
+    wall_time_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchmarkResult:
+        return _from_dict(cls, data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchmarkResult:
+        return cls.from_dict(json.loads(text))

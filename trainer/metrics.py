@@ -1,0 +1,172 @@
+"""Metrics defined once: device peak FLOP/s, peak memory, gradient norm."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import weakref
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# Dense peak TFLOP/s per device from the vendors' data sheets: (bf16/fp16 tensor, fp32).
+# First substring match of torch.cuda.get_device_name() wins, so more specific names come first.
+GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
+    ("B200", 2250.0, 80.0),
+    ("H200", 989.4, 66.9),
+    ("H100 PCIe", 756.0, 51.2),
+    ("H100", 989.4, 66.9),  # SXM
+    ("A100", 312.0, 19.5),
+    ("L40S", 362.0, 91.6),
+    ("L4", 121.0, 30.3),
+    ("A10G", 70.0, 31.2),  # AWS A10G data sheet: 70 TFLOP/s tensor, dense
+    ("V100", 125.0, 15.7),  # fp16 tensor cores (no bf16)
+    ("T4", 65.0, 8.1),  # fp16 tensor cores (no bf16)
+    ("MI300X", 1307.4, 163.4),
+    ("MI250X", 191.5, 47.9),  # per GCD, as torch sees it
+]
+
+
+def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float:
+    """0.0 for a GPU not in the table (MFU is then reported as 0)."""
+    for key, low_precision, fp32 in GPU_PEAK_TFLOPS:
+        if key in device_name:
+            return fp32 if dtype == torch.float32 else low_precision
+    return 0.0
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-tuner"
+    return Path(os.environ.get("TUNER_CACHE_DIR", default))
+
+
+def measure_cpu_peak_tflops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5) -> float:
+    """Best sustained n x n matmul rate with this process's thread count: a CPU has no data-sheet
+    peak we can trust across machines, so we measure the one it actually reaches."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e12
+
+
+def cpu_peak_tflops(dtype: torch.dtype = torch.float32) -> float:
+    """Measured once per (CPU model, thread count, dtype) and cached on disk."""
+    key = f"{cpu_name()}|threads={torch.get_num_threads()}|{dtype}"
+    path = _cache_dir() / "cpu_peak_tflops.json"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = measure_cpu_peak_tflops(dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home still gets a (re-measured) peak
+    return float(cache[key])
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Peak bytes of live tensor storages on CPU, where no allocator statistics exist and process
+    RSS is mostly torch itself. Every op's outputs are registered by storage; a storage counts
+    until it is freed, at its current size (FSDP2 frees all-gather buffers by resizing storages
+    to 0, so sizes are re-read rather than remembered). Deterministic for a deterministic step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: dict[int, weakref.ref] = {}
+        self.peak_bytes = 0
+
+    def track(self, t: torch.Tensor) -> None:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = id(st)  # torch keeps one Python object per live storage
+        if key not in self._storages:
+            self._storages[key] = weakref.ref(st, lambda _, k=key: self._storages.pop(k, None))
+
+    def track_all(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        self._update()
+
+    def live_bytes(self) -> int:
+        total = 0
+        for ref in list(self._storages.values()):
+            st = ref()
+            if st is not None:
+                total += st.nbytes()
+        return total
+
+    def _update(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        self._update()
+        return out
+
+
+def grad_norm_(
+    params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Global L2 norm of the gradients over every parallel axis, then clip to max_norm (0: don't).
+
+    DTensor gradients are grouped by (mesh, placements), so each group's norm is reduced over
+    exactly the axes it is sharded on; pipeline stages hold disjoint parameters, so their squared
+    norms add up over the pp group (torchtitan's clip_grad_norm_)."""
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    device = next(iter(params)).device if params else torch.device("cpu")
+    if isinstance(params[0], DTensor):
+        device = params[0].to_local().device
+    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq = total_sq + norm.float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in groups.values():
+            local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+            torch._foreach_mul_(local, coef.to(local[0].dtype))
+    return total
