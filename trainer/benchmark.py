@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import time
 from datetime import timedelta
@@ -38,8 +39,24 @@ def dist_env() -> tuple[int, int, int]:
         env = os.environ
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        # env:// rendezvous at the step's first node, on a port derived from the job and step ids
+        # so that concurrent steps of one allocation do not collide.
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "localhost")
+        env.setdefault("MASTER_ADDR", first_host(nodes))
+        step_id = env.get("SLURM_STEP_ID", "0")  # may be "batch" or "extern"
+        step = int(step_id) if step_id.isdigit() else 0
+        env.setdefault("MASTER_PORT", str(20000 + (int(env.get("SLURM_JOB_ID", "0")) * 97 + step) % 20000))
         return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
     return 0, 0, 1
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm node list: 'nid[00012-00015,00020],login1' -> 'nid00012'."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse Slurm node list {nodelist!r}")
+    prefix, ranges = m.groups()
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
 
 
 def synthetic_batch(cfg: BenchmarkConfig, step: int, rows: range) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,13 +229,15 @@ def train(
 
     num_steps = cfg.warmup_steps + cfg.measure_steps
     track_step = cfg.warmup_steps - 1  # CPU peak: last warm-up step, optimizer state already live
+    cpu_tracking = device.type == "cpu" and not cfg.compile
     losses, norms, times, cpu_peak = [], [], [], 0
     for step in range(num_steps):
         inject_fault(rank, step)
         x, y = trainer.batch(step)
         if step == cfg.warmup_steps and dist.is_initialized():
             dist.barrier()
-        tracker = LiveBytesTracker() if device.type == "cpu" and step == track_step else None
+        # torch.compile refuses a Python dispatch mode: a compiled CPU run reports no peak.
+        tracker = LiveBytesTracker() if cpu_tracking and step == track_step else None
         if tracker is not None:
             tracker.track_all([*trainer.params, *_optimizer_tensors(trainer.optimizer), x, y])
         _sync(device)
@@ -270,6 +289,8 @@ def train(
             "torch.cuda.max_memory_allocated"
             if device.type == "cuda"
             else f"live tensor storages (TorchDispatchMode), warm-up step {track_step + 1}"
+            if cpu_tracking
+            else "not measured: torch.compile on CPU does not run under a dispatch mode"
         ),
         losses=loss_values,
         grad_norms=[float(n) for n in norms],
@@ -307,8 +328,10 @@ def _device(cfg: BenchmarkConfig, local_rank: int) -> torch.device:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise InvalidLayout("device 'cuda' requested but torch.cuda.is_available() is False")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        # Slurm's --gpus-per-task shows each task only its own GPU.
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

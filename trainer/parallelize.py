@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -124,6 +123,10 @@ def apply_fsdp(
 def apply_replicate(model: GPT, dp_mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy) -> None:
     """Plain data parallelism: whole replicas, gradients all-reduced per block as backward
     reaches it. FSDP2's replicate, because the DDP wrapper does not take DTensor (TP) modules."""
+    # Imported here: older torch releases (e.g. 2.11 on some GPU images) lack this module, and
+    # layouts without replicated DP should still run there.
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
     for block in model.layers.values():
         replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
     replicate(model, mesh=dp_mesh, mp_policy=mp_policy)

@@ -119,3 +119,37 @@ def test_world_size_mismatch_is_invalid(tmp_path: Path) -> None:
     result = BenchmarkResult.from_json((tmp_path / "result.json").read_text())
     assert result.status == "invalid"
     assert "needs 2 ranks, launched with 1" in result.error
+
+
+def test_runs_from_slurm_environment_without_torchrun(tmp_path: Path) -> None:
+    """Under `srun` each task is a plain process with SLURM_* set; ranks and the rendezvous
+    address come from there. Two such processes, started the way srun starts them."""
+    cfg = tiny_config(TP2)
+    (tmp_path / "config.json").write_text(cfg.to_json())
+    out = tmp_path / "result.json"
+    procs, job_id = [], str(4242 + time.time_ns() % 1000)  # one job: one rendezvous port
+    for rank in range(2):
+        env = local_env({
+            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
+            "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NODELIST": "localhost",
+        })  # fmt: skip
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer.benchmark",
+            "--config",
+            str(tmp_path / "config.json"),
+            "--out",
+            str(out),
+        ]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    assert_valid_result(BenchmarkResult.from_json(out.read_text()), cfg)
