@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -24,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import BenchmarkConfig, BenchmarkResult
 from trainer.failures import FailureBoard, InvalidLayout, MemoryCapExceeded
-from trainer.metrics import LiveBytesTracker, cpu_peak_tflops, gpu_peak_tflops, grad_norm_
+from trainer.metrics import LiveBytesTracker, cpu_name, cpu_peak_tflops, gpu_peak_tflops, grad_norm_
 from trainer.model import GPT, cross_entropy_loss, init_param_
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import data_parallel_modules, parallelize_gpt
@@ -73,7 +74,7 @@ def synthetic_batch(cfg: BenchmarkConfig, step: int, rows: range) -> tuple[torch
 class Trainer:
     """The model (or this rank's pipeline stages), optimizer and step function of one layout."""
 
-    def __init__(self, cfg: BenchmarkConfig, rank: int, world_size: int, device: torch.device):
+    def __init__(self, cfg: BenchmarkConfig, world_size: int, device: torch.device):
         self.cfg, self.device, p = cfg, device, cfg.parallel
         self.dims = ParallelDims.from_config(p, world_size)
         self.mesh = self.dims.build_mesh(device.type)
@@ -103,7 +104,8 @@ class Trainer:
             parallelize_gpt(module, self.mesh, self.dims, p, param_dtype=param_dtype, compile=cfg.compile)
             if init == "fast":
                 module.to_empty(device=device)
-                gen = torch.Generator(device=device).manual_seed(cfg.seed + rank)
+                # One seed on every rank: replicated parameters must be equal on all replicas.
+                gen = torch.Generator(device=device).manual_seed(cfg.seed)
                 for name, param in module.named_parameters():
                     local = param.to_local() if isinstance(param, DTensor) else param
                     init_param_(name, local, cfg.model, gen)
@@ -223,7 +225,7 @@ def train(
     torch.manual_seed(cfg.seed)
     dtype = _dtype(cfg, device)
     peak = peak_tflops(device, dtype)
-    trainer = Trainer(cfg, rank, world_size, device)
+    trainer = Trainer(cfg, world_size, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -374,16 +376,12 @@ def run(cfg: BenchmarkConfig, out: Path | None = None) -> BenchmarkResult:
 
 
 def _with_wall(result: BenchmarkResult, started: float, board: FailureBoard) -> BenchmarkResult:
-    import dataclasses
-
     result = dataclasses.replace(result, wall_time_s=time.perf_counter() - started)
     board.write(result)
     return result
 
 
 def _cpu_label() -> str:
-    from trainer.metrics import cpu_name
-
     return f"{cpu_name()} ({torch.get_num_threads()} threads)"
 
 
@@ -402,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer.benchmark: bad config {args.config}: {e}", file=sys.stderr)
         result = BenchmarkResult(status="invalid", error=f"bad config: {e}")
         if dist_env()[0] == 0:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(result.to_json())
         return 2
     result = run(cfg, args.out)

@@ -152,15 +152,13 @@ def grad_norm_(
         if p.grad is not None:
             g = p.grad
             groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
-    device = next(iter(params)).device if params else torch.device("cpu")
-    if isinstance(params[0], DTensor):
-        device = params[0].to_local().device
-    total_sq = torch.zeros((), device=device, dtype=torch.float32)
+    squares = []
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        total_sq = total_sq + norm.float() ** 2
+        squares.append(norm.float() ** 2)
+    total_sq = torch.stack(squares).sum()
     if pp_group is not None:
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
