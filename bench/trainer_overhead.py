@@ -92,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS))
+    parser.add_argument("--model", default="gpt-small", choices=sorted(MODEL_PRESETS))
     parser.add_argument("--mbs", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)

@@ -110,19 +110,19 @@ class GPTConfig:
         return _from_dict(cls, data)
 
 
-# Shapes from the papers they name. "tiny" is the CPU test model; "1b" is GPT-3 XL's shape
+# Shapes from the papers they name. "gpt-tiny" is the CPU test model; "gpt-1.3b" is GPT-3 XL's shape
 # (1.3B with tied embeddings, 1.42B with our untied head).
 # 22B / 175B / 1T are the Frontier study's shapes (Dash et al. 2023, table 1).
 MODEL_PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(num_layers=4, hidden_size=64, num_heads=4, vocab_size=256, seq_len=32),
-    "small": GPTConfig(num_layers=4, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=128),
-    "gpt2-124m": GPTConfig(num_layers=12, hidden_size=768, num_heads=12, seq_len=1024),
-    "gpt2-350m": GPTConfig(num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024),
-    "1b": GPTConfig(num_layers=24, hidden_size=2048, num_heads=16, seq_len=2048),
-    "gpt3-2.7b": GPTConfig(num_layers=32, hidden_size=2560, num_heads=32, seq_len=2048),
-    "22b": GPTConfig(num_layers=48, hidden_size=6144, num_heads=48, seq_len=2048),
-    "175b": GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048),
-    "1t": GPTConfig(num_layers=128, hidden_size=25600, num_heads=160, seq_len=2048),
+    "gpt-tiny": GPTConfig(num_layers=4, hidden_size=64, num_heads=4, vocab_size=256, seq_len=32),
+    "gpt-small": GPTConfig(num_layers=4, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=128),
+    "gpt-125m": GPTConfig(num_layers=12, hidden_size=768, num_heads=12, seq_len=1024),
+    "gpt-350m": GPTConfig(num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024),
+    "gpt-1.3b": GPTConfig(num_layers=24, hidden_size=2048, num_heads=16, seq_len=2048),
+    "gpt-2.7b": GPTConfig(num_layers=32, hidden_size=2560, num_heads=32, seq_len=2048),
+    "gpt-22b": GPTConfig(num_layers=48, hidden_size=6144, num_heads=48, seq_len=2048),
+    "gpt-175b": GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048),
+    "gpt-1t": GPTConfig(num_layers=128, hidden_size=25600, num_heads=160, seq_len=2048),
 }
 
 

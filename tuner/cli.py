@@ -46,7 +46,7 @@ def demo(
     work_dir: Annotated[Path, typer.Option(help="where each trial writes config, log and result")] = Path(
         "runs/demo"
     ),
-    model: Annotated[str, typer.Option(help=f"model preset, one of {sorted(MODEL_PRESETS)}")] = "tiny",
+    model: Annotated[str, typer.Option(help=f"model preset, one of {sorted(MODEL_PRESETS)}")] = "gpt-tiny",
     steps: Annotated[int, typer.Option(min=1, help="measured steps per trial")] = 3,
     timeout_s: Annotated[float, typer.Option(help="per-trial wall-clock limit")] = 300.0,
 ) -> None:

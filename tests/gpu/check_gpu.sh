@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared GPU check (not part of CI): the trainer on one NVIDIA GPU, bf16, the "1b" preset
+# Prepared GPU check (not part of CI): the trainer on one NVIDIA GPU, bf16, the "gpt-1.3b" preset
 # (GPT-3 XL shape, 1.42B parameters with the untied head), seq 2048, tp1 pp1 dp1.
 #   bash tests/gpu/check_gpu.sh            # from the repo root, with a python that has CUDA torch
 # Prints one line per run: tokens/s, TFLOP/s per GPU, MFU (target >= 45 %), peak memory.
@@ -7,8 +7,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
-# Overridable for a smoke test of this script on CPU: DEVICE=cpu DTYPE=fp32 MODEL=tiny
-DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bf16} MODEL=${MODEL:-1b}
+# Overridable for a smoke test of this script on CPU: DEVICE=cpu DTYPE=fp32 MODEL=gpt-tiny
+DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bf16} MODEL=${MODEL:-gpt-1.3b}
 OUT_DIR=${OUT:-$(mktemp -d)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ "$DEVICE" = cuda ]; then

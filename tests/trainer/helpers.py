@@ -6,7 +6,7 @@ import math
 
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, ParallelConfig
 
-TINY = MODEL_PRESETS["tiny"]  # 4 layers, d=64, 4 heads, seq 32, vocab 256
+TINY = MODEL_PRESETS["gpt-tiny"]  # 4 layers, d=64, 4 heads, seq 32, vocab 256
 GLOBAL_BATCH = 8
 
 

@@ -97,7 +97,7 @@ def test_launcher_timeout_kills_the_process_group(tmp_path: Path) -> None:
 
 def test_bad_config_file_exits_cleanly_with_invalid_result(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model": "tiny", "parallel": {"tp": 2, "tensor_parallel": 2}}))
+    config.write_text(json.dumps({"model": "gpt-tiny", "parallel": {"tp": 2, "tensor_parallel": 2}}))
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, "-m", "trainer.benchmark", "--config", str(config), "--out", str(out)],

@@ -10,7 +10,7 @@ import pytest
 
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, GPTConfig, ParallelConfig
 
-TINY = MODEL_PRESETS["tiny"]
+TINY = MODEL_PRESETS["gpt-tiny"]
 
 
 def test_config_module_does_not_import_torch() -> None:
@@ -20,7 +20,7 @@ def test_config_module_does_not_import_torch() -> None:
 
 def test_benchmark_config_json_round_trip() -> None:
     cfg = BenchmarkConfig(
-        model=MODEL_PRESETS["1b"],
+        model=MODEL_PRESETS["gpt-1.3b"],
         parallel=ParallelConfig(
             tp=2,
             pp=4,
@@ -39,7 +39,7 @@ def test_benchmark_config_json_round_trip() -> None:
 
 
 def test_model_preset_by_name() -> None:
-    assert BenchmarkConfig.from_dict({"model": "tiny"}).model == TINY
+    assert BenchmarkConfig.from_dict({"model": "gpt-tiny"}).model == TINY
 
 
 def test_result_json_round_trip() -> None:
@@ -52,11 +52,11 @@ def test_result_json_round_trip() -> None:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"model": "tiny", "parallel": {"tpp": 2}}, "ParallelConfig: unknown field(s) ['tpp']"),
+        ({"model": "gpt-tiny", "parallel": {"tpp": 2}}, "ParallelConfig: unknown field(s) ['tpp']"),
         ({"parallel": {}}, "missing field 'model'"),
         ({"model": {"num_layers": 2, "hidden_size": 64}}, "num_heads"),
-        ({"model": "tiny", "warmup_steps": 0}, "warmup_steps must be >= 1"),
-        ({"model": "tiny", "dtype": "fp16"}, "dtype 'fp16' is not one of"),
+        ({"model": "gpt-tiny", "warmup_steps": 0}, "warmup_steps must be >= 1"),
+        ({"model": "gpt-tiny", "dtype": "fp16"}, "dtype 'fp16' is not one of"),
         ({"model": {"num_layers": 2, "hidden_size": 65, "num_heads": 4}}, "divisible by num_heads"),
     ],
 )
@@ -114,13 +114,15 @@ def test_vocab_must_split_over_tp() -> None:
     assert any("pad the vocabulary" in p for p in ParallelConfig(tp=2).problems(model))
 
 
-@pytest.mark.parametrize(("preset", "billions"), [("1b", 1.42), ("22b", 22), ("175b", 175), ("1t", 1000)])
+@pytest.mark.parametrize(
+    ("preset", "billions"), [("gpt-1.3b", 1.42), ("gpt-22b", 22), ("gpt-175b", 175), ("gpt-1t", 1000)]
+)
 def test_presets_have_their_size(preset: str, billions: float) -> None:
     assert abs(MODEL_PRESETS[preset].num_params / 1e9 - billions) / billions < 0.05
 
 
 def test_flops_per_token_is_palm_formula() -> None:
-    m = MODEL_PRESETS["175b"]
+    m = MODEL_PRESETS["gpt-175b"]
     n = m.num_nonembed_params
     assert m.flops_per_token == 6 * n + 12 * 96 * 12288 * 2048
     # GPT-3 175B: ~6 * 175e9 = 1.05 TFLOP per token, plus attention.

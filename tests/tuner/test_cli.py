@@ -25,7 +25,7 @@ def test_version() -> None:
 def test_unknown_model_preset_is_a_clear_error() -> None:
     proc = tuner("demo", "--model", "gpt5")
     assert proc.returncode == 2
-    assert "unknown preset 'gpt5'" in proc.stderr and "tiny" in proc.stderr
+    assert "unknown preset 'gpt5'" in proc.stderr and "gpt-tiny" in proc.stderr
 
 
 def test_cli_does_not_import_torch() -> None:
