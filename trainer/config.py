@@ -161,79 +161,116 @@ class ParallelConfig:
 
     def problems(self, model: GPTConfig) -> list[str]:
         """Every reason this layout cannot run `model`; empty when it can."""
-        out: list[str] = []
-        for name in ("tp", "pp", "dp_replicate", "dp_shard", "micro_batch_size"):
+        return [message for _, message in self.violations(model)]
+
+    def violations(self, model: GPTConfig) -> list[tuple[str, str]]:
+        """(rule, message) for every rule this layout breaks. The rule is a stable short text
+        (for counting rejections); the message carries the numbers."""
+        out: list[tuple[str, str]] = []
+        for name in (
+            "tp",
+            "pp",
+            "dp_replicate",
+            "dp_shard",
+            "micro_batch_size",
+            "num_microbatches",
+            "virtual_stages",
+        ):
             if getattr(self, name) < 1:
-                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_microbatches < 1:
-            out.append(f"num_microbatches must be >= 1, got {self.num_microbatches}")
-        if self.virtual_stages < 1:
-            out.append(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+                out.append((f"{name} must be >= 1", f"{name} must be >= 1, got {getattr(self, name)}"))
         if out:
             return out
-        out += self._tp_problems(model) + self._pp_problems(model) + self._dp_problems()
+        out += self._tp_violations(model) + self._pp_violations(model) + self._dp_violations()
         if self.activation_checkpoint not in ACTIVATION_CHECKPOINTS:
-            out.append(
-                f"activation_checkpoint {self.activation_checkpoint!r} is not one of "
-                f"{list(ACTIVATION_CHECKPOINTS)}"
-            )
+            out.append((
+                "unknown activation_checkpoint",
+                f"activation_checkpoint {self.activation_checkpoint!r} is not one of {list(ACTIVATION_CHECKPOINTS)}",
+            ))  # fmt: skip
         return out
 
-    def _tp_problems(self, model: GPTConfig) -> list[str]:
+    def _tp_violations(self, model: GPTConfig) -> list[tuple[str, str]]:
         out = []
         if model.num_heads % self.tp:
-            out.append(f"tp ({self.tp}) must divide num_heads ({model.num_heads})")
-        if model.ffn_size % self.tp:
-            out.append(f"tp ({self.tp}) must divide ffn_hidden_size ({model.ffn_size})")
-        if model.vocab_size % self.tp:
             out.append(
-                f"tp ({self.tp}) must divide vocab_size ({model.vocab_size}): the embedding and "
-                "head are vocab-parallel; pad the vocabulary"
+                ("tp must divide num_heads", f"tp ({self.tp}) must divide num_heads ({model.num_heads})")
             )
+        if model.ffn_size % self.tp:
+            out.append((
+                "tp must divide ffn_hidden_size", f"tp ({self.tp}) must divide ffn_hidden_size ({model.ffn_size})"
+            ))  # fmt: skip
+        if model.vocab_size % self.tp:
+            out.append((
+                "tp must divide vocab_size",
+                f"tp ({self.tp}) must divide vocab_size ({model.vocab_size}): the embedding and head are "
+                "vocab-parallel; pad the vocabulary",
+            ))  # fmt: skip
         if self.sequence_parallel and self.tp == 1:
-            out.append("sequence_parallel needs tp > 1")
+            out.append(("sequence_parallel needs tp > 1", "sequence_parallel needs tp > 1"))
         if self.sequence_parallel and model.seq_len % self.tp:
-            out.append(f"sequence_parallel: tp ({self.tp}) must divide seq_len ({model.seq_len})")
+            out.append((
+                "sequence_parallel needs tp to divide seq_len",
+                f"sequence_parallel: tp ({self.tp}) must divide seq_len ({model.seq_len})",
+            ))  # fmt: skip
         return out
 
-    def _pp_problems(self, model: GPTConfig) -> list[str]:
+    def _pp_violations(self, model: GPTConfig) -> list[tuple[str, str]]:
         out = []
         if self.pp_schedule not in PIPELINE_SCHEDULES:
-            out.append(f"pp_schedule {self.pp_schedule!r} is not one of {list(PIPELINE_SCHEDULES)}")
-            return out
+            msg = f"pp_schedule {self.pp_schedule!r} is not one of {list(PIPELINE_SCHEDULES)}"
+            return [("unknown pp_schedule", msg)]
         if model.num_layers < self.num_stages:
-            out.append(
-                f"num_layers ({model.num_layers}) < pp ({self.pp}) * virtual_stages "
-                f"({self.virtual_stages}): every pipeline stage needs a layer"
-            )
+            out.append((
+                "every pipeline stage needs a layer",
+                f"num_layers ({model.num_layers}) < pp ({self.pp}) * virtual_stages ({self.virtual_stages}): "
+                "every pipeline stage needs a layer",
+            ))  # fmt: skip
         interleaved = self.pp_schedule == "interleaved_1f1b"
         if self.virtual_stages > 1 and not (interleaved and self.pp > 1):
-            out.append("virtual_stages > 1 needs pp > 1 and pp_schedule 'interleaved_1f1b'")
+            out.append((
+                "virtual_stages > 1 needs interleaved_1f1b with pp > 1",
+                "virtual_stages > 1 needs pp > 1 and pp_schedule 'interleaved_1f1b'",
+            ))  # fmt: skip
         if self.pp == 1:
             return out
         if interleaved and self.virtual_stages < 2:
-            out.append("pp_schedule 'interleaved_1f1b' needs virtual_stages >= 2")
+            out.append((
+                "interleaved_1f1b needs virtual_stages >= 2",
+                "pp_schedule 'interleaved_1f1b' needs virtual_stages >= 2",
+            ))  # fmt: skip
         if self.pp_schedule == "1f1b" and self.num_microbatches < self.pp:
-            out.append(f"1F1B needs num_microbatches ({self.num_microbatches}) >= pp ({self.pp})")
+            out.append((
+                "1F1B needs num_microbatches >= pp",
+                f"1F1B needs num_microbatches ({self.num_microbatches}) >= pp ({self.pp})",
+            ))  # fmt: skip
         if interleaved:
             rounds = max(1, self.num_microbatches // self.pp)
             if self.num_microbatches % rounds:
-                out.append(
-                    f"interleaved 1F1B needs num_microbatches ({self.num_microbatches}) to be a "
-                    f"multiple of num_microbatches // pp ({rounds})"
-                )
+                out.append((
+                    "interleaved 1F1B needs num_microbatches to be a multiple of num_microbatches // pp",
+                    f"interleaved 1F1B needs num_microbatches ({self.num_microbatches}) to be a multiple of "
+                    f"num_microbatches // pp ({rounds})",
+                ))  # fmt: skip
         return out
 
-    def _dp_problems(self) -> list[str]:
+    def _dp_violations(self) -> list[tuple[str, str]]:
         if self.zero_stage not in ZERO_STAGES:
-            return [
-                f"zero_stage {self.zero_stage} is not one of {list(ZERO_STAGES)} (1 is not "
-                "offered: FSDP2 cannot shard optimizer state alone; 2 moves the same bytes)"
-            ]
+            return [(
+                "zero_stage not offered by the trainer",
+                f"zero_stage {self.zero_stage} is not one of {list(ZERO_STAGES)} (1 is not offered: FSDP2 "
+                "cannot shard optimizer state alone; 2 moves the same bytes)",
+            )]  # fmt: skip
         if self.dp_shard > 1 and self.zero_stage == 0:
-            return [f"dp_shard ({self.dp_shard}) > 1 needs zero_stage 2 or 3"]
+            return [
+                (
+                    "dp_shard > 1 needs zero_stage 2 or 3",
+                    f"dp_shard ({self.dp_shard}) > 1 needs zero_stage 2 or 3",
+                )
+            ]
         if self.dp_shard == 1 and self.zero_stage != 0:
-            return [f"zero_stage {self.zero_stage} needs dp_shard > 1 (got dp_shard 1)"]
+            return [(
+                "zero_stage > 0 needs dp > 1",
+                f"zero_stage {self.zero_stage} needs dp_shard > 1 (got dp_shard 1)",
+            )]  # fmt: skip
         return []
 
     def describe(self) -> str:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, NoReturn
 
 import typer
+import yaml
 
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, ParallelConfig
 from trainer.launch import run_local
+from tuner.plan import PlanError, parse_pins
+from tuner.plan import plan as run_plan
+from tuner.spec import CLUSTER_PRESET_NAMES, SpecError, StudySpec, cluster_preset, parse_spec
 
 app = typer.Typer(
     help="parallel-tuner: find the fastest way to train a GPT on a cluster.", no_args_is_help=True
@@ -82,6 +86,127 @@ def demo(
     (work_dir / "summary.json").write_text(
         json.dumps([{"parallel": lay.to_dict(), "result": r.to_dict()} for lay, r in results], indent=1)
     )
+
+
+def _fail(message: str) -> NoReturn:
+    """Bad input: the message on stderr, exit code 2, no traceback."""
+    typer.echo(message, err=True)
+    raise typer.Exit(2)
+
+
+def _spec_from_flags(**flags: Any) -> dict[str, Any]:
+    """A study spec (as data) from `tuner plan`'s flags; a spec file's values are overridden."""
+    data: dict[str, Any] = {"name": "plan"}
+    if flags["spec"] is not None:
+        try:
+            data = yaml.safe_load(flags["spec"].read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            _fail(f"--spec {flags['spec']}: {e}")
+        if not isinstance(data, dict):
+            _fail(f"--spec {flags['spec']}: expected a mapping at the top level")
+    shape = {k: flags[k] for k in ("layers", "hidden", "heads", "vocab", "seq") if flags[k] is not None}
+    if flags["model"] is not None or shape:
+        model: dict[str, Any] = {"preset": flags["model"]} if flags["model"] else {}
+        keys = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "vocab": "vocab_size",
+                "seq": "seq_len"}  # fmt: skip
+        model |= {keys[k]: v for k, v in shape.items()}
+        data["model"] = model
+    cluster = data.get("cluster", {})
+    cluster = {"preset": cluster} if isinstance(cluster, str) else dict(cluster)
+    if flags["cluster"] is not None:
+        cluster = {"preset": flags["cluster"]}
+    overrides = {k: flags[k] for k in ("gpus_per_node", "device_memory_gb", "peak_tflops", "intra_node_gbps",
+                                       "inter_node_gbps") if flags[k] is not None}  # fmt: skip
+    cluster |= overrides
+    if flags["gpus"] is not None:
+        data["num_gpus"] = flags["gpus"]
+        per_node = cluster.get("gpus_per_node")
+        if per_node is None and cluster.get("preset"):
+            try:
+                per_node = cluster_preset(cluster["preset"])["gpus_per_node"]
+            except ValueError as e:
+                _fail(f"cluster: {e}")
+        cluster["num_nodes"] = max(1, -(-flags["gpus"] // (per_node or 1)))
+    if cluster:
+        data["cluster"] = cluster
+    training = dict(data.get("training") or {})
+    if flags["global_batch"] is not None:
+        training["global_batch_size"] = flags["global_batch"]
+    if flags["precision"] is not None:
+        training["precision"] = flags["precision"]
+    if training:
+        data["training"] = training
+    return data
+
+
+@app.command()
+def plan(
+    spec: Annotated[Path | None, typer.Option(help="study spec (YAML); flags override its values")] = None,
+    model: Annotated[str | None, typer.Option(help=f"model preset: {sorted(MODEL_PRESETS)}")] = None,
+    layers: Annotated[int | None, typer.Option(help="num_layers (with --hidden, --heads)")] = None,
+    hidden: Annotated[int | None, typer.Option(help="hidden_size")] = None,
+    heads: Annotated[int | None, typer.Option(help="num_heads")] = None,
+    vocab: Annotated[int | None, typer.Option(help="vocab_size")] = None,
+    seq: Annotated[int | None, typer.Option(help="seq_len")] = None,
+    cluster: Annotated[str | None, typer.Option(help=f"cluster preset: {list(CLUSTER_PRESET_NAMES)}")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option()] = None,
+    device_memory_gb: Annotated[float | None, typer.Option()] = None,
+    peak_tflops: Annotated[float | None, typer.Option(help="dense bf16 TFLOP/s per device")] = None,
+    intra_node_gbps: Annotated[float | None, typer.Option()] = None,
+    inter_node_gbps: Annotated[float | None, typer.Option(help="per node")] = None,
+    gpus: Annotated[int | None, typer.Option(help="devices in the study (default: the cluster)")] = None,
+    global_batch: Annotated[int | None, typer.Option(help="global batch size in sequences")] = None,
+    precision: Annotated[str | None, typer.Option(help="bf16 | fp16 | fp32")] = None,
+    config: Annotated[str | None, typer.Option("--config", help="pin knobs, e.g. tp=8,pp=8")] = None,
+    top: Annotated[int, typer.Option(min=1, help="how many layouts to list")] = 10,
+    include_unfit: Annotated[
+        bool, typer.Option(help="also list layouts predicted to run out of memory")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+) -> None:
+    """Rank every valid layout by the performance model, without running any."""
+    flags = dict(locals())
+    data = _spec_from_flags(**flags)
+    try:
+        study = parse_spec(data, str(spec) if spec else "plan")
+        result = run_plan(study, pins=parse_pins(config), top=top, include_unfit=include_unfit)
+    except (SpecError, PlanError) as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+        return
+    _print_plan(study, result)
+
+
+def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
+    m, c = study.gpt(), study.cluster
+    typer.echo(f"{study.model.preset or 'model'}: {m.num_params / 1e9:.2f}B parameters, seq {m.seq_len}, global "
+               f"batch {study.training.global_batch_size}, {study.devices} x {c.name} devices "
+               f"({c.peak_tflops:g} TFLOP/s, {c.device_memory_gb:g} GB)")  # fmt: skip
+    typer.echo(
+        f"space {result['space_size']}, valid {result['num_valid']}, predicted to fit {result['num_fit']}\n"
+    )
+    head = (f"{'tp':>3} {'pp':>3} {'dp':>5} {'mbs':>3} {'nmb':>5} {'zero':>4} {'ckpt':>9} {'sp':>3} "
+            f"{'schedule':>18} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")  # fmt: skip
+    typer.echo(head)
+    for cand in result["candidates"]:
+        k, p = cand["config"], cand["predicted"]
+        sched = (
+            k["pp_schedule"] + (f"/v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+            if k["pp"] > 1
+            else "-"
+        )
+        flag = "" if p["fits"] else "  (does not fit)"
+        typer.echo(
+            f"{k['tp']:>3} {k['pp']:>3} {k['dp']:>5} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
+            f"{k['zero_stage']:>4} {k['activation_checkpoint']:>9} {'y' if k['sequence_parallel'] else 'n':>3} "
+            f"{sched:>18} {p['memory_bytes'] / 2**30:>8.1f} {p['tflops_per_device']:>8.1f} {p['mfu']:>6.1%} "
+            f"{p['tokens_per_s']:>11.0f}{flag}"
+        )
+    if result["rejected"]:
+        typer.echo("\nrejected layouts by reason:")
+        for reason, count in result["rejected"].items():
+            typer.echo(f"{count:>7}  {reason}")
 
 
 if __name__ == "__main__":

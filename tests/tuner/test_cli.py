@@ -43,3 +43,91 @@ def test_demo_runs_every_layout(tmp_path: Path) -> None:
     # Same model, same global batch, same seed: every layout ends at the same loss.
     final = [row["result"]["losses"][-1] for row in summary]
     assert max(final) - min(final) < 1e-4 * final[0]
+
+
+ACCEPTANCE = [
+    "plan",
+    "--model",
+    "gpt-175b",
+    "--cluster",
+    "frontier-mi250x",
+    "--gpus",
+    "1024",
+    "--global-batch",
+    "640",
+]
+
+
+def test_plan_json_has_the_documented_shape_and_valid_candidates() -> None:
+    from trainer.config import MODEL_PRESETS
+    from tuner.space import SearchSpace, layout
+    from tuner.spec import SpaceSpec
+
+    proc = tuner(*ACCEPTANCE, "--json", "--top", "20")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert set(doc) == {"space_size", "num_valid", "num_fit", "rejected", "candidates"}
+    assert doc["space_size"] >= doc["num_valid"] >= doc["num_fit"] >= len(doc["candidates"]) == 20
+    assert all(isinstance(k, str) and v > 0 for k, v in doc["rejected"].items())
+    space = SearchSpace(MODEL_PRESETS["gpt-175b"], 1024, 8, 640, SpaceSpec())
+    speeds = [c["predicted"]["tokens_per_s"] for c in doc["candidates"]]
+    assert speeds == sorted(speeds, reverse=True)
+    for cand in doc["candidates"]:
+        k = dict(cand["config"])
+        assert set(cand["predicted"]) == {
+            "memory_bytes",
+            "step_time_s",
+            "tokens_per_s",
+            "tflops_per_device",
+            "mfu",
+            "fits",
+        }
+        assert cand["predicted"]["fits"] is True and cand["predicted"]["memory_bytes"] <= 64e9
+        config = layout(k.pop("tp"), k.pop("pp"), k.pop("dp"), **k)
+        assert space.explain(config) == [], (cand, space.explain(config))
+
+
+def test_plan_pins_narrow_the_candidates() -> None:
+    proc = tuner(*ACCEPTANCE, "--json", "--config", "tp=8,pp=16")
+    doc = json.loads(proc.stdout)
+    assert doc["candidates"] and all(
+        c["config"]["tp"] == 8 and c["config"]["pp"] == 16 for c in doc["candidates"]
+    )
+
+
+def test_plan_pin_outside_the_default_choices() -> None:
+    proc = tuner("plan", "--layers", "105", "--hidden", "12288", "--heads", "96", "--cluster", "a100-80gb",
+                 "--gpus", "560", "--global-batch", "70", "--config", "tp=8,pp=35", "--json", "--include-unfit")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert {c["config"]["pp"] for c in json.loads(proc.stdout)["candidates"]} == {35}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--config", "tp=5"], "space.tp: [5] do not divide the model's num_heads (96)"),
+        (["--config", "tensor=8"], "'tensor=8' is not KEY=VALUE"),
+        (["--config", "tp=8,dp=3"], "no valid layout agrees"),
+        (["--cluster", "dgx-9000"], "unknown cluster preset 'dgx-9000'"),
+        (["--model", "gpt-9t"], "unknown model preset 'gpt-9t'"),
+        (["--global-batch", "-5"], "training.global_batch_size: Input should be greater than 0"),
+        (["--gpus", "7", "--gpus-per-node", "8"], "num_gpus (7) must be a multiple of gpus_per_node (8)"),
+    ],
+)
+def test_plan_bad_input_exits_2_without_traceback(args: list[str], message: str) -> None:
+    base = dict(zip(ACCEPTANCE[1::2], ACCEPTANCE[2::2], strict=True))
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    proc = tuner("plan", *[x for kv in base.items() for x in kv])
+    assert proc.returncode == 2, proc.stdout
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plan_reads_a_spec_file_and_reports_bad_keys(tmp_path: Path) -> None:
+    studies = Path(__file__).resolve().parents[2] / "studies"
+    proc = tuner("plan", "--spec", str(studies / "frontier-22b.yaml"), "--top", "3")
+    assert proc.returncode == 0 and "rejected layouts by reason" in proc.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: gpt-22b\ncluster: a100-80gb\ntraining: {global_batch_size: 8}\nbudjet: {}\n")
+    proc = tuner("plan", "--spec", str(bad))
+    assert proc.returncode == 2 and "budjet: Extra inputs are not permitted" in proc.stderr

@@ -1,0 +1,348 @@
+"""An analytic model of one training step: memory per device and step time, for any layout.
+
+Sources, cited where used: Narayanan et al. 2021 "Efficient Large-Scale Language Model Training on
+GPU Clusters Using Megatron-LM" (SC'21, "Megatron-3D"); Korthikanti et al. 2022 "Reducing
+Activation Recomputation in Large Transformer Models" ("Korthikanti"); Rajbhandari et al. 2020
+"ZeRO" (SC'20); Chowdhery et al. 2022 "PaLM" appendix B; Thakur et al. 2005 (ring collectives).
+What is not modelled is listed in docs/perfmodel.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import GPTConfig, ParallelConfig
+from tuner.spec import ClusterSpec
+
+
+@dataclass(frozen=True)
+class ModelConstants:
+    """Efficiencies the formulas cannot know; `calibrate` fits the first four to measurements."""
+
+    compute_efficiency: float = 0.55  # fraction of peak a large GEMM-bound layer reaches
+    compute_half_size: float = 2.0**18  # b*s*h/tp at which a layer reaches half of that
+    comm_efficiency: float = 0.7  # fraction of link bandwidth a ring collective reaches
+    dp_overlap: float = 0.5  # fraction of data-parallel traffic hidden behind backward compute
+    # Costs the roofline misses. Kernel launches and the framework's Python run on the CPU ahead
+    # of the GPU, so for one micro-batch a layer's forward + backward takes at least
+    # layer_floor_s however little it computes (~100 kernels, plus Megatron/DeepSpeed hooks);
+    # large layers hide it entirely. Each collective or send also pays a fixed software and
+    # synchronisation cost beyond the link latency. Defaults: chosen on the vTrain h1024 tables
+    # only (bench/model_validation.py --only h1024), judged on the others (docs/benchmarks.md).
+    layer_floor_s: float = 2e-3
+    microbatch_overhead_s: float = 1e-2  # per micro-batch per stage: data, loss, engine bookkeeping
+    collective_overhead_s: float = 3e-5
+    workspace_bytes: float = 2.0e9  # CUDA context, allocator fragmentation, library workspaces
+    memory_margin: float = 0.05  # `fits` keeps this fraction of device memory free
+    flash_attention: bool = True  # SDPA/flash: the s x s attention scores are never stored
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# What calibrate() fits: the constants step times pin down. compute_half_size and
+# collective_overhead_s move step times too little to be recovered from them (5 % noise leaves
+# them uncertain by +-30 %), so they keep their defaults.
+FITTED = ("compute_efficiency", "comm_efficiency", "dp_overlap", "layer_floor_s", "microbatch_overhead_s")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    memory_bytes: float
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    workspace_bytes: float
+    step_time_s: float
+    compute_s: float  # incl. recompute, all micro-batches, on the slowest stage
+    tp_comm_s: float
+    pp_bubble_s: float
+    pp_p2p_s: float
+    dp_comm_s: float  # exposed part
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    fits: bool
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _ring_allreduce_s(nbytes: float, n: int, gbps: float, latency_us: float, c: ModelConstants) -> float:
+    """Ring all-reduce: 2(n-1)/n of the buffer over the slowest link, 2(n-1) hops (Thakur 2005)."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / (gbps * 1e9 * c.comm_efficiency) + 2 * (n - 1) * latency_us * 1e-6
+
+
+def _group_link(cluster: ClusterSpec, size: int, stride: int) -> tuple[float, float]:
+    """(GB/s per member, latency us) of a group of `size` ranks `stride` apart (mesh order pp,
+    dp, tp: tp ranks are neighbours). Within a node: the intra-node link. Across nodes: the
+    node's network shared by the groups that cross it at the same time, never above intra."""
+    g = cluster.gpus_per_node
+    per_node = max(1, min(size, g // stride)) if stride < g else 1
+    if size <= per_node:
+        return cluster.intra_node_gbps, cluster.intra_node_latency_us
+    share = cluster.inter_node_gbps * per_node / g
+    return min(cluster.intra_node_gbps, share), cluster.inter_node_latency_us
+
+
+def _activation_bytes_per_layer(m: GPTConfig, p: ParallelConfig, act_bytes: int, c: ModelConstants) -> float:
+    """Stored activations of one layer for one micro-batch (Korthikanti, table 2; its 16-bit
+    byte counts scaled by act_bytes / 2)."""
+    s, b, h, a, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp
+    scores = 0.0 if c.flash_attention else 5 * a * s / h  # softmax, its dropout mask, scores
+    if p.activation_checkpoint == "full":
+        per = 2 * s * b * h / (t if p.sequence_parallel else 1)  # only the layer input (sec. 4.1)
+    elif p.sequence_parallel:
+        attn = 0.0 if p.activation_checkpoint == "selective" else scores
+        per = s * b * h / t * (34 + attn)  # eq. in sec. 4.2.2
+    else:
+        attn = 0.0 if p.activation_checkpoint == "selective" else scores / t
+        per = s * b * h * (10 + 24 / t + attn)  # eq. in sec. 4.2.1
+    return per * act_bytes / 2
+
+
+def _layer_params(m: GPTConfig, tp: int) -> float:
+    return (4 * m.hidden_size**2 + 2 * m.hidden_size * m.ffn_size) / tp + 4 * m.hidden_size
+
+
+def model_state_bytes(
+    num_params: float, precision: str, zero_stage: int, dp: int
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per device. ZeRO sec. 3.1: mixed precision
+    keeps 2 + 2 + 12 bytes per parameter (fp16 weights, fp16 gradients, fp32 master + Adam m, v);
+    fp32 keeps 4 + 4 + 8. ZeRO sec. 5: stage 1 divides the optimizer state by dp, stage 2 also
+    the gradients, stage 3 also the weights."""
+    w, g, o = (2, 2, 12) if precision != "fp32" else (4, 4, 8)
+    return (
+        num_params * w / (dp if zero_stage >= 3 else 1),
+        num_params * g / (dp if zero_stage >= 2 else 1),
+        num_params * o / (dp if zero_stage >= 1 else 1),
+    )
+
+
+def memory(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants) -> dict[str, float]:
+    """Bytes on the fullest device: the first pipeline rank (embedding, most in-flight
+    micro-batches) or the last (head, logits), whichever holds more."""
+    act_bytes = 2 if precision != "fp32" else 4
+    d, t, pp, v, mb = p.dp, p.tp, p.pp, p.virtual_stages, p.num_microbatches
+    s, b, h, vocab = m.seq_len, p.micro_batch_size, m.hidden_size, m.vocab_size
+    layers = math.ceil(m.num_layers / (pp * v)) * v  # layers on the fullest rank
+    per_layer = _activation_bytes_per_layer(m, p, act_bytes, c)
+    working = 0.0  # recomputing one layer brings back its full activations for a moment
+    if p.activation_checkpoint == "full":
+        working = _activation_bytes_per_layer(
+            m, dataclasses.replace(p, activation_checkpoint="none"), act_bytes, c
+        )
+    # In-flight micro-batches (Megatron-3D sec. 2.2): GPipe keeps all of them; 1F1B at most pp on
+    # the first stage and one on the last; gradient accumulation one at a time. Interleaving
+    # multiplies the first stage's by 1 + (p-1)/(p*v) (Korthikanti sec. 4.2.3).
+    gpipe = p.pp_schedule == "gpipe"
+    interleave = 1 + (pp - 1) / (pp * v) if v > 1 else 1.0
+    first_inflight = 1 if pp == 1 else mb if gpipe else min(pp, mb) * interleave
+    last_inflight = 1 if pp == 1 or not gpipe else mb
+    logits = 4 * s * b * vocab / t  # Korthikanti sec. 4.3: output layer + cross-entropy in fp32
+    embed, head = vocab * h / t + s * h, vocab * h / t + 2 * h
+    layer_params = layers * _layer_params(m, t)
+    if pp == 1:
+        ranks = [(layer_params + embed + head, per_layer * layers + working + logits)]
+    else:
+        ranks = [
+            (layer_params + embed, per_layer * layers * first_inflight + working),
+            (layer_params + head, per_layer * layers * last_inflight + working + logits),
+        ]
+    best: dict[str, float] = {}
+    for params, activations in ranks:
+        weights, grads, optimizer = model_state_bytes(params, precision, p.zero_stage, d)
+        if p.zero_stage == 3:  # gathered working set: the layer computing and the one prefetched
+            weights += 2 * _layer_params(m, t) * (2 if precision != "fp32" else 4)
+        total = weights + grads + optimizer + activations + c.workspace_bytes
+        if total > best.get("memory_bytes", -1.0):
+            best = {"memory_bytes": total, "weights_bytes": weights, "grads_bytes": grads,
+                    "optimizer_bytes": optimizer, "activations_bytes": activations,
+                    "workspace_bytes": c.workspace_bytes}  # fmt: skip
+    return best
+
+
+def _layer_fwd_flops_per_token(m: GPTConfig) -> float:
+    """2 FLOPs per weight per token plus attention's 4*s*h (PaLM appendix B: 6N + 12Lhs over
+    forward and backward, a third of it forward)."""
+    return 2 * (4 * m.hidden_size**2 + 2 * m.hidden_size * m.ffn_size) + 4 * m.seq_len * m.hidden_size
+
+
+def estimate(
+    m: GPTConfig,
+    p: ParallelConfig,
+    cluster: ClusterSpec,
+    precision: str = "bf16",
+    constants: ModelConstants | None = None,
+) -> Estimate:
+    c = constants or ModelConstants()
+    mem = memory(m, p, precision, c)
+    s, b, h, t, pp, v, mb, d = (m.seq_len, p.micro_batch_size, m.hidden_size, p.tp, p.pp, p.virtual_stages,
+                                p.num_microbatches, p.dp)  # fmt: skip
+    tokens_mb = b * s
+    layers = math.ceil(m.num_layers / (pp * v)) * v
+
+    # Compute of one micro-batch on the slowest (last) stage: forward, backward = 2x forward
+    # (Megatron-3D sec. 5.1), plus recompute: a whole forward (full) or the attention core
+    # (selective, Korthikanti sec. 5). The head's V x h matmul sits on the last stage.
+    layer_fwd = _layer_fwd_flops_per_token(m) * tokens_mb / t
+    recompute = {"none": 0.0, "selective": 4 * s * h * tokens_mb / t, "full": layer_fwd}[
+        p.activation_checkpoint
+    ]
+    head_fwd = 2 * m.vocab_size * h * tokens_mb / t
+    flops_mb = layers * (3 * layer_fwd + recompute) + 3 * head_fwd
+    size = b * s * h / t  # a GEMM's work per weight: small micro-batches or thin shards run slower
+    efficiency = c.compute_efficiency * size / (size + c.compute_half_size)
+    compute_mb = flops_mb / (cluster.peak_tflops * 1e12 * efficiency)
+
+    act_bytes = 2 if precision != "fp32" else 4
+    # Tensor parallelism: 2 all-reduces forward and 2 backward per layer (Megatron-3D sec. 3.2,
+    # fig. 5); with sequence parallelism each becomes reduce-scatter + all-gather, same bytes
+    # (Korthikanti sec. 4.2.2); full recompute repeats the forward ones.
+    tp_gbps, tp_lat = _group_link(cluster, t, 1)
+    n_collectives = 4 + (2 if p.activation_checkpoint == "full" else 0)
+    tp_mb = 0.0
+    if t > 1:
+        per = _ring_allreduce_s(tokens_mb * h * act_bytes, t, tp_gbps, tp_lat, c) + c.collective_overhead_s
+        tp_mb = layers * n_collectives * per
+
+    stage_mb = max(compute_mb, layers * c.layer_floor_s) + tp_mb + c.microbatch_overhead_s
+    # Pipeline: the bubble is (p-1) stage-times, divided by v when interleaved (Megatron-3D sec. 2.2).
+    bubble = (pp - 1) / v * stage_mb
+    p2p = 0.0
+    if pp > 1:
+        pp_gbps, pp_lat = _group_link(cluster, pp, t * d)
+        msg = tokens_mb * h * act_bytes / (t if p.sequence_parallel else 1)  # scatter/gather: sec. 4.1
+        # forward activation + backward gradient per micro-batch per chunk, on the critical path
+        per = msg / (pp_gbps * 1e9 * c.comm_efficiency) + pp_lat * 1e-6 + c.collective_overhead_s
+        p2p = 2 * (mb * v + pp - 1) * per
+
+    # Data parallelism: gradients all-reduced once per step; ZeRO/FSDP splits it into
+    # reduce-scatter + all-gather (same bytes, ZeRO sec. 7); ZeRO-3 gathers parameters for
+    # forward and again for backward of every micro-batch (1.5x, ZeRO sec. 7.2.2).
+    dp_gbps, dp_lat = _group_link(cluster, d, t)
+    params_rank = layers * _layer_params(m, t) + m.vocab_size * h / t
+    full_ar = _ring_allreduce_s(params_rank * act_bytes, d, dp_gbps, dp_lat, c)
+    if p.zero_stage == 3:
+        dp_comm = full_ar / 2 * (2 * mb + (mb if pp == 1 else 1))
+    elif p.zero_stage == 2 and pp == 1:  # reduce-scatter every micro-batch, one all-gather
+        dp_comm = full_ar / 2 * (mb + 1)
+    else:
+        dp_comm = full_ar
+    dp_exposed = dp_comm * (1 - c.dp_overlap)
+
+    compute_total = mb * compute_mb
+    step = mb * stage_mb + bubble + p2p + dp_exposed
+    tokens_per_s = p.global_batch_size * s / step
+    tflops = m.flops_per_token * tokens_per_s / p.world_size / 1e12
+    return Estimate(
+        **mem,
+        step_time_s=step,
+        compute_s=compute_total,
+        tp_comm_s=mb * tp_mb,
+        pp_bubble_s=bubble,
+        pp_p2p_s=p2p,
+        dp_comm_s=dp_exposed,
+        tokens_per_s=tokens_per_s,
+        tflops_per_device=tflops,
+        mfu=tflops / cluster.peak_tflops,
+        fits=mem["memory_bytes"] <= cluster.device_memory_bytes * (1 - c.memory_margin),
+    )
+
+
+# --- calibration -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured step time of a layout, the input to calibrate()."""
+
+    model: GPTConfig
+    parallel: ParallelConfig
+    cluster: ClusterSpec
+    step_time_s: float
+    precision: str = "bf16"
+
+
+# Each fitted constant in an unbounded coordinate: log for scales, logit for fractions.
+_FRACTIONS = {"compute_efficiency", "comm_efficiency", "dp_overlap"}
+
+
+def _to_free(c: ModelConstants) -> list[float]:
+    return [
+        math.log(v / (1 - v)) if k in _FRACTIONS else math.log(v) for k in FITTED for v in [getattr(c, k)]
+    ]
+
+
+def _from_free(x, base: ModelConstants) -> ModelConstants:
+    values = {}
+    for k, z in zip(FITTED, x, strict=True):
+        z = max(min(float(z), 40.0), -40.0)
+        values[k] = 1 / (1 + math.exp(-z)) if k in _FRACTIONS else math.exp(z)
+    return dataclasses.replace(base, **values)
+
+
+def calibrate(
+    measurements: list[Measurement], initial: ModelConstants | None = None, prior_weight: float = 0.2
+) -> ModelConstants:
+    """Least squares on log step time over the fitted constants (FITTED), with a pull towards
+    `initial` worth `prior_weight` measurements in all: a handful of measurements cannot send the
+    constants they do not observe anywhere, and many measurements outweigh it."""
+    from scipy.optimize import least_squares
+
+    base = initial or ModelConstants()
+    if not measurements:
+        return base
+    x0 = _to_free(base)
+
+    def residuals(x):
+        c = _from_free(x, base)
+        res = [
+            math.log(estimate(r.model, r.parallel, r.cluster, r.precision, c).step_time_s / r.step_time_s)
+            for r in measurements
+        ]
+        pull = math.sqrt(prior_weight / len(measurements))
+        return res + [pull * (xi - x0i) for xi, x0i in zip(x, x0, strict=True)]
+
+    fit = least_squares(residuals, x0, method="lm" if len(measurements) >= 4 else "trf")
+    return _from_free(fit.x, base)
+
+
+# --- persistence: constants per cluster ---------------------------------------------------------
+
+
+def constants_path() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-tuner"
+    return Path(os.environ.get("TUNER_CACHE_DIR", default)) / "perfmodel_constants.json"
+
+
+def load_constants(cluster_name: str, path: Path | None = None) -> ModelConstants:
+    path = path or constants_path()
+    try:
+        stored = json.loads(path.read_text()).get(cluster_name)
+    except (OSError, ValueError):
+        stored = None
+    return ModelConstants(**stored) if stored else ModelConstants()
+
+
+def save_constants(cluster_name: str, constants: ModelConstants, path: Path | None = None) -> Path:
+    path = path or constants_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[cluster_name] = constants.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path

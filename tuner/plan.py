@@ -1,0 +1,115 @@
+"""Rank a study's layouts by the performance model, before running any (`tuner plan`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.config import ParallelConfig
+from tuner.perfmodel import Estimate, ModelConstants, estimate, load_constants
+from tuner.space import SearchSpace
+from tuner.spec import StudySpec, parse_spec
+
+# What --config may pin, and how each value is read.
+_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+PIN_KEYS = {
+    "tp": int, "pp": int, "dp": int, "micro_batch_size": int, "num_microbatches": int, "zero_stage": int,
+    "activation_checkpoint": str, "sequence_parallel": lambda v: _BOOL[v.lower()],
+    "pp_schedule": lambda v: v.replace("-", "_"), "virtual_stages": int,
+}  # fmt: skip
+PIN_ALIASES = {
+    "mbs": "micro_batch_size",
+    "zero": "zero_stage",
+    "ac": "activation_checkpoint",
+    "sp": "sequence_parallel",
+}
+# Pins that narrow the space's choices (the rest are derived and filtered afterwards).
+SPACE_PINS = {"tp", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint", "sequence_parallel",
+              "pp_schedule", "virtual_stages"}  # fmt: skip
+
+
+class PlanError(ValueError):
+    """Bad pins, or pins no valid layout agrees with; the message says why."""
+
+
+def parse_pins(text: str | None) -> dict[str, Any]:
+    """'tp=8,pp=8' -> {'tp': 8, 'pp': 8}; names the bad key or value."""
+    pins: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        key = PIN_ALIASES.get(key.strip(), key.strip())
+        if not sep or key not in PIN_KEYS:
+            raise PlanError(f"--config: {item!r} is not KEY=VALUE with KEY one of {sorted(PIN_KEYS)}")
+        try:
+            pins[key] = PIN_KEYS[key](value.strip())
+        except (ValueError, KeyError):
+            raise PlanError(f"--config: {key}={value!r} is not a valid value for {key}") from None
+    return pins
+
+
+def _pinned_spec(spec: StudySpec, pins: dict[str, Any]) -> StudySpec:
+    """The spec with each pinned knob's choices replaced by the pin (which may lie outside them)."""
+    space = spec.space.model_dump()
+    for key, value in pins.items():
+        if key in SPACE_PINS:
+            space[key] = [value]
+    if pins.get("pp_schedule") == "interleaved_1f1b" and "virtual_stages" not in pins:
+        space["virtual_stages"] = spec.space.virtual_stages
+    if "virtual_stages" in pins and pins["virtual_stages"] > 1 and "pp_schedule" not in pins:
+        space["pp_schedule"] = ["interleaved_1f1b"]
+    return parse_spec({**spec.model_dump(exclude={"space"}), "space": space}, "--config")
+
+
+def _agrees(config: ParallelConfig, pins: dict[str, Any]) -> bool:
+    return all(getattr(config, k) == v for k, v in pins.items() if k not in SPACE_PINS)
+
+
+def candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
+    return {
+        "config": {
+            "tp": config.tp, "pp": config.pp, "dp": config.dp, "micro_batch_size": config.micro_batch_size,
+            "num_microbatches": config.num_microbatches, "zero_stage": config.zero_stage,
+            "activation_checkpoint": config.activation_checkpoint, "sequence_parallel": config.sequence_parallel,
+            "pp_schedule": config.pp_schedule, "virtual_stages": config.virtual_stages,
+        },
+        "predicted": {
+            "memory_bytes": int(est.memory_bytes), "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
+            "tflops_per_device": est.tflops_per_device, "mfu": est.mfu, "fits": est.fits,
+        },
+    }  # fmt: skip
+
+
+def plan(
+    spec: StudySpec,
+    *,
+    pins: dict[str, Any] | None = None,
+    top: int = 10,
+    include_unfit: bool = False,
+    constants: ModelConstants | None = None,
+) -> dict[str, Any]:
+    """The `tuner plan --json` document: space size, rejections by reason, the top-K candidates."""
+    pins = pins or {}
+    if pins:
+        spec = _pinned_spec(spec, pins)
+    constants = constants or load_constants(spec.cluster.name)
+    enum = SearchSpace.from_spec(spec).enumerate()
+    valid = [c for c in enum.valid if _agrees(c, pins)]
+    if pins and not valid:
+        if enum.valid:  # the space had layouts, none with the derived pins (dp, num_microbatches)
+            derived = {k: v for k, v in pins.items() if k not in SPACE_PINS}
+            first = enum.valid[0]
+            reasons = f"none has {derived}; valid ones have e.g. dp={first.dp}, num_microbatches={first.num_microbatches}"
+        else:
+            reasons = "; ".join(f"{enum.examples[r]} ({n} layouts)" for r, n in enum.rejected.most_common())
+        raise PlanError(f"--config: no valid layout agrees with {pins}: {reasons}")
+    model, precision = spec.gpt(), spec.training.precision
+    scored = [(c, estimate(model, c, spec.cluster, precision, constants)) for c in valid]
+    num_fit = sum(e.fits for _, e in scored)
+    shown = scored if include_unfit else [(c, e) for c, e in scored if e.fits]
+    shown.sort(key=lambda ce: ce[1].tokens_per_s, reverse=True)
+    return {
+        "space_size": enum.space_size,
+        "num_valid": len(valid),
+        "num_fit": num_fit,
+        "rejected": dict(enum.rejected.most_common()),
+        "candidates": [candidate_dict(c, e) for c, e in shown[:top]],
+    }

@@ -1,0 +1,123 @@
+"""The search space: every layout the spec allows, split into valid ones and rejections with reasons."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from trainer.config import GPTConfig, ParallelConfig
+from tuner.spec import SpaceSpec, StudySpec
+
+RULE_GPUS = "tp * pp must divide the GPU count"
+RULE_BATCH = "global batch must be divisible by dp * micro_batch_size"
+RULE_CROSS_NODE_TP = "tp spans nodes (space.allow_cross_node_tp is false)"
+
+
+def layout(tp: int, pp: int, dp: int, **knobs) -> ParallelConfig:
+    """A ParallelConfig from the tuner's view (whole dp + zero stage): ZeRO 0 replicates, higher
+    stages shard over the whole dp degree (HSDP is not in the search space yet)."""
+    zero = knobs.get("zero_stage", 0)
+    return ParallelConfig(tp=tp, pp=pp, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, **knobs)
+
+
+@dataclass
+class Enumeration:
+    valid: list[ParallelConfig]
+    rejected: Counter = field(default_factory=Counter)  # rule -> layouts breaking it (may break several)
+    num_rejected: int = 0
+    examples: dict[str, str] = field(default_factory=dict)  # rule -> one message with its numbers
+
+    @property
+    def space_size(self) -> int:
+        return len(self.valid) + self.num_rejected
+
+
+class SearchSpace:
+    def __init__(
+        self,
+        model: GPTConfig,
+        num_gpus: int,
+        gpus_per_node: int,
+        global_batch_size: int,
+        space: SpaceSpec | None = None,
+    ):
+        self.model, self.num_gpus, self.gpus_per_node = model, num_gpus, gpus_per_node
+        self.global_batch_size = global_batch_size
+        self.space = space or SpaceSpec()
+
+    @classmethod
+    def from_spec(cls, spec: StudySpec) -> SearchSpace:
+        return cls(
+            spec.gpt(), spec.devices, spec.cluster.gpus_per_node, spec.training.global_batch_size, spec.space
+        )
+
+    def _candidates(self) -> Iterator[ParallelConfig | tuple[str, str]]:
+        """Every combination of the space's values, as a config or, where tp, pp and micro-batch
+        cannot make a layout at all, as a (rule, message) rejection. pp = 1 has no schedule to
+        choose; tp = 1 has no sequence parallelism to choose."""
+        s = self.space
+        schedules = [(sched, 1) for sched in s.pp_schedule if sched != "interleaved_1f1b"]
+        if "interleaved_1f1b" in s.pp_schedule:
+            schedules += [("interleaved_1f1b", v) for v in s.virtual_stages if v > 1]
+        for tp, pp in itertools.product(s.tp, s.pp):
+            scheds = schedules if pp > 1 else [("1f1b", 1)]
+            sps = s.sequence_parallel if tp > 1 else [False]
+            combos = list(
+                itertools.product(scheds, s.micro_batch_size, s.zero_stage, s.activation_checkpoint, sps)
+            )
+            if self.num_gpus % (tp * pp):
+                msg = f"tp ({tp}) * pp ({pp}) does not divide {self.num_gpus} GPUs"
+                yield from itertools.repeat((RULE_GPUS, msg), len(combos))
+                continue
+            dp = self.num_gpus // (tp * pp)
+            for (sched, v), mbs, zero, ac, sp in combos:
+                if self.global_batch_size % (dp * mbs):
+                    msg = f"global batch {self.global_batch_size} not divisible by dp ({dp}) * micro_batch_size ({mbs})"
+                    yield (RULE_BATCH, msg)
+                    continue
+                yield layout(
+                    tp, pp, dp, micro_batch_size=mbs, num_microbatches=self.global_batch_size // (dp * mbs),
+                    zero_stage=zero, activation_checkpoint=ac, sequence_parallel=sp, pp_schedule=sched,
+                    virtual_stages=v,
+                )  # fmt: skip
+
+    def violations(self, config: ParallelConfig) -> list[tuple[str, str]]:
+        """(rule, message) for every rule `config` breaks in this study."""
+        out = []
+        if config.world_size != self.num_gpus:
+            out.append((RULE_GPUS, f"tp*pp*dp = {config.world_size} != {self.num_gpus} GPUs in the study"))
+        if config.global_batch_size != self.global_batch_size:
+            out.append((
+                RULE_BATCH,
+                f"micro_batch_size * num_microbatches * dp = {config.global_batch_size} != global batch "
+                f"{self.global_batch_size}",
+            ))  # fmt: skip
+        if config.tp > self.gpus_per_node and not self.space.allow_cross_node_tp:
+            out.append((RULE_CROSS_NODE_TP, f"tp ({config.tp}) > gpus_per_node ({self.gpus_per_node})"))
+        if config.zero_stage == 1:  # the perf model can price it; the bundled trainer cannot run it
+            out.append((
+                "zero_stage 1 not offered by the trainer",
+                "zero_stage 1 is not offered by the bundled trainer (FSDP2 has no optimizer-only "
+                "sharding); stage 2 moves the same bytes",
+            ))  # fmt: skip
+            config = ParallelConfig(**{**config.to_dict(), "zero_stage": 2})
+        return out + config.violations(self.model)
+
+    def explain(self, config: ParallelConfig) -> list[str]:
+        """Every reason `config` is not a valid layout of this study; empty when it is."""
+        return [message for _, message in self.violations(config)]
+
+    def enumerate(self) -> Enumeration:
+        result = Enumeration(valid=[])
+        for cand in self._candidates():
+            problems = [cand] if isinstance(cand, tuple) else self.violations(cand)
+            if problems:
+                result.num_rejected += 1
+                result.rejected.update({rule for rule, _ in problems})
+                for rule, message in problems:
+                    result.examples.setdefault(rule, message)
+            else:
+                result.valid.append(cand)
+        return result

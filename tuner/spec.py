@@ -1,0 +1,275 @@
+"""Study specs: what to tune, on what, within what budget. Pydantic at the edge (YAML files in
+studies/, JSON bodies, CLI flags); the tuner works on trainer.config's frozen dataclasses inside."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from trainer.config import MODEL_PRESETS, GPTConfig
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+SAMPLERS = ("grid", "random", "tpe", "gp", "nsga2", "cbo", "model")
+
+
+def _cpu_local() -> dict[str, Any]:
+    """This machine, each core a 'device'. The peak is the trainer's measured one when it has been
+    measured here (trainer/metrics.py caches it), else a nominal 0.05 TFLOP/s per core (fp32 AVX2
+    at ~3 GHz reaches 0.05-0.1)."""
+    cores = os.cpu_count() or 1
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        mem_gb = 8.0
+    return {
+        "name": "cpu-local", "gpus_per_node": cores, "num_nodes": 1,
+        "device_memory_gb": round(mem_gb / cores, 1), "peak_tflops": 0.05,
+        # gloo over loopback: a few GB/s and tens of microseconds per message.
+        "intra_node_gbps": 2.0, "inter_node_gbps": 2.0,
+        "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0,
+    }  # fmt: skip
+
+
+# Data-sheet numbers: dense bf16 TFLOP/s per device; NVLink/Infinity Fabric per-GPU unidirectional
+# bandwidth inside a node; the node's total network injection bandwidth between nodes.
+CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
+    # DGX A100: NVLink3 600 GB/s bidirectional = 300 per direction; 8 x 200 Gb/s HDR = 200 GB/s.
+    "a100-80gb": {"gpus_per_node": 8, "device_memory_gb": 80, "peak_tflops": 312, "intra_node_gbps": 300,
+                  "inter_node_gbps": 200, "intra_node_latency_us": 5, "inter_node_latency_us": 10},
+    # DGX H100: NVLink4 900 GB/s bidirectional = 450 per direction; 8 x 400 Gb/s NDR = 400 GB/s.
+    "h100-80gb": {"gpus_per_node": 8, "device_memory_gb": 80, "peak_tflops": 989, "intra_node_gbps": 450,
+                  "inter_node_gbps": 400, "intra_node_latency_us": 4, "inter_node_latency_us": 8},
+    "h200-141gb": {"gpus_per_node": 8, "device_memory_gb": 141, "peak_tflops": 989, "intra_node_gbps": 450,
+                   "inter_node_gbps": 400, "intra_node_latency_us": 4, "inter_node_latency_us": 8},
+    # Frontier (OLCF user guide): 4 MI250X = 8 GCDs per node, 64 GB HBM2e and 191.5 TFLOP/s bf16 per
+    # GCD; Infinity Fabric 50-100 GB/s between GCDs of different MI250X (50 taken: rings cross them);
+    # 4 x 25 GB/s Slingshot-11 NICs per node.
+    "frontier-mi250x": {"gpus_per_node": 8, "device_memory_gb": 64, "peak_tflops": 191.5,
+                        "intra_node_gbps": 50, "inter_node_gbps": 100, "intra_node_latency_us": 8,
+                        "inter_node_latency_us": 15},
+    # Perlmutter GPU nodes (NERSC docs): 4 A100-40GB, NVLink3 4 links per pair (100 GB/s per
+    # direction to each peer), 4 x 25 GB/s Slingshot-11.
+    "perlmutter-a100-40gb": {"gpus_per_node": 4, "device_memory_gb": 40, "peak_tflops": 312,
+                             "intra_node_gbps": 100, "inter_node_gbps": 100, "intra_node_latency_us": 5,
+                             "inter_node_latency_us": 12},
+}  # fmt: skip
+CLUSTER_PRESET_NAMES = ("cpu-local", *CLUSTER_PRESETS)
+
+
+def cluster_preset(name: str) -> dict[str, Any]:
+    if name == "cpu-local":
+        return _cpu_local()
+    if name not in CLUSTER_PRESETS:
+        raise ValueError(f"unknown cluster preset {name!r}; valid: {list(CLUSTER_PRESET_NAMES)}")
+    return {"name": name, "num_nodes": 1, **CLUSTER_PRESETS[name]}
+
+
+def model_preset(name: str) -> dict[str, Any]:
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid: {sorted(MODEL_PRESETS)}")
+    return {"preset": name, **MODEL_PRESETS[name].to_dict()}
+
+
+def _expand_preset(value: Any, expand) -> Any:
+    """'name' -> the preset; {'preset': 'name', **overrides} -> the preset with overrides."""
+    if isinstance(value, str):
+        return expand(value)
+    if isinstance(value, dict) and value.get("preset") is not None:
+        base = expand(value["preset"])
+        return {**base, **{k: v for k, v in value.items() if k in base}} | (
+            {k: v for k, v in value.items() if k not in base and k != "preset"}
+        )
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    preset: str | None = None
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    num_heads: PositiveInt
+    vocab_size: PositiveInt = 50304
+    seq_len: PositiveInt = 2048
+    ffn_hidden_size: PositiveInt | None = None
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> ModelSpec:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
+        return self
+
+    def gpt(self, seq_len: int | None = None) -> GPTConfig:
+        fields = self.model_dump(exclude={"preset"})
+        if seq_len is not None:
+            fields["seq_len"] = seq_len
+        return GPTConfig(**fields)
+
+
+class ClusterSpec(_Strict):
+    name: str = "custom"
+    gpus_per_node: PositiveInt
+    num_nodes: PositiveInt = 1
+    device_memory_gb: PositiveFloat
+    peak_tflops: PositiveFloat = Field(description="dense bf16/fp16 TFLOP/s per device")
+    intra_node_gbps: PositiveFloat = Field(description="per-device bandwidth to peers in its node, GB/s")
+    inter_node_gbps: PositiveFloat = Field(description="per-node network bandwidth, GB/s")
+    intra_node_latency_us: NonNegativeFloat = 5.0
+    inter_node_latency_us: NonNegativeFloat = 10.0
+
+    @property
+    def total_devices(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+    @property
+    def device_memory_bytes(self) -> float:
+        return self.device_memory_gb * 1e9
+
+
+class TrainingSpec(_Strict):
+    global_batch_size: PositiveInt
+    seq_len: PositiveInt | None = None  # None: the model's
+    precision: Precision = "bf16"
+
+
+class SpaceSpec(_Strict):
+    """Allowed values of each knob; dp is what the GPUs leave, num_microbatches what the batch does."""
+
+    tp: list[PositiveInt] = [1, 2, 4, 8]
+    pp: list[PositiveInt] = [1, 2, 4, 8, 16, 32, 64]
+    micro_batch_size: list[PositiveInt] = [1, 2, 4, 8]
+    zero_stage: list[Literal[0, 1, 2, 3]] = [0, 2, 3]
+    activation_checkpoint: list[Literal["none", "selective", "full"]] = ["none", "selective", "full"]
+    sequence_parallel: list[bool] = [False, True]
+    pp_schedule: list[Schedule] = ["1f1b", "interleaved_1f1b"]
+    virtual_stages: list[PositiveInt] = [2, 4]  # for interleaved_1f1b
+    allow_cross_node_tp: bool = False  # Megatron-LM (Narayanan et al. 2021, sec. 3.2): keep TP in a node
+
+    @field_validator("pp_schedule", mode="before")
+    @classmethod
+    def _schedule_aliases(cls, v: Any) -> Any:
+        return [s.replace("-", "_") if isinstance(s, str) else s for s in v] if isinstance(v, list) else v
+
+    @field_validator("tp", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint",
+                     "sequence_parallel", "pp_schedule", "virtual_stages")  # fmt: skip
+    @classmethod
+    def _non_empty_unique(cls, v: list) -> list:
+        if not v:
+            raise ValueError("needs at least one value")
+        return sorted(set(v), key=v.index)
+
+
+class BudgetSpec(_Strict):
+    max_trials: PositiveInt = 20
+    max_wall_time_s: PositiveFloat | None = None
+    max_device_hours: PositiveFloat | None = None
+    trials_in_flight: PositiveInt = 1
+
+
+class StudySpec(_Strict):
+    name: str = Field("study", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    num_gpus: PositiveInt | None = None  # devices the study may use; None: the whole cluster
+    space: SpaceSpec = SpaceSpec()
+    budget: BudgetSpec = BudgetSpec()
+    sampler: Literal[SAMPLERS] = "model"  # type: ignore[valid-type]
+    seed: int = 0
+    backend: Literal["local", "slurm", "dry-run"] = "local"
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_preset(cls, v: Any) -> Any:
+        return _expand_preset(v, model_preset)
+
+    @field_validator("cluster", mode="before")
+    @classmethod
+    def _cluster_preset(cls, v: Any) -> Any:
+        return _expand_preset(v, cluster_preset)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StudySpec:
+        c, gpus = self.cluster, self.devices
+        if gpus > c.total_devices:
+            raise ValueError(
+                f"num_gpus ({gpus}) exceeds the cluster's {c.num_nodes} x {c.gpus_per_node} = {c.total_devices}"
+            )
+        if gpus % c.gpus_per_node and c.gpus_per_node % gpus:
+            raise ValueError(
+                f"num_gpus ({gpus}) must be a multiple of gpus_per_node ({c.gpus_per_node}) or divide it "
+                f"(whole nodes, or a part of one node)"
+            )
+        heads = self.model.num_heads
+        bad = [t for t in self.space.tp if heads % t]
+        if bad:
+            valid = [t for t in range(1, heads + 1) if heads % t == 0]
+            raise ValueError(
+                f"space.tp: {bad} do not divide the model's num_heads ({heads}); valid tp values: {valid}"
+            )
+        return self
+
+    @property
+    def devices(self) -> int:
+        return self.num_gpus or self.cluster.total_devices
+
+    @property
+    def seq_len(self) -> int:
+        return self.training.seq_len or self.model.seq_len
+
+    def gpt(self) -> GPTConfig:
+        return self.model.gpt(self.seq_len)
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line per problem: 'field.path: message (got value)'."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = re.sub(r"^(Value|Assertion) error, ", "", e["msg"])
+        got = f" (got {e['input']!r})" if e["type"] not in ("value_error", "missing") and "input" in e else ""
+        lines.append(f"{loc}: {msg}{got}" if loc else msg)  # a cross-field rule names its fields
+    return "\n".join(lines)
+
+
+class SpecError(ValueError):
+    """A study spec that does not validate; the message names every bad field."""
+
+
+def parse_spec(data: Any, origin: str = "spec") -> StudySpec:
+    try:
+        return StudySpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(f"{origin}: invalid study spec\n{format_validation_error(e)}") from None
+
+
+def load_spec(path: str | Path) -> StudySpec:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: not valid YAML: {e}") from None
+    return parse_spec(data, str(path))
