@@ -152,14 +152,15 @@ def test_calibrate_recovers_known_constants_from_noisy_measurements() -> None:
     cluster = ClusterSpec(**{**cluster_preset("a100-80gb"), "num_nodes": 8})
     space = SpaceSpec(tp=[1, 2, 4, 8, 16], pp=[1, 2, 4], micro_batch_size=[1, 2, 4, 8], zero_stage=[0, 2, 3],
                       allow_cross_node_tp=True)  # fmt: skip
-    # A small model (the launch floor binds) and a larger one (compute binds), global batch 64 so
-    # that data-parallel traffic shows: every fitted constant moves some step times.
-    models = [GPTConfig(num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024),
+    # Models where the launch floor binds (few or small layers) and one where compute binds,
+    # global batch 64 so that data-parallel traffic shows: every fitted constant moves some times.
+    models = [GPTConfig(num_layers=4, hidden_size=1024, num_heads=16, seq_len=1024),
+              GPTConfig(num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024),
               GPTConfig(num_layers=32, hidden_size=4096, num_heads=32, seq_len=2048)]  # fmt: skip
-    rng = random.Random(0)  # deterministic; seeds 0-5 all kept every constant within 9 %
+    rng = random.Random(0)  # deterministic; seeds 0-5 all kept every constant within 10 %
     measured = []
     for model in models:
-        for c in rng.sample(SearchSpace(model, 64, 8, 64, space).enumerate().valid, 75):
+        for c in rng.sample(SearchSpace(model, 64, 8, 64, space).enumerate().valid, 80):
             t = estimate(model, c, cluster, "bf16", truth).step_time_s * math.exp(rng.gauss(0, 0.05))
             measured.append(Measurement(model, c, cluster, t))
     fitted = calibrate(measured)
