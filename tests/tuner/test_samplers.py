@@ -1,0 +1,94 @@
+"""The sampler contract, run over all seven samplers."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import GPTConfig
+from tuner.outcome import FailureKind, Outcome
+from tuner.perfmodel import ModelConstants, estimate
+from tuner.samplers import SAMPLERS, make_sampler
+from tuner.space import SearchSpace
+from tuner.spec import ClusterSpec, SpaceSpec, cluster_preset
+
+MODEL = GPTConfig(num_layers=8, hidden_size=256, num_heads=8, vocab_size=1024, seq_len=128)
+CLUSTER = ClusterSpec(**{**cluster_preset("a100-80gb"), "device_memory_gb": 0.4, "num_nodes": 1})
+SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2], micro_batch_size=[1, 2, 4], zero_stage=[0, 2, 3],
+                  activation_checkpoint=["none", "full"], sequence_parallel=[False, True], pp_schedule=["1f1b"])  # fmt: skip
+CANDIDATES = SearchSpace(MODEL, 8, 8, 16, SPACE).enumerate().valid
+SMALL = [
+    c
+    for c in CANDIDATES
+    if c.zero_stage == 0 and c.activation_checkpoint == "none" and not c.sequence_parallel
+]
+# The "truth" the samplers face: the model with other constants, and a memory limit that the
+# uncalibrated model does not know about (OOM above it).
+TRUTH = ModelConstants(
+    compute_efficiency=0.3, comm_efficiency=0.4, layer_floor_s=5e-4, microbatch_overhead_s=1e-3
+)
+MEMORY_LIMIT = sorted(estimate(MODEL, c, CLUSTER, "bf16", TRUTH).memory_bytes for c in CANDIDATES)[
+    len(CANDIDATES) // 2
+]
+
+
+def run_trial(config) -> Outcome:
+    est = estimate(MODEL, config, CLUSTER, "bf16", TRUTH)
+    if est.memory_bytes > MEMORY_LIMIT:
+        return Outcome.failed(FailureKind.OOM, "out of memory")
+    return Outcome(ok=True, tokens_per_s=est.tokens_per_s, step_time_s=est.step_time_s)
+
+
+def make(name: str, candidates=CANDIDATES, seed: int = 0):
+    return make_sampler(name, candidates, seed=seed, model=MODEL, cluster=CLUSTER)
+
+
+def drive(sampler, n: int) -> list:
+    out = []
+    for _ in range(n):
+        c = sampler.ask()
+        if c is None:
+            break
+        out.append(c)
+        sampler.tell(c, run_trial(c))
+    return out
+
+
+def test_space_is_big_enough_to_mean_something() -> None:
+    assert len(CANDIDATES) > 100 and 6 <= len(SMALL) <= 20
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_valid_and_never_repeated(name: str) -> None:
+    proposed = drive(make(name), 25)
+    assert len(proposed) == 25 and len(set(proposed)) == 25
+    assert all(c in CANDIDATES for c in proposed)
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_deterministic_per_seed(name: str) -> None:
+    assert drive(make(name, seed=3), 12) == drive(make(name, seed=3), 12)
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_exhausts_a_small_space_exactly(name: str) -> None:
+    sampler = make(name, SMALL)
+    proposed = drive(sampler, len(SMALL) + 5)
+    assert sorted(map(str, proposed)) == sorted(map(str, SMALL))
+    assert sampler.ask() is None
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_replayed_oom_layouts_are_never_proposed_again(name: str) -> None:
+    """A sampler rebuilt from the database after a restart: finished trials (OOMs included) and
+    pending ones are never proposed again."""
+    first = make(name)
+    history = drive(first, 10)
+    pending = first.ask()
+    ooms = [c for c in history if not run_trial(c).ok]
+    rebuilt = make(name)
+    for c in history:
+        rebuilt.replay(c, run_trial(c))
+    rebuilt.replay(pending, None)
+    later = drive(rebuilt, 15)
+    assert not set(later) & (set(history) | {pending})
+    assert not set(later) & set(ooms)

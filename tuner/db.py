@@ -1,0 +1,157 @@
+"""The database: SQLAlchemy 2.0 typed models, the engine, and Alembic migrations.
+
+SQLite by default (one file under the working directory); PostgreSQL through the same URL for
+many workers. The schema is created and upgraded only by Alembic (tuner/migrations)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON}  # noqa: RUF012
+
+
+class Study(Base):
+    __tablename__ = "studies"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    spec: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16), index=True, default="PENDING")
+    sampler: Mapped[str] = mapped_column(String(16))
+    # Keys for "best layout per model size": the preset (or shape), its size, the cluster, devices.
+    model_key: Mapped[str] = mapped_column(String(100), index=True)
+    num_params: Mapped[int] = mapped_column(BigInteger, index=True)
+    cluster_key: Mapped[str] = mapped_column(String(100), index=True)
+    num_gpus: Mapped[int] = mapped_column(index=True)
+    error: Mapped[str | None] = mapped_column(Text)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+
+    trials: Mapped[list[Trial]] = relationship(back_populates="study", order_by="Trial.number")
+
+
+class Trial(Base):
+    __tablename__ = "trials"
+    __table_args__ = (
+        UniqueConstraint("study_id", "number"),
+        UniqueConstraint("study_id", "layout_key"),  # a layout runs at most once per study
+        Index("ix_trials_layout", "tp", "pp", "dp", "micro_batch_size"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int]
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    layout_key: Mapped[str] = mapped_column(String(200))
+    config: Mapped[dict[str, Any]]
+    tp: Mapped[int]
+    pp: Mapped[int]
+    dp: Mapped[int]
+    micro_batch_size: Mapped[int]
+    num_microbatches: Mapped[int]
+    zero_stage: Mapped[int]
+    activation_checkpoint: Mapped[str] = mapped_column(String(16))
+    sequence_parallel: Mapped[bool]
+    pp_schedule: Mapped[str] = mapped_column(String(32))
+    virtual_stages: Mapped[int]
+    predicted: Mapped[dict[str, Any] | None]
+    predicted_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    predicted_memory_bytes: Mapped[float | None] = mapped_column(Float)
+    # Measured (COMPLETE)
+    tokens_per_s: Mapped[float | None] = mapped_column(Float, index=True)
+    tflops_per_device: Mapped[float | None] = mapped_column(Float)
+    mfu: Mapped[float | None] = mapped_column(Float)
+    peak_memory_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    step_time_median_s: Mapped[float | None] = mapped_column(Float)
+    step_time_min_s: Mapped[float | None] = mapped_column(Float)
+    step_time_max_s: Mapped[float | None] = mapped_column(Float)
+    result: Mapped[dict[str, Any] | None]
+    # Failed or pruned
+    failure_kind: Mapped[str | None] = mapped_column(String(16))
+    failure_message: Mapped[str | None] = mapped_column(Text)
+    # Dispatch
+    job_id: Mapped[str | None] = mapped_column(String(200))
+    log_path: Mapped[str | None] = mapped_column(String(500))
+    attempts: Mapped[int] = mapped_column(default=0)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+
+    study: Mapped[Study] = relationship(back_populates="trials")
+
+
+class DatabaseError(RuntimeError):
+    """The database URL is malformed or the server unreachable; one clear line."""
+
+
+def make_engine(url: str) -> Engine:
+    try:
+        engine = create_engine(url, pool_pre_ping=True)
+    except (ArgumentError, ValueError) as e:
+        raise DatabaseError(f"database URL {url!r} is not valid: {e}") from None
+    except ModuleNotFoundError as e:
+        raise DatabaseError(f"database URL {url!r} needs the driver {e.name!r}") from None
+    if engine.dialect.name == "sqlite":
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(conn, _record) -> None:
+            cur = conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA journal_mode=WAL")  # readers (API, CLI) alongside the worker
+            cur.execute("PRAGMA busy_timeout=10000")
+            cur.close()
+
+    return engine
+
+
+def upgrade(engine: Engine) -> None:
+    """Create or migrate the schema to the latest revision (Alembic)."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+    except OperationalError as e:
+        raise DatabaseError(
+            f"cannot reach the database at {engine.url!r}: {str(e.orig).strip().splitlines()[0]}"
+        ) from None
+
+
+def connect(url: str) -> sessionmaker:
+    """Engine + schema at head + a session factory."""
+    engine = make_engine(url)
+    upgrade(engine)
+    return sessionmaker(engine, expire_on_commit=False)

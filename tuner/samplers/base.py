@@ -1,0 +1,93 @@
+"""The sampler seam: ask() a layout, tell() its outcome. Samplers are caches of the database:
+`replay()` rebuilds one from a study's trials after a restart."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from trainer.config import ParallelConfig
+from tuner.outcome import Outcome
+
+
+class Sampler(Protocol):
+    name: str
+
+    def ask(self) -> ParallelConfig | None:
+        """The next layout to run; None when every valid layout has been proposed."""
+
+    def tell(self, config: ParallelConfig, outcome: Outcome) -> None:
+        """What running `config` gave (an infeasible outcome is a constraint, not a score)."""
+
+    def replay(self, config: ParallelConfig, outcome: Outcome | None) -> None:
+        """A trial from the database: finished (outcome) or still pending (None)."""
+
+
+class BaseSampler:
+    """Keeps the candidates, what was proposed, and what was measured; subclasses pick."""
+
+    name = "base"
+
+    def __init__(self, candidates: Sequence[ParallelConfig], seed: int = 0):
+        self.candidates = list(candidates)
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.seen: set[ParallelConfig] = set()
+        self.history: list[tuple[ParallelConfig, Outcome]] = []
+
+    def remaining(self) -> list[ParallelConfig]:
+        return [c for c in self.candidates if c not in self.seen]
+
+    def ask(self) -> ParallelConfig | None:
+        if len(self.seen) >= len(self.candidates) and not self.remaining():
+            return None
+        config = self._propose()
+        if config is None or config in self.seen:  # a subclass that could not choose: fall back
+            left = self.remaining()
+            config = self.rng.choice(left) if left else None
+        if config is not None:
+            self.seen.add(config)
+        return config
+
+    def tell(self, config: ParallelConfig, outcome: Outcome) -> None:
+        self.seen.add(config)
+        self.history.append((config, outcome))
+        self._observe(config, outcome)
+
+    def replay(self, config: ParallelConfig, outcome: Outcome | None) -> None:
+        self.seen.add(config)
+        if outcome is not None:
+            self.tell(config, outcome)
+
+    def _propose(self) -> ParallelConfig | None:
+        raise NotImplementedError
+
+    def _observe(self, config: ParallelConfig, outcome: Outcome) -> None:
+        pass
+
+
+class GridSampler(BaseSampler):
+    """Every layout once, in the given order (the model's predicted order, or the space's)."""
+
+    name = "grid"
+
+    def __init__(
+        self,
+        candidates: Sequence[ParallelConfig],
+        seed: int = 0,
+        order: Sequence[ParallelConfig] | None = None,
+    ):
+        super().__init__(candidates, seed)
+        self.order = list(order) if order is not None else list(candidates)
+
+    def _propose(self) -> ParallelConfig | None:
+        return next((c for c in self.order if c not in self.seen), None)
+
+
+class RandomSampler(BaseSampler):
+    name = "random"
+
+    def _propose(self) -> ParallelConfig | None:
+        left = self.remaining()
+        return self.rng.choice(left) if left else None

@@ -1,0 +1,186 @@
+"""optuna (TPE, GP, NSGA-II) and deephyper (CBO) behind the Sampler seam.
+
+Both see the layout as categorical knobs (tp, pp, micro-batch, zero stage, checkpointing, sequence
+parallelism, schedule); dp and the micro-batch count follow from them. A suggestion that is not a
+valid layout, or one already run, is told back to them (invalid: as infeasible) and they are asked
+again; after MAX_RETRIES the base class takes a random unseen layout. Layouts that ran out of
+memory are constraints (optuna) or "F" failures (deephyper), never plain FAILs, so neither
+proposes them again. Warm start: both are first told the model's best-predicted layout to try
+(docs/samplers.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from trainer.config import ParallelConfig
+from tuner.outcome import Outcome
+from tuner.samplers.base import BaseSampler
+
+KNOBS = (
+    "tp",
+    "pp",
+    "micro_batch_size",
+    "zero_stage",
+    "activation_checkpoint",
+    "sequence_parallel",
+    "schedule",
+)
+MAX_RETRIES = 16
+CBO_BATCH = 8
+
+
+def _knobs(c: ParallelConfig) -> dict[str, Any]:
+    sched = "none" if c.pp == 1 else f"{c.pp_schedule}/v{c.virtual_stages}"
+    values = {k: getattr(c, k) for k in KNOBS[:-1]}
+    values["sequence_parallel"] = str(c.sequence_parallel)  # categorical strings everywhere
+    return {**values, "schedule": sched}
+
+
+def _value(outcome: Outcome) -> float:
+    return outcome.tokens_per_s if outcome.ok else 0.0
+
+
+class _Categorical(BaseSampler):
+    def __init__(
+        self, candidates: Sequence[ParallelConfig], seed: int = 0, warm_start: ParallelConfig | None = None
+    ):
+        super().__init__(candidates, seed)
+        self.index = {tuple(_knobs(c).items()): c for c in self.candidates}
+        all_knobs = [_knobs(c) for c in self.candidates]
+        self.choices = {k: sorted({str(v) if k != "tp" and k != "pp" else v for v in (d[k] for d in all_knobs)}, key=str)
+                        for k in KNOBS}  # fmt: skip
+        self.warm_start = warm_start
+
+    def _lookup(self, params: dict[str, Any]) -> ParallelConfig | None:
+        key = []
+        for k in KNOBS:
+            v = params[k]
+            if k in ("micro_batch_size", "zero_stage"):
+                v = int(v)
+            key.append((k, v))
+        return self.index.get(tuple(key))
+
+
+class OptunaSampler(_Categorical):
+    def __init__(
+        self, candidates, seed: int = 0, kind: str = "tpe", warm_start: ParallelConfig | None = None
+    ):
+        import optuna
+
+        super().__init__(candidates, seed, warm_start)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.name = kind
+        make = {
+            "tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=5),
+            "gp": lambda: optuna.samplers.GPSampler(seed=seed, n_startup_trials=5),
+            "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed, population_size=8),
+        }[kind]
+        self.study = optuna.create_study(direction="maximize", sampler=make())
+        self.pending: dict[ParallelConfig, Any] = {}
+        if warm_start is not None:
+            self.study.enqueue_trial(self._params(warm_start))
+
+    def _params(self, c: ParallelConfig) -> dict[str, Any]:
+        return {k: (v if k in ("tp", "pp") else str(v)) for k, v in _knobs(c).items()}
+
+    def _suggest(self, trial) -> dict[str, Any]:
+        return {k: trial.suggest_categorical(k, self.choices[k]) for k in KNOBS}
+
+    def _finish(self, trial, value: float, feasible: bool) -> None:
+        trial.set_constraint("feasible", 0.0 if feasible else 1.0)
+        self.study.tell(trial, value)
+
+    def _propose(self) -> ParallelConfig | None:
+        for _ in range(MAX_RETRIES):
+            trial = self.study.ask()
+            config = self._lookup(self._suggest(trial))
+            if config is None:
+                self._finish(trial, 0.0, feasible=False)  # not a valid layout
+            elif config in self.seen:
+                known = next((o for c, o in self.history if c == config), None)
+                self._finish(trial, _value(known) if known else 0.0, feasible=bool(known and known.ok))
+            else:
+                self.pending[config] = trial
+                return config
+        return None
+
+    def _observe(self, config: ParallelConfig, outcome: Outcome) -> None:
+        trial = self.pending.pop(config, None)
+        if trial is None:  # replayed from the database: enqueue its params, ask, tell
+            self.study.enqueue_trial(self._params(config))
+            trial = self.study.ask()
+            self._suggest(trial)
+        self._finish(trial, _value(outcome), feasible=outcome.ok)
+
+
+class CBOSampler(_Categorical):
+    """deephyper's centralized Bayesian optimisation (UCB: the default UCBd failed with its GP
+    surrogate here; ../shared/notes/torch-on-cpu.md)."""
+
+    name = "cbo"
+
+    def __init__(
+        self, candidates, seed: int = 0, warm_start: ParallelConfig | None = None, log_dir: str | None = None
+    ):
+        import tempfile
+        import warnings
+
+        from deephyper.hpo import CBO, HpProblem
+
+        warnings.filterwarnings("ignore", message="The objective has been evaluated at this point before")
+
+        super().__init__(candidates, seed, warm_start)
+        problem = HpProblem(seed=seed)
+        for k in KNOBS:
+            problem.add_hyperparameter([str(v) for v in self.choices[k]], k)
+        initial = [{k: str(v) for k, v in _knobs(warm_start).items()}] if warm_start is not None else None
+        self.search = CBO(problem, random_state=seed, acq_func="UCB", log_dir=log_dir or tempfile.mkdtemp(prefix="cbo-"),
+                          checkpoint_history_to_csv=False, initial_points=initial, n_initial_points=5,
+                          acq_optimizer="sampling", acq_optimizer_kwargs={"max_total_failures": -1, "n_points": 1000})  # fmt: skip
+        self.pending: dict[ParallelConfig, dict] = {}
+
+    def _lookup(self, params: dict[str, Any]) -> ParallelConfig | None:
+        typed = {k: (int(v) if k in ("tp", "pp") else v) for k, v in params.items() if k in KNOBS}
+        return super()._lookup(typed)
+
+    def _propose(self) -> ParallelConfig | None:
+        # Each ask() refits the surrogate (~0.1 s): ask for a batch, keep the first valid new
+        # layout, tell the rest back in one call.
+        for _ in range(MAX_RETRIES // CBO_BATCH):
+            chosen, told = None, []
+            for params in self.search.ask(CBO_BATCH):
+                config = self._lookup(params)
+                if (
+                    chosen is None
+                    and config is not None
+                    and config not in self.seen
+                    and config not in self.pending
+                ):
+                    chosen = config
+                    self.pending[config] = params
+                elif config is None:
+                    told.append((params, "F_invalid"))
+                elif config in self.seen:
+                    known = next((o for c, o in self.history if c == config), None)
+                    told.append((params, known.tokens_per_s if known and known.ok else "F_seen"))
+                else:  # a second valid new layout in the batch: let the surrogate propose it again
+                    told.append((params, "F_deferred"))
+            if told:
+                self.search.tell(told)
+            if chosen is not None:
+                return chosen
+        return None
+
+    def _observe(self, config: ParallelConfig, outcome: Outcome) -> None:
+        params = self.pending.pop(config, None) or {k: str(v) for k, v in _knobs(config).items()}
+        self.search.tell(
+            [
+                (
+                    params,
+                    outcome.tokens_per_s
+                    if outcome.ok
+                    else f"F_{outcome.failure.value if outcome.failure else 'fail'}",
+                )
+            ]
+        )

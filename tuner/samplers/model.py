@@ -1,0 +1,95 @@
+"""`model`: our sampler. Rank the valid space by the calibrated performance model, run the
+best-predicted layout, recalibrate from every measurement, explore where the model is unsure."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from trainer.config import GPTConfig, ParallelConfig
+from tuner.outcome import FailureKind, Outcome
+from tuner.perfmodel import Measurement, ModelConstants, calibrate, estimate
+from tuner.samplers.base import BaseSampler
+from tuner.spec import ClusterSpec
+
+PRIOR_SIGMA = 0.3  # log-space spread of an uncalibrated prediction (~35 %), until residuals say
+MAX_CALIBRATION_POINTS = 40  # the fastest layouts measured: the ones that decide the ranking
+
+
+class ModelSampler(BaseSampler):
+    """Upper confidence bound on log tokens/s: log(predicted) + beta * sigma * novelty, where sigma
+    is the spread of log(measured / predicted) after calibration and novelty is 1 for a
+    (tp, pp, dp) family not measured yet. A layout that ran out of memory puts a wall at its
+    predicted memory: layouts predicted to need as much or more are not proposed while others
+    remain."""
+
+    name = "model"
+
+    def __init__(
+        self,
+        candidates: Sequence[ParallelConfig],
+        seed: int = 0,
+        *,
+        model: GPTConfig,
+        cluster: ClusterSpec,
+        precision: str = "bf16",
+        constants: ModelConstants | None = None,
+        beta: float = 1.0,
+    ):
+        super().__init__(candidates, seed)
+        self.model, self.cluster, self.precision, self.beta = model, cluster, precision, beta
+        self.initial = self.constants = constants or ModelConstants()
+        self.measured: list[Measurement] = []
+        self.sigma = PRIOR_SIGMA
+        self.memory_wall = math.inf
+        self.families: set[tuple[int, int, int]] = set()
+        self._predict()
+
+    def _predict(self) -> None:
+        ests = [
+            estimate(self.model, c, self.cluster, self.precision, self.constants) for c in self.candidates
+        ]
+        self.log_tps = {
+            c: math.log(max(e.tokens_per_s, 1e-12)) for c, e in zip(self.candidates, ests, strict=True)
+        }
+        self.memory = {c: e.memory_bytes for c, e in zip(self.candidates, ests, strict=True)}
+
+    def _propose(self) -> ParallelConfig | None:
+        left = self.remaining()
+        below = [c for c in left if self.memory[c] < self.memory_wall]
+        pool = below or left
+        if not pool:
+            return None
+
+        def score(c: ParallelConfig) -> float:
+            novelty = 0.0 if (c.tp, c.pp, c.dp) in self.families else 1.0
+            return self.log_tps[c] + self.beta * self.sigma * novelty
+
+        return max(pool, key=score)  # ties: the earlier candidate (max keeps the first)
+
+    def _observe(self, config: ParallelConfig, outcome: Outcome) -> None:
+        if outcome.failure is FailureKind.OOM:
+            self.memory_wall = min(self.memory_wall, self.memory[config])
+            return
+        if not outcome.ok or outcome.step_time_s <= 0:
+            return
+        self.families.add((config.tp, config.pp, config.dp))
+        self.measured.append(
+            Measurement(self.model, config, self.cluster, outcome.step_time_s, self.precision)
+        )
+        n = len(self.measured)
+        if n > 30 and n % 10:  # past 30 points recalibrate every 10th: each fit costs ~n estimates
+            return
+        points = sorted(self.measured, key=lambda m: m.step_time_s)[:MAX_CALIBRATION_POINTS]
+        self.constants = calibrate(points, self.initial)
+        self._predict()
+        if n >= 3:
+            residuals = [
+                math.log(
+                    m.step_time_s
+                    / estimate(m.model, m.parallel, m.cluster, m.precision, self.constants).step_time_s
+                )
+                for m in points
+            ]
+            mean = sum(residuals) / len(residuals)
+            self.sigma = max(0.02, math.sqrt(sum((r - mean) ** 2 for r in residuals) / (len(residuals) - 1)))

@@ -1,0 +1,220 @@
+"""Plain query functions over a Session: the only place that knows the schema's shape.
+
+The database is the source of truth: a running study's sampler is rebuilt from `trials()`; a
+restarted worker finds RUNNING trials here and re-attaches or re-queues them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from trainer.config import ParallelConfig
+from tuner.db import Study, Trial, utcnow
+from tuner.outcome import Outcome, TrialState
+from tuner.spec import StudySpec
+
+
+def layout_key(config: ParallelConfig) -> str:
+    """A layout's identity within a study (all knobs, stable order)."""
+    return json.dumps(config.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def config_of(trial: Trial) -> ParallelConfig:
+    return ParallelConfig.from_dict(trial.config)
+
+
+class StudyExists(ValueError):
+    pass
+
+
+def create_study(session: Session, spec: StudySpec) -> Study:
+    """A PENDING study row; its name must be new."""
+    m = spec.gpt()
+    study = Study(
+        name=spec.name, spec=spec.model_dump(mode="json"), status="PENDING", sampler=spec.sampler,
+        model_key=spec.model.preset or f"L{m.num_layers}-h{m.hidden_size}-a{m.num_heads}",
+        num_params=m.num_params, cluster_key=spec.cluster.name, num_gpus=spec.devices,
+    )  # fmt: skip
+    session.add(study)
+    try:
+        session.flush()
+    except IntegrityError:
+        session.rollback()
+        raise StudyExists(f"a study named {spec.name!r} already exists") from None
+    return study
+
+
+def get_study(session: Session, name_or_id: str | int) -> Study | None:
+    if isinstance(name_or_id, int) or str(name_or_id).isdigit():
+        found = session.get(Study, int(name_or_id))
+        if found is not None:
+            return found
+    return session.scalars(select(Study).where(Study.name == str(name_or_id))).one_or_none()
+
+
+def list_studies(session: Session) -> list[Study]:
+    return list(session.scalars(select(Study).order_by(Study.id)))
+
+
+def claim_study(session: Session, study: Study) -> bool:
+    """PENDING (or an orphaned RUNNING one, on restart) -> RUNNING by this worker."""
+    study.status = "RUNNING"
+    study.started_at = study.started_at or utcnow()
+    study.worker = f"{socket.gethostname()}:{os.getpid()}"
+    return True
+
+
+def finish_study(session: Session, study: Study, status: str, error: str | None = None) -> None:
+    study.status, study.error, study.finished_at = status, error, utcnow()
+
+
+def trials(session: Session, study: Study, states: tuple[TrialState, ...] | None = None) -> list[Trial]:
+    q = select(Trial).where(Trial.study_id == study.id).order_by(Trial.number)
+    if states:
+        q = q.where(Trial.state.in_([s.value for s in states]))
+    return list(session.scalars(q))
+
+
+def add_trial(
+    session: Session,
+    study: Study,
+    config: ParallelConfig,
+    predicted: dict[str, Any] | None,
+    state: TrialState,
+) -> Trial:
+    number = (
+        session.scalar(select(func.coalesce(func.max(Trial.number), -1)).where(Trial.study_id == study.id))
+        + 1
+    )
+    trial = Trial(
+        study_id=study.id, number=number, state=state.value, layout_key=layout_key(config),
+        config=config.to_dict(), tp=config.tp, pp=config.pp, dp=config.dp,
+        micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
+        zero_stage=config.zero_stage, activation_checkpoint=config.activation_checkpoint,
+        sequence_parallel=config.sequence_parallel, pp_schedule=config.pp_schedule,
+        virtual_stages=config.virtual_stages, predicted=predicted,
+        predicted_tokens_per_s=(predicted or {}).get("tokens_per_s"),
+        predicted_memory_bytes=(predicted or {}).get("memory_bytes"),
+    )  # fmt: skip
+    session.add(trial)
+    session.flush()
+    return trial
+
+
+def start_trial(trial: Trial, job_id: str, log_path: str) -> None:
+    trial.state, trial.job_id, trial.log_path = TrialState.RUNNING.value, job_id, log_path
+    trial.started_at, trial.attempts = utcnow(), trial.attempts + 1
+
+
+def requeue_trial(trial: Trial) -> None:
+    """Back to WAITING (infrastructure failure, lost worker): it runs again, as the same trial."""
+    trial.state, trial.job_id = TrialState.WAITING.value, None
+
+
+def prune_trial(trial: Trial, reason: str) -> None:
+    trial.state, trial.failure_kind, trial.failure_message = TrialState.PRUNED.value, "predicted_oom", reason
+    trial.finished_at = utcnow()
+
+
+def finish_trial(trial: Trial, outcome: Outcome) -> None:
+    """COMPLETE with metrics, or FAIL with the kind; a finished trial is never changed again."""
+    assert not TrialState(trial.state).is_finished(), f"trial {trial.number} already {trial.state}"
+    trial.finished_at, trial.result = utcnow(), outcome.result or None
+    if outcome.ok:
+        times = sorted(outcome.result.get("step_times_s", [])) or [outcome.step_time_s]
+        trial.state = TrialState.COMPLETE.value
+        trial.tokens_per_s, trial.tflops_per_device, trial.mfu = (
+            outcome.tokens_per_s,
+            outcome.tflops_per_device,
+            outcome.mfu,
+        )
+        trial.peak_memory_bytes = outcome.peak_memory_bytes
+        trial.step_time_median_s, trial.step_time_min_s, trial.step_time_max_s = (
+            outcome.step_time_s,
+            times[0],
+            times[-1],
+        )
+    else:
+        trial.state = TrialState.FAIL.value
+        trial.failure_kind = outcome.failure.value if outcome.failure else "crash"
+        trial.failure_message = outcome.message[-4000:]
+
+
+def outcome_of(trial: Trial) -> Outcome | None:
+    """What the sampler is told about a finished trial (None while unfinished)."""
+    from tuner.outcome import FailureKind
+
+    state = TrialState(trial.state)
+    if state == TrialState.COMPLETE:
+        return Outcome(ok=True, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device or 0.0,
+                       mfu=trial.mfu or 0.0, peak_memory_bytes=trial.peak_memory_bytes or 0,
+                       step_time_s=trial.step_time_median_s or 0.0, result=trial.result or {})  # fmt: skip
+    if state == TrialState.PRUNED:
+        return Outcome.failed(FailureKind.OOM, trial.failure_message or "predicted out of memory")
+    if state == TrialState.FAIL:
+        return Outcome.failed(FailureKind(trial.failure_kind or "crash"), trial.failure_message or "")
+    return None
+
+
+@dataclass(frozen=True)
+class Best:
+    study: str
+    model_key: str
+    num_params: int
+    cluster_key: str
+    num_gpus: int
+    trial_number: int
+    config: dict[str, Any]
+    tokens_per_s: float
+    tflops_per_device: float | None
+    mfu: float | None
+    peak_memory_bytes: int | None
+    predicted_tokens_per_s: float | None
+    global_batch_size: int
+    seq_len: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def best_trial(session: Session, study: Study) -> Trial | None:
+    q = (
+        select(Trial).where(Trial.study_id == study.id, Trial.state == TrialState.COMPLETE.value)
+        .order_by(Trial.tokens_per_s.desc(), Trial.number).limit(1)
+    )  # fmt: skip
+    return session.scalars(q).first()
+
+
+def best_configs(
+    session: Session, *, model: str | None = None, cluster: str | None = None, num_gpus: int | None = None
+) -> list[Best]:
+    """The fastest measured layout per (model, cluster, devices) across studies."""
+    q = select(Trial, Study).join(Study).where(Trial.state == TrialState.COMPLETE.value)
+    if model:
+        q = q.where(Study.model_key == model)
+    if cluster:
+        q = q.where(Study.cluster_key == cluster)
+    if num_gpus:
+        q = q.where(Study.num_gpus == num_gpus)
+    best: dict[tuple, Best] = {}
+    for trial, study in session.execute(q.order_by(Trial.tokens_per_s.desc(), Trial.id)):
+        key = (study.model_key, study.cluster_key, study.num_gpus)
+        if key not in best:
+            spec = study.spec
+            best[key] = Best(
+                study=study.name, model_key=study.model_key, num_params=study.num_params,
+                cluster_key=study.cluster_key, num_gpus=study.num_gpus, trial_number=trial.number,
+                config=trial.config, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device,
+                mfu=trial.mfu, peak_memory_bytes=trial.peak_memory_bytes,
+                predicted_tokens_per_s=trial.predicted_tokens_per_s,
+                global_batch_size=spec["training"]["global_batch_size"],
+                seq_len=spec["training"].get("seq_len") or spec["model"]["seq_len"],
+            )  # fmt: skip
+    return sorted(best.values(), key=lambda b: (b.num_params, b.cluster_key, b.num_gpus))
