@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint format bench clean
+.PHONY: setup system-deps demo test test-fast lint format bench clean
 
 setup: $(STAMP)
 
@@ -18,10 +18,18 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 demo: setup
 	$(BIN)/tuner demo
+	$(BIN)/tuner best --model gpt-tiny
 
-test: setup
+test: setup system-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
+
+# The store tests start their own PostgreSQL server: install its binaries when missing (as root,
+# e.g. CI on a fresh machine); otherwise say what to install.
+system-deps:
+	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	else echo "PostgreSQL server binaries missing: sudo apt-get install postgresql" >&2; exit 1; fi
 
 # Everything but the multi-process runs: seconds, for the edit-test loop.
 test-fast: setup

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -9,3 +10,27 @@ import pytest
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Trials cache the measured CPU peak; keep the suite's cache out of the user's home."""
     os.environ.setdefault("TUNER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    from tests.postgres import postgres_server
+
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path: Path) -> str:
+    """Every store test runs on both databases."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'tuner.db'}"
+    url = request.getfixturevalue("postgres_url")
+    # A fresh schema per test: drop everything the previous test left.
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
+    engine.dispose()
+    return url

@@ -29,10 +29,11 @@ class FailureKind(str, enum.Enum):
     CRASH = "crash"
     TIMEOUT = "timeout"
     INFRA = "infra"  # node failure, preemption, lost worker: not the layout's fault
+    CANCELLED = "cancelled"  # the study was cancelled while the trial ran
 
     @property
     def layout_fault(self) -> bool:
-        return self is not FailureKind.INFRA
+        return self not in (FailureKind.INFRA, FailureKind.CANCELLED)
 
 
 @dataclass(frozen=True)

@@ -181,10 +181,24 @@ class SpaceSpec(_Strict):
 
 
 class BudgetSpec(_Strict):
-    max_trials: PositiveInt = 20
+    max_trials: PositiveInt = 20  # trials that run (pruned ones do not count)
     max_wall_time_s: PositiveFloat | None = None
     max_device_hours: PositiveFloat | None = None
     trials_in_flight: PositiveInt = 1
+    # Stop early when this many finished trials in a row did not beat the best by more than
+    # early_stop_min_improvement (relative); None: never.
+    early_stop_trials: PositiveInt | None = None
+    early_stop_min_improvement: float = Field(0.01, ge=0.0)
+
+
+class TrialSpec(_Strict):
+    """How each trial runs: the trainer's warm-up and measured steps, and its wall-clock limit."""
+
+    warmup_steps: PositiveInt = 2
+    measure_steps: PositiveInt = 5
+    timeout_s: PositiveFloat = 600.0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_retries: int = Field(2, ge=0, description="re-runs after an infrastructure failure")
 
 
 class StudySpec(_Strict):
@@ -195,6 +209,8 @@ class StudySpec(_Strict):
     num_gpus: PositiveInt | None = None  # devices the study may use; None: the whole cluster
     space: SpaceSpec = SpaceSpec()
     budget: BudgetSpec = BudgetSpec()
+    trial: TrialSpec = TrialSpec()
+    prune_predicted_oom: bool = True  # layouts the model says cannot fit are PRUNED, never run
     sampler: Literal[SAMPLERS] = "model"  # type: ignore[valid-type]
     seed: int = 0
     backend: Literal["local", "slurm", "dry-run"] = "local"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,15 +35,22 @@ def test_cli_does_not_import_torch() -> None:
 
 
 @pytest.mark.distributed
-def test_demo_runs_every_layout(tmp_path: Path) -> None:
-    proc = tuner("demo", "--work-dir", str(tmp_path), "--steps", "2")
+def test_demo_runs_the_tiny_study_and_best_returns_it(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "TUNER_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}",
+        "TUNER_WORK_DIR": str(tmp_path),
+    }
+    proc = subprocess.run([TUNER, "demo"], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "fastest:" in proc.stdout
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary) == 8 and all(row["result"]["status"] == "ok" for row in summary)
-    # Same model, same global batch, same seed: every layout ends at the same loss.
-    final = [row["result"]["losses"][-1] for row in summary]
-    assert max(final) - min(final) < 1e-4 * final[0]
+    assert "COMPLETE" in proc.stdout and "best layout:" in proc.stdout
+    best = subprocess.run([TUNER, "best", "--json"], capture_output=True, text=True, timeout=60, env=env)
+    (row,) = json.loads(best.stdout)
+    assert row["model_key"] == "gpt-tiny" and row["tokens_per_s"] > 0 and row["num_gpus"] == 2
+    trials = json.loads(subprocess.run([TUNER, "trials", row["study"], "--json"], capture_output=True, text=True,
+                                       timeout=60, env=env).stdout)  # fmt: skip
+    assert max(t["tokens_per_s"] or 0 for t in trials) == row["tokens_per_s"]
+    assert all(t["state"] in ("COMPLETE", "FAIL", "PRUNED") for t in trials)
 
 
 ACCEPTANCE = [

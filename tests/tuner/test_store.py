@@ -1,0 +1,101 @@
+"""The store on SQLite and on a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy.exc import IntegrityError
+
+from trainer.config import ParallelConfig
+from tuner import store
+from tuner.db import DatabaseError, connect
+from tuner.outcome import FailureKind, Outcome, TrialState
+from tuner.spec import parse_spec
+
+SPEC = parse_spec({"name": "s1", "model": "gpt-tiny", "cluster": "cpu-local", "num_gpus": 2,
+                   "training": {"global_batch_size": 8, "precision": "fp32"}, "space": {"tp": [1, 2]}})  # fmt: skip
+A = ParallelConfig(tp=2, micro_batch_size=8)
+B = ParallelConfig(dp_replicate=2, micro_batch_size=4)
+
+
+def ok(tps: float) -> Outcome:
+    return Outcome(ok=True, tokens_per_s=tps, tflops_per_device=0.01, mfu=0.1, peak_memory_bytes=10, step_time_s=0.5,
+                   result={"step_times_s": [0.4, 0.5, 0.6]})  # fmt: skip
+
+
+def test_study_and_trials_round_trip(database_url: str) -> None:
+    sessions = connect(database_url)
+    with sessions.begin() as s:
+        study = store.create_study(s, SPEC)
+        t0 = store.add_trial(s, study, A, {"tokens_per_s": 100.0, "memory_bytes": 5.0}, TrialState.WAITING)
+        store.start_trial(t0, "123@/tmp/x", "/tmp/x/log.txt")
+        t1 = store.add_trial(s, study, B, None, TrialState.WAITING)
+        assert (t0.number, t1.number) == (0, 1)
+    with sessions.begin() as s:
+        study = store.get_study(s, "s1")
+        t0, t1 = store.trials(s, study)
+        assert t0.state == "RUNNING" and t0.attempts == 1 and t0.predicted_tokens_per_s == 100.0
+        store.finish_trial(t0, ok(250.0))
+        store.finish_trial(t1, Outcome.failed(FailureKind.OOM, "CUDA out of memory"))
+    with sessions() as s:
+        study = store.get_study(s, "s1")
+        t0, t1 = store.trials(s, study)
+        assert (t0.state, t0.tokens_per_s, t0.step_time_min_s, t0.step_time_max_s) == (
+            "COMPLETE",
+            250.0,
+            0.4,
+            0.6,
+        )
+        assert (t1.state, t1.failure_kind) == ("FAIL", "oom")
+        assert store.outcome_of(t1).infeasible and store.outcome_of(t0).tokens_per_s == 250.0
+        assert store.config_of(t0) == A
+        assert store.best_trial(s, study).number == 0
+        (best,) = store.best_configs(s, model="gpt-tiny")
+        assert best.tokens_per_s == 250.0 and best.config == A.to_dict() and best.global_batch_size == 8
+
+
+def test_a_layout_runs_once_per_study(database_url: str) -> None:
+    sessions = connect(database_url)
+    with pytest.raises(IntegrityError), sessions.begin() as s:
+        study = store.create_study(s, SPEC)
+        store.add_trial(s, study, A, None, TrialState.WAITING)
+        store.add_trial(s, study, A, None, TrialState.WAITING)
+
+
+def test_study_names_are_unique(database_url: str) -> None:
+    sessions = connect(database_url)
+    with sessions.begin() as s:
+        store.create_study(s, SPEC)
+    with pytest.raises(store.StudyExists), sessions.begin() as s:
+        store.create_study(s, SPEC)
+
+
+def test_finished_trials_are_immutable(database_url: str) -> None:
+    sessions = connect(database_url)
+    with sessions.begin() as s:
+        trial = store.add_trial(s, store.create_study(s, SPEC), A, None, TrialState.WAITING)
+        store.finish_trial(trial, ok(1.0))
+        with pytest.raises(AssertionError, match="already COMPLETE"):
+            store.finish_trial(trial, ok(2.0))
+
+
+def test_best_per_model_size_across_studies(database_url: str) -> None:
+    sessions = connect(database_url)
+    with sessions.begin() as s:
+        for name, tps in (("s1", 100.0), ("s2", 300.0)):
+            study = store.create_study(s, SPEC.model_copy(update={"name": name}))
+            store.finish_trial(store.add_trial(s, study, A, None, TrialState.WAITING), ok(tps))
+            store.finish_trial(store.add_trial(s, study, B, None, TrialState.WAITING), ok(tps / 2))
+    with sessions() as s:
+        (best,) = store.best_configs(s)
+        assert (best.study, best.tokens_per_s) == ("s2", 300.0)
+        assert store.best_configs(s, model="gpt-1t") == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["sqlite:////nonexistent-dir/x/tuner.db", "postgresql+psycopg://nobody@127.0.0.1:1/db", "notadb://x"],
+)
+def test_bad_database_url_is_one_clear_line(url: str) -> None:
+    with pytest.raises(DatabaseError) as err:
+        connect(url)
+    assert "\n" not in str(err.value) and ("cannot reach" in str(err.value) or "not valid" in str(err.value))
