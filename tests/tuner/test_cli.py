@@ -139,3 +139,31 @@ def test_plan_reads_a_spec_file_and_reports_bad_keys(tmp_path: Path) -> None:
     bad.write_text("model: gpt-22b\ncluster: a100-80gb\ntraining: {global_batch_size: 8}\nbudjet: {}\n")
     proc = tuner("plan", "--spec", str(bad))
     assert proc.returncode == 2 and "budjet: Extra inputs are not permitted" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"space": {"tp": [5]}}, "space.tp: [5] do not divide the model's num_heads (4)"),
+        ({"sampler": "hyperband"}, "sampler: Input should be"),
+        ({"budget": {"max_trials": 0}}, "budget.max_trials: Input should be greater than 0"),
+    ],
+)
+def test_run_refuses_a_bad_study_file(change: dict, message: str, tmp_path: Path) -> None:
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "studies" / "tiny-cpu.yaml").read_text())
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({**spec, **change}))
+    env = {**os.environ, "TUNER_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}"}
+    proc = subprocess.run(
+        [TUNER, "run", str(tmp_path / "s.yaml")], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_unreachable_database_is_one_line() -> None:
+    env = {**os.environ, "TUNER_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none"}
+    proc = subprocess.run([TUNER, "studies"], capture_output=True, text=True, timeout=60, env=env)
+    assert (
+        proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot reach the database" in proc.stderr
+    )
