@@ -184,6 +184,12 @@ def load_validation(data_dir: Path = DATA_DIR) -> ValidationData:
     return ValidationData(tables, skipped)
 
 
+def load_csv(path: Path) -> list[Measurement]:
+    """One table file in the shared column format (rows that cannot be read raise ValueError)."""
+    with Path(path).open(newline="") as f:
+        return [_measurement(row, dataset=Path(path).parent.name) for row in csv.DictReader(f)]
+
+
 def _measurement(row: dict[str, str], dataset: str) -> Measurement:
     assumptions: list[str] = []
     model = _model(row, dataset, assumptions)

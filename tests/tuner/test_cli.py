@@ -23,10 +23,9 @@ def test_version() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "0.1.0"
 
 
-def test_unknown_model_preset_is_a_clear_error() -> None:
-    proc = tuner("demo", "--model", "gpt5")
-    assert proc.returncode == 2
-    assert "unknown preset 'gpt5'" in proc.stderr and "gpt-tiny" in proc.stderr
+def test_run_of_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    proc = tuner("run", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_cli_does_not_import_torch() -> None:

@@ -1,0 +1,112 @@
+"""How many real trials does each sampler need to find a near-best layout?
+
+    .venv/bin/python bench/search_efficiency.py [--seeds 20] [--table FILE ...] [--samplers ...] [--json]
+
+Ground truth is a table of REAL measured trials (the column format of
+shared/data/validation/README.md). Each sampler searches the table's layouts; a replay
+dispatcher looks each proposed layout up in the table (its measured time, or its OOM/failure).
+Reported per table and sampler: the median and 90th percentile number of trials until a layout
+within 5 % of the table's best is found, and the median device-seconds spent (each trial costs
+STEPS_PER_TRIAL iterations x its time x the GPUs; a failed one, one iteration).
+Default tables: the vTrain 8-GPU tables with >= 12 layouts (bench/data/vtrain_single_node).
+Target: `model` needs <= 1/3 of `tpe`'s trials and <= 1/5 of `random`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.validation_data import DATA_DIR, Measurement, load_csv, megatron_padded_vocab  # noqa: E402
+from tuner.outcome import FailureKind, Outcome  # noqa: E402
+from tuner.samplers import SAMPLERS, make_sampler  # noqa: E402
+from tuner.spec import ClusterSpec  # noqa: E402
+
+WITHIN = 0.05
+STEPS_PER_TRIAL = 10
+MIN_LAYOUTS = 12
+
+
+def _p90(values: list[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
+
+
+def search(rows: list[Measurement], sampler_name: str, seed: int) -> tuple[int, float]:
+    """(trials, device-seconds) until a layout within WITHIN of the best is measured."""
+    by_layout = {r.parallel: r for r in rows}
+    ok = [r for r in rows if r.status == "ok" and r.iteration_time_s]
+    best_time = min(r.iteration_time_s for r in ok)
+    first = rows[0]
+    model = dataclasses.replace(first.model, vocab_size=megatron_padded_vocab(first.model.vocab_size, 8))
+    sampler = make_sampler(sampler_name, list(by_layout), seed=seed, model=model,
+                           cluster=ClusterSpec(**first.cluster), precision=first.precision)  # fmt: skip
+    trials, device_s = 0, 0.0
+    while (config := sampler.ask()) is not None:
+        trials += 1
+        row = by_layout[config]
+        gpus = config.world_size
+        if row.status == "ok" and row.iteration_time_s:
+            device_s += STEPS_PER_TRIAL * row.iteration_time_s * gpus
+            tokens = row.global_batch_size * row.model.seq_len / row.iteration_time_s
+            sampler.tell(config, Outcome(ok=True, tokens_per_s=tokens, step_time_s=row.iteration_time_s))
+            if row.iteration_time_s <= best_time * (1 + WITHIN):
+                return trials, device_s
+        else:
+            device_s += best_time * gpus
+            kind = FailureKind.OOM if row.status == "oom" else FailureKind.CRASH
+            sampler.tell(config, Outcome.failed(kind, row.status))
+    return trials, device_s
+
+
+def default_tables() -> list[Path]:
+    paths = sorted((DATA_DIR / "vtrain_single_node").glob("*8gpu*.csv"))
+    return [p for p in paths if len(load_csv(p)) >= MIN_LAYOUTS]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--table", action="append", type=Path, help="a table CSV (repeatable)")
+    parser.add_argument("--samplers", default=",".join(SAMPLERS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    tables = args.table or default_tables()
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for path in tables:
+        rows = load_csv(path)
+        out[path.stem] = {}
+        for name in args.samplers.split(","):
+            runs = [search(rows, name, seed) for seed in range(args.seeds)]
+            out[path.stem][name] = {
+                "median_trials": statistics.median(t for t, _ in runs), "p90_trials": _p90([t for t, _ in runs]),
+                "median_device_s": statistics.median(d for _, d in runs), "layouts": len(rows),
+            }  # fmt: skip
+        if not args.json:
+            cells = "  ".join(
+                f"{n} {v['median_trials']:.0f}/{v['p90_trials']:.0f}" for n, v in out[path.stem].items()
+            )
+            print(f"{path.stem} ({len(rows)} layouts): median/p90 trials  {cells}", flush=True)
+    if args.json:
+        print(json.dumps({"tables": out}))
+        return
+    print("\nmedian over tables of the median trials to within 5 % of the best:")
+    for name in args.samplers.split(","):
+        meds = [t[name]["median_trials"] for t in out.values()]
+        devs = [t[name]["median_device_s"] for t in out.values()]
+        print(f"  {name:>7}: {statistics.median(meds):5.1f} trials, {statistics.median(devs):8.1f} device-s")
+
+
+if __name__ == "__main__":
+    main()
