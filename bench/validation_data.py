@@ -83,6 +83,13 @@ CLUSTERS: dict[str, dict[str, Any]] = {
         "intra_node_gbps": 10.0, "inter_node_gbps": 6.25,
         "intra_node_latency_us": 5.0, "inter_node_latency_us": 30.0,
     },
+    # Our own tables (bench/measure_table.py): ranks on this project's 2-core dev VM, gloo over
+    # loopback; the cpu-local preset's numbers (tuner/spec.py).
+    "CPU ranks, gloo (2-core VM)": {
+        "name": "cpu-local", "peak_tflops": 0.05, "device_memory_gb": 12.0,
+        "intra_node_gbps": 2.0, "inter_node_gbps": 2.0,
+        "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0,
+    },
 }  # fmt: skip
 
 # Shapes a source leaves empty. The BigScience BLOOM-prequel 02-20 runs (chronicles-prequel.md) do
