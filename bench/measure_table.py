@@ -1,6 +1,6 @@
 """Measure a ground-truth table on this machine: every valid layout of a small GPT, run for real.
 
-    .venv/bin/python bench/measure_table.py --out bench/data/own/own_gpt-tiny_8rank_gbs16.csv [--repeats 2]
+    .venv/bin/python bench/measure_table.py --out bench/own_tables/own_gpt-tiny_8rank_gbs16.csv [--repeats 2]
 
 Every valid layout of the space below (the trainer under torchrun, 8 gloo ranks on CPU), each run
 `repeats` times; the row keeps the median iteration time and says the spread in `notes`. Written

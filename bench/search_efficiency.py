@@ -8,7 +8,8 @@ dispatcher looks each proposed layout up in the table (its measured time, or its
 Reported per table and sampler: the median and 90th percentile number of trials until a layout
 within 5 % of the table's best is found, and the median device-seconds spent (each trial costs
 STEPS_PER_TRIAL iterations x its time x the GPUs; a failed one, one iteration).
-Default tables: the vTrain 8-GPU tables with >= 12 layouts (bench/data/vtrain_single_node).
+Default tables: our own (bench/own_tables/, measured by bench/measure_table.py) and the vTrain
+8-GPU tables with >= 12 layouts (bench/data/vtrain_single_node).
 Target: `model` needs <= 1/3 of `tpe`'s trials and <= 1/5 of `random`'s.
 """
 
@@ -67,8 +68,11 @@ def search(rows: list[Measurement], sampler_name: str, seed: int) -> tuple[int, 
     return trials, device_s
 
 
+OWN_TABLES = ROOT / "bench" / "own_tables"  # measured on this project's machines (bench/measure_table.py)
+
+
 def default_tables() -> list[Path]:
-    paths = sorted((DATA_DIR / "vtrain_single_node").glob("*8gpu*.csv"))
+    paths = sorted(OWN_TABLES.glob("*.csv")) + sorted((DATA_DIR / "vtrain_single_node").glob("*8gpu*.csv"))
     return [p for p in paths if len(load_csv(p)) >= MIN_LAYOUTS]
 
 
