@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from trainer.config import ParallelConfig
 from tuner.db import Study, Trial, utcnow
-from tuner.outcome import Outcome, TrialState
+from tuner.outcome import FailureKind, Outcome, TrialState
 from tuner.spec import StudySpec
 
 
@@ -63,12 +63,11 @@ def list_studies(session: Session) -> list[Study]:
     return list(session.scalars(select(Study).order_by(Study.id)))
 
 
-def claim_study(session: Session, study: Study) -> bool:
+def claim_study(session: Session, study: Study) -> None:
     """PENDING (or an orphaned RUNNING one, on restart) -> RUNNING by this worker."""
     study.status = "RUNNING"
     study.started_at = study.started_at or utcnow()
     study.worker = f"{socket.gethostname()}:{os.getpid()}"
-    return True
 
 
 def finish_study(session: Session, study: Study, status: str, error: str | None = None) -> None:
@@ -149,8 +148,6 @@ def finish_trial(trial: Trial, outcome: Outcome) -> None:
 
 def outcome_of(trial: Trial) -> Outcome | None:
     """What the sampler is told about a finished trial (None while unfinished)."""
-    from tuner.outcome import FailureKind
-
     state = TrialState(trial.state)
     if state == TrialState.COMPLETE:
         return Outcome(ok=True, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device or 0.0,
