@@ -11,6 +11,8 @@ STEPS_PER_TRIAL iterations x its time x the GPUs; a failed one, one iteration).
 Default tables: our own (bench/own_tables/, measured by bench/measure_table.py) and the vTrain
 8-GPU tables with >= 12 layouts (bench/data/vtrain_single_node).
 Target: `model` needs <= 1/3 of `tpe`'s trials and <= 1/5 of `random`'s.
+`--prior warm` starts every sampler that uses the performance model from constants fitted to the
+other tables of the same cluster, as a cluster's database would after earlier studies.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.priors import PRIORS, prior  # noqa: E402
 from bench.validation_data import DATA_DIR, Measurement, load_csv, megatron_padded_vocab  # noqa: E402
 from tuner.outcome import FailureKind, Outcome  # noqa: E402
+from tuner.perfmodel import ModelConstants  # noqa: E402
 from tuner.samplers import SAMPLERS, make_sampler  # noqa: E402
 from tuner.spec import ClusterSpec  # noqa: E402
 
@@ -41,7 +45,9 @@ def _p90(values: list[float]) -> float:
     return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
 
 
-def search(rows: list[Measurement], sampler_name: str, seed: int) -> tuple[int, float]:
+def search(
+    rows: list[Measurement], sampler_name: str, seed: int, constants: ModelConstants | None = None
+) -> tuple[int, float]:
     """(trials, device-seconds) until a layout within WITHIN of the best is measured."""
     by_layout = {r.parallel: r for r in rows}
     ok = [r for r in rows if r.status == "ok" and r.iteration_time_s]
@@ -49,7 +55,8 @@ def search(rows: list[Measurement], sampler_name: str, seed: int) -> tuple[int, 
     first = rows[0]
     model = dataclasses.replace(first.model, vocab_size=megatron_padded_vocab(first.model.vocab_size, 8))
     sampler = make_sampler(sampler_name, list(by_layout), seed=seed, model=model,
-                           cluster=ClusterSpec(**first.cluster), precision=first.precision)  # fmt: skip
+                           cluster=ClusterSpec(**first.cluster), precision=first.precision,
+                           constants=constants)  # fmt: skip
     trials, device_s = 0, 0.0
     while (config := sampler.ask()) is not None:
         trials += 1
@@ -83,6 +90,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--table", action="append", type=Path, help="a table CSV (repeatable)")
     parser.add_argument("--samplers", default=",".join(SAMPLERS))
+    parser.add_argument("--prior", choices=PRIORS, default="cold",
+                        help="the performance model's constants at the start: defaults, or fitted to "
+                        "the other tables of the same cluster (bench/priors.py)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -90,9 +100,10 @@ def main() -> None:
     out: dict[str, dict[str, dict[str, float]]] = {}
     for path in tables:
         rows = load_csv(path)
+        constants = prior(args.prior, path, tables)
         out[path.stem] = {}
         for name in args.samplers.split(","):
-            runs = [search(rows, name, seed) for seed in range(args.seeds)]
+            runs = [search(rows, name, seed, constants) for seed in range(args.seeds)]
             out[path.stem][name] = {
                 "median_trials": statistics.median(t for t, _ in runs), "p90_trials": _p90([t for t, _ in runs]),
                 "median_device_s": statistics.median(d for _, d in runs), "layouts": len(rows),

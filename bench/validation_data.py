@@ -88,7 +88,7 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     "CPU ranks, gloo (2-core VM)": {
         "name": "cpu-local", "peak_tflops": 0.05, "device_memory_gb": 12.0,
         "intra_node_gbps": 2.0, "inter_node_gbps": 2.0,
-        "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0,
+        "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0, "cores_per_node": 2,
     },
 }  # fmt: skip
 

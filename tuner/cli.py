@@ -113,13 +113,31 @@ def plan(
     data = _spec_from_flags(**flags)
     try:
         study = parse_spec(data, str(spec) if spec else "plan")
-        result = run_plan(study, pins=parse_pins(config), top=top, include_unfit=include_unfit)
+        result = run_plan(study, pins=parse_pins(config), top=top, include_unfit=include_unfit,
+                          constants=_stored_constants(study.cluster.name))  # fmt: skip
     except (SpecError, PlanError) as e:
         _fail(str(e))
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
     _print_plan(study, result)
+
+
+def _stored_constants(cluster_name: str):
+    """The constants the last study on this cluster fitted (the database of TUNER_DATABASE_URL),
+    or None: plan never creates a database and works without one."""
+    from tuner import store
+    from tuner.db import DatabaseError, connect
+    from tuner.settings import Settings
+
+    url = Settings.from_env().database_url
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        return None
+    try:
+        with connect(url)() as s:
+            return store.latest_constants(s, cluster_name)
+    except DatabaseError:
+        return None
 
 
 def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:

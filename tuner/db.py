@@ -99,7 +99,8 @@ class Trial(Base):
     failure_kind: Mapped[str | None] = mapped_column(String(16))
     failure_message: Mapped[str | None] = mapped_column(Text)
     # Dispatch
-    job_id: Mapped[str | None] = mapped_column(String(200))
+    job_id: Mapped[str | None] = mapped_column(String(600))
+    job_state: Mapped[str | None] = mapped_column(String(32))  # the scheduler's word (Slurm state)
     log_path: Mapped[str | None] = mapped_column(String(500))
     attempts: Mapped[int] = mapped_column(default=0)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -107,6 +108,21 @@ class Trial(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
     study: Mapped[Study] = relationship(back_populates="trials")
+
+
+class Calibration(Base):
+    """Performance-model constants fitted to the measured trials of a study, per cluster. The
+    latest row for a cluster is the prior of its next study and of `tuner plan`."""
+
+    __tablename__ = "calibrations"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    cluster_key: Mapped[str] = mapped_column(String(100), index=True)
+    constants: Mapped[dict[str, Any]]
+    num_points: Mapped[int]
+    rms_log_error: Mapped[float] = mapped_column(Float)  # of the fit on its own points
+    study_id: Mapped[int | None] = mapped_column(ForeignKey("studies.id", ondelete="SET NULL"))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class DatabaseError(RuntimeError):

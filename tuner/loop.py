@@ -19,10 +19,17 @@ from tuner import store
 from tuner.db import Trial
 from tuner.dispatch import Dispatcher
 from tuner.outcome import FailureKind, Outcome, TrialState
-from tuner.perfmodel import estimate, load_constants
+from tuner.perfmodel import (
+    Measurement,
+    calibrate,
+    estimate,
+    fit_memory_scale,
+    load_constants,
+    rms_log_error,
+)
 from tuner.samplers import make_sampler
 from tuner.space import SearchSpace
-from tuner.spec import StudySpec
+from tuner.spec import StudySpec, slug
 
 
 @dataclass
@@ -77,11 +84,13 @@ def run_study(
     if not space.valid:
         reasons = "; ".join(f"{space.examples[r]} ({n} layouts)" for r, n in space.rejected.most_common(3))
         return _finish(sessions, study_id, "FAILED", f"no valid layout in the space: {reasons}")
-    constants = load_constants(cluster.name)
+    with sessions() as s:
+        constants = store.latest_constants(s, cluster.name) or load_constants(cluster.name)
     sampler = make_sampler(spec.sampler, space.valid, seed=spec.seed, model=model, cluster=cluster,
                            precision=precision, constants=constants)  # fmt: skip
     progress = Progress(budget=spec.budget.max_trials)
     running: dict[int, str] = {}  # trial id -> job id
+    job_states: dict[int, str] = {}  # trial id -> the scheduler's last word, as stored
     waiting: list[int] = []
     best = 0.0
     since_improvement = 0
@@ -147,8 +156,8 @@ def run_study(
                 break
             with sessions.begin() as s:
                 trial = s.get(Trial, trial_id)
-                trial_dir = work_dir / spec.name / f"trial-{trial.number:04d}"
-                job = dispatcher.submit(cfg, name=f"{spec.name}-{trial.number}", work_dir=trial_dir,
+                trial_dir = work_dir / slug(spec.name) / f"trial-{trial.number:04d}"
+                job = dispatcher.submit(cfg, name=f"{slug(spec.name)}-{trial.number}", work_dir=trial_dir,
                                         timeout_s=spec.trial.timeout_s)  # fmt: skip
                 store.start_trial(trial, job, str(trial_dir / "log.txt"))
             running[trial_id] = job
@@ -156,11 +165,18 @@ def run_study(
         # Collect finished trials.
         for trial_id, job in list(running.items()):
             outcome = dispatcher.poll(job)
+            job_state = dispatcher.state(job) if hasattr(dispatcher, "state") else None
             if outcome is None:
+                if job_state and job_states.get(trial_id) != job_state:
+                    job_states[trial_id] = job_state
+                    with sessions.begin() as s:
+                        s.get(Trial, trial_id).job_state = job_state
                 continue
             del running[trial_id]
+            job_states.pop(trial_id, None)
             with sessions.begin() as s:
                 trial = s.get(Trial, trial_id)
+                trial.job_state = job_state or trial.job_state
                 config = store.config_of(trial)
                 elapsed = (time.time() - trial.started_at.timestamp()) if trial.started_at else 0.0
                 device_s += elapsed * config.world_size
@@ -185,8 +201,36 @@ def run_study(
                 on_progress(progress)
 
         if not running and not waiting and (exhausted or not budget_left()):
+            _save_calibration(sessions, study_id, spec, constants)
             return _finish(sessions, study_id, "COMPLETE", None)
         time.sleep(poll_s)
+
+
+MIN_CALIBRATION_POINTS = 3
+
+
+def _save_calibration(sessions: sessionmaker, study_id: int, spec: StudySpec, prior) -> None:
+    """Fit the performance model to this study's measured trials, starting from the constants the
+    study began with, and keep the result as the cluster's prior for its next study and plan."""
+    with sessions.begin() as s:
+        study = s.get(store.Study, study_id)
+        measured = [t for t in store.trials(s, study, (TrialState.COMPLETE,)) if t.step_time_median_s]
+        points = [
+            Measurement(
+                spec.gpt(), store.config_of(t), spec.cluster, t.step_time_median_s, spec.training.precision
+            )
+            for t in measured
+        ]
+        if len(points) < MIN_CALIBRATION_POINTS:
+            return
+        fitted = calibrate(points, prior)
+        peaks = [
+            (m, t.peak_memory_bytes) for m, t in zip(points, measured, strict=True) if t.peak_memory_bytes
+        ]
+        fitted = fit_memory_scale(peaks, fitted)
+        store.save_calibration(
+            s, spec.cluster.name, fitted, len(points), rms_log_error(points, fitted), study
+        )
 
 
 def _cancelled(sessions: sessionmaker, study_id: int) -> bool:

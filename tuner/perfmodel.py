@@ -40,6 +40,10 @@ class ModelConstants:
     collective_overhead_s: float = 3e-5
     workspace_bytes: float = 2.0e9  # CUDA context, allocator fragmentation, library workspaces
     memory_margin: float = 0.05  # `fits` keeps this fraction of device memory free
+    # Measured peaks exceed the tensors' bytes by what the framework keeps besides them (the
+    # caching allocator's reserve, communication buckets, fp32 gradient copies): fitted per
+    # cluster from the trials' measured peaks by fit_memory_scale().
+    memory_scale: float = 1.0
     flash_attention: bool = True  # SDPA/flash: the s x s attention scores are never stored
 
     def to_dict(self) -> dict:
@@ -47,9 +51,18 @@ class ModelConstants:
 
 
 # What calibrate() fits: the constants step times pin down. compute_half_size and
-# collective_overhead_s move step times too little to be recovered from them (5 % noise leaves
-# them uncertain by +-30 %), so they keep their defaults.
-FITTED = ("compute_efficiency", "comm_efficiency", "dp_overlap", "layer_floor_s", "microbatch_overhead_s")
+# collective_overhead_s move GPU step times little (5 % noise leaves them uncertain by +-30 %), and
+# the prior's pull keeps them near their defaults there; on CPU ranks (tiny GEMMs, gloo over
+# loopback) they are the dominant costs and the measurements move them far.
+FITTED = (
+    "compute_efficiency",
+    "comm_efficiency",
+    "dp_overlap",
+    "layer_floor_s",
+    "microbatch_overhead_s",
+    "compute_half_size",
+    "collective_overhead_s",
+)
 
 
 @dataclass(frozen=True)
@@ -164,7 +177,7 @@ def memory(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants) -
         weights, grads, optimizer = model_state_bytes(params, precision, p.zero_stage, d)
         if p.zero_stage == 3:  # gathered working set: the layer computing and the one prefetched
             weights += 2 * _layer_params(m, t) * (2 if precision != "fp32" else 4)
-        total = weights + grads + optimizer + activations + c.workspace_bytes
+        total = (weights + grads + optimizer + activations) * c.memory_scale + c.workspace_bytes
         if total > best.get("memory_bytes", -1.0):
             best = {"memory_bytes": total, "weights_bytes": weights, "grads_bytes": grads,
                     "optimizer_bytes": optimizer, "activations_bytes": activations,
@@ -247,6 +260,12 @@ def estimate(
 
     compute_total = mb * compute_mb
     step = mb * stage_mb + bubble + p2p + dp_exposed
+    if cluster.cores_per_node:
+        # Ranks sharing cores: a rank idle in the bubble lends its core to the others, and gloo's
+        # collectives are CPU work too, so the node's total busy time over its cores bounds the step.
+        ranks = min(p.world_size, cluster.gpus_per_node)
+        busy = mb * stage_mb + p2p + dp_comm
+        step = max(step, busy * ranks / cluster.cores_per_node)
     tokens_per_s = p.global_batch_size * s / step
     tflops = m.flops_per_token * tokens_per_s / p.world_size / 1e12
     return Estimate(
@@ -322,12 +341,47 @@ def calibrate(
     return _from_free(fit.x, base)
 
 
+def fit_memory_scale(measured: list[tuple[Measurement, float]], constants: ModelConstants) -> ModelConstants:
+    """`constants` with memory_scale = the median over (layout, measured peak bytes) of measured over
+    predicted tensor bytes (the workspace left out of both); unchanged without measurements."""
+    ratios = []
+    for m, peak in measured:
+        unscaled = dataclasses.replace(constants, memory_scale=1.0)
+        tensors = (
+            memory(m.model, m.parallel, m.precision, unscaled)["memory_bytes"] - constants.workspace_bytes
+        )
+        if peak > constants.workspace_bytes and tensors > 0:
+            ratios.append((peak - constants.workspace_bytes) / tensors)
+    if not ratios:
+        return constants
+    ratios.sort()
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return dataclasses.replace(constants, memory_scale=min(max(median, 0.5), 4.0))
+
+
+def rms_log_error(measurements: list[Measurement], constants: ModelConstants) -> float:
+    """Root mean square of log(predicted / measured) step time: 0.1 is ~10 % typical error."""
+    if not measurements:
+        return 0.0
+    res = [
+        math.log(estimate(r.model, r.parallel, r.cluster, r.precision, constants).step_time_s / r.step_time_s)
+        for r in measurements
+    ]
+    return math.sqrt(sum(x * x for x in res) / len(res))
+
+
 # --- persistence: constants per cluster ---------------------------------------------------------
 
 
 def constants_path() -> Path:
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-tuner"
     return Path(os.environ.get("TUNER_CACHE_DIR", default)) / "perfmodel_constants.json"
+
+
+# The database keeps every calibration (tuner.store.save_calibration, the prior of the cluster's next
+# study); this JSON file is for constants fitted outside a study (bench/, a notebook) and is read
+# when the database has none for the cluster.
 
 
 def load_constants(cluster_name: str, path: Path | None = None) -> ModelConstants:

@@ -5,6 +5,7 @@ restarted worker finds RUNNING trials here and re-attaches or re-queues them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -16,8 +17,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from trainer.config import ParallelConfig
-from tuner.db import Study, Trial, utcnow
+from tuner.db import Calibration, Study, Trial, utcnow
 from tuner.outcome import FailureKind, Outcome, TrialState
+from tuner.perfmodel import ModelConstants
 from tuner.spec import StudySpec
 
 
@@ -109,7 +111,7 @@ def add_trial(
 
 def start_trial(trial: Trial, job_id: str, log_path: str) -> None:
     trial.state, trial.job_id, trial.log_path = TrialState.RUNNING.value, job_id, log_path
-    trial.started_at, trial.attempts = utcnow(), trial.attempts + 1
+    trial.started_at, trial.attempts, trial.job_state = utcnow(), trial.attempts + 1, None
 
 
 def requeue_trial(trial: Trial) -> None:
@@ -215,3 +217,32 @@ def best_configs(
                 seq_len=spec["training"].get("seq_len") or spec["model"]["seq_len"],
             )  # fmt: skip
     return sorted(best.values(), key=lambda b: (b.num_params, b.cluster_key, b.num_gpus))
+
+
+# --- calibrations ------------------------------------------------------------------------------
+
+
+def save_calibration(
+    session: Session, cluster_key: str, constants: ModelConstants, num_points: int,
+    rms_log_error: float, study: Study | None = None,
+) -> Calibration:  # fmt: skip
+    row = Calibration(
+        cluster_key=cluster_key, constants=constants.to_dict(), num_points=num_points,
+        rms_log_error=rms_log_error, study_id=study.id if study else None,
+    )  # fmt: skip
+    session.add(row)
+    session.flush()
+    return row
+
+
+def latest_constants(session: Session, cluster_key: str) -> ModelConstants | None:
+    """The constants last fitted on this cluster, or None."""
+    q = (
+        select(Calibration).where(Calibration.cluster_key == cluster_key)
+        .order_by(Calibration.created_at.desc(), Calibration.id.desc()).limit(1)
+    )  # fmt: skip
+    row = session.scalars(q).first()
+    if row is None:
+        return None
+    known = {f.name for f in dataclasses.fields(ModelConstants)}
+    return ModelConstants(**{k: v for k, v in row.constants.items() if k in known})

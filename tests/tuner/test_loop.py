@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy import select
 
 from tuner import store
-from tuner.db import connect
+from tuner.db import Calibration, connect
 from tuner.dispatch.local import LocalDispatcher
 from tuner.loop import run_study
+from tuner.perfmodel import Measurement, ModelConstants, rms_log_error
 from tuner.spec import parse_spec
 
 pytestmark = pytest.mark.distributed
@@ -64,6 +66,14 @@ def test_failed_trials_are_recorded_and_the_study_completes(tmp_path: Path) -> N
     assert kinds.pop("tp2 pp1 mbs8x1") == ("FAIL", "crash")
     assert kinds.pop("tp1 pp1 dpr2 mbs4x1 ac=full") == ("FAIL", "timeout")
     assert set(kinds.values()) == {("COMPLETE", None)}
+    # The study's 3 measurements calibrated the model: the cluster's prior for its next study.
+    with sessions() as s:
+        (row,) = s.scalars(select(Calibration)).all()
+        assert (row.cluster_key, row.num_points, row.study_id) == ("cpu-local", 3, trials[0].study_id)
+        points = [Measurement(spec.gpt(), store.config_of(t), spec.cluster, t.step_time_median_s, "fp32")
+                  for t in trials if t.state == "COMPLETE"]  # fmt: skip
+        fitted = store.latest_constants(s, "cpu-local")
+        assert rms_log_error(points, fitted) < rms_log_error(points, ModelConstants())
 
 
 def _states(db: str, name: str) -> list[tuple[int, str, int, str]]:

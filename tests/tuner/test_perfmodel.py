@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.config import MODEL_PRESETS, GPTConfig, ParallelConfig
 from tuner.perfmodel import (
     FITTED,
     Measurement,
@@ -16,7 +16,9 @@ from tuner.perfmodel import (
     _activation_bytes_per_layer,
     calibrate,
     estimate,
+    fit_memory_scale,
     load_constants,
+    memory,
     model_state_bytes,
     save_constants,
 )
@@ -175,3 +177,35 @@ def test_constants_persist_per_cluster(tmp_path) -> None:
     save_constants("a100-80gb", ModelConstants(comm_efficiency=0.5), path)
     assert load_constants("frontier-mi250x", path) == c
     assert load_constants("unknown", path) == ModelConstants()
+
+
+def test_ranks_sharing_cores_take_at_least_the_nodes_busy_time() -> None:
+    model = MODEL_PRESETS["gpt-tiny"]
+    own = dict(cluster_preset("cpu-local"), gpus_per_node=8, cores_per_node=None)
+    free, shared = ClusterSpec(**own), ClusterSpec(**{**own, "cores_per_node": 2})
+    pipelined = ParallelConfig(pp=4, dp_replicate=2, micro_batch_size=2, num_microbatches=4)
+    a, b = (estimate(model, pipelined, c, "fp32", ModelConstants()) for c in (free, shared))
+    # 8 ranks on 2 cores: each rank's busy time x 4; the bubble no longer costs on its own
+    assert b.step_time_s > 2 * a.step_time_s
+    single = ParallelConfig(micro_batch_size=2, num_microbatches=8)  # one rank: no contention
+    assert (
+        estimate(model, single, free, "fp32").step_time_s
+        == estimate(model, single, shared, "fp32").step_time_s
+    )
+
+
+def test_memory_scale_is_fitted_from_measured_peaks() -> None:
+    model = MODEL_PRESETS["gpt-1.3b"]
+    cluster = ClusterSpec(**cluster_preset("a100-80gb"))
+    c = ModelConstants()
+    layouts = [ParallelConfig(tp=t, dp_replicate=8 // t, micro_batch_size=b, num_microbatches=1)
+               for t in (1, 2, 4) for b in (1, 2)]  # fmt: skip
+    peaks = []
+    for p in layouts:
+        tensors = memory(model, p, "bf16", c)["memory_bytes"] - c.workspace_bytes
+        peaks.append((Measurement(model, p, cluster, 1.0), 1.25 * tensors + c.workspace_bytes))
+    fitted = fit_memory_scale(peaks, c)
+    assert fitted.memory_scale == pytest.approx(1.25)
+    p = layouts[0]
+    assert memory(model, p, "bf16", fitted)["memory_bytes"] == pytest.approx(peaks[0][1])
+    assert fit_memory_scale([], c) == c

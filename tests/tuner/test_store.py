@@ -9,6 +9,7 @@ from trainer.config import ParallelConfig
 from tuner import store
 from tuner.db import DatabaseError, connect
 from tuner.outcome import FailureKind, Outcome, TrialState
+from tuner.perfmodel import ModelConstants
 from tuner.spec import parse_spec
 
 SPEC = parse_spec({"name": "s1", "model": "gpt-tiny", "cluster": "cpu-local", "num_gpus": 2,
@@ -99,3 +100,17 @@ def test_bad_database_url_is_one_clear_line(url: str) -> None:
     with pytest.raises(DatabaseError) as err:
         connect(url)
     assert "\n" not in str(err.value) and ("cannot reach" in str(err.value) or "not valid" in str(err.value))
+
+
+def test_calibrations_keep_the_latest_constants_per_cluster(database_url: str) -> None:
+    sessions = connect(database_url)
+    with sessions.begin() as s:
+        assert store.latest_constants(s, "cpu-local") is None
+        study = store.create_study(s, SPEC)
+        store.save_calibration(s, "cpu-local", ModelConstants(compute_efficiency=0.3), 4, 0.2, study)
+        store.save_calibration(s, "a100-80gb", ModelConstants(compute_efficiency=0.6), 5, 0.1)
+        store.save_calibration(s, "cpu-local", ModelConstants(compute_efficiency=0.4), 6, 0.1, study)
+    with sessions() as s:
+        assert store.latest_constants(s, "cpu-local") == ModelConstants(compute_efficiency=0.4)
+        assert store.latest_constants(s, "a100-80gb") == ModelConstants(compute_efficiency=0.6)
+        assert store.latest_constants(s, "h100-80gb") is None
