@@ -24,16 +24,18 @@ test: setup system-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests
 
-# The store tests start their own PostgreSQL server: install its binaries when missing (as root,
-# e.g. CI on a fresh machine); otherwise say what to install.
+# The store tests start their own PostgreSQL server, the Slurm tests their own Slurm cluster
+# (scripts/slurm-local.sh): install the binaries when missing (as root, e.g. CI on a fresh
+# machine); otherwise say what to install.
 system-deps:
 	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
 	else echo "PostgreSQL server binaries missing: sudo apt-get install postgresql" >&2; exit 1; fi
+	@bash scripts/slurm-local.sh install
 
-# Everything but the multi-process runs: seconds, for the edit-test loop.
+# Everything but the multi-process runs and the Slurm cluster: seconds, for the edit-test loop.
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not distributed"
+	$(BIN)/python -m pytest tests -m "not distributed and not slurm"
 
 lint: setup
 	$(BIN)/ruff check .

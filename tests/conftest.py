@@ -34,3 +34,13 @@ def database_url(request, tmp_path: Path) -> str:
         conn.execute(text("DROP SCHEMA public CASCADE; CREATE SCHEMA public"))
     engine.dispose()
     return url
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real single-node Slurm cluster with accounting (scripts/slurm-local.sh), shared by the
+    session. Fails, never skips, where it cannot start: a missing cluster is a broken test setup."""
+    from tests.slurm_cluster import slurm_cluster
+
+    with slurm_cluster() as cluster:
+        yield cluster
