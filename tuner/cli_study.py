@@ -10,12 +10,13 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tuner import store
 from tuner.db import DatabaseError, connect
-from tuner.dispatch.local import LocalDispatcher
+from tuner.dispatch import BACKENDS, make_dispatcher
 from tuner.loop import Progress as LoopProgress
 from tuner.loop import run_study
 from tuner.settings import Settings
@@ -37,7 +38,7 @@ def _sessions(settings: Settings):
         _fail(str(e))
 
 
-def _run(spec_path: Path, name: str | None, settings: Settings) -> str:
+def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | None = None) -> str:
     try:
         spec = load_spec(spec_path)
     except SpecError as e:
@@ -52,24 +53,24 @@ def _run(spec_path: Path, name: str | None, settings: Settings) -> str:
         elif existing.status in ("COMPLETE", "FAILED", "CANCELLED"):
             _fail(f"study {spec.name!r} already ran ({existing.status}); pick another --name")
         else:
-            console.print(f"resuming study {spec.name!r} ({existing.status})")
+            console.print(f"resuming study {escape(repr(spec.name))} ({existing.status})")
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[best]}"), console=console) as bar:  # fmt: skip
-        task = bar.add_task(spec.name, total=spec.budget.max_trials, best="")
+        task = bar.add_task(escape(spec.name), total=spec.budget.max_trials, best="")
 
         def update(p: LoopProgress) -> None:
             best = f"best {p.best_tokens_per_s:,.0f} tokens/s: {p.best_layout}" if p.best_layout else ""
             bar.update(task, completed=min(p.finished, spec.budget.max_trials), best=best)
-            bar.console.print(f"  {p.last}")
+            bar.console.print(f"  {escape(p.last)}")
 
-        status = run_study(sessions, spec.name, LocalDispatcher(), settings.work_dir, on_progress=update,
+        status = run_study(sessions, spec.name, make_dispatcher(spec, backend), settings.work_dir, on_progress=update,
                            should_stop=lambda: stop["now"])  # fmt: skip
     with sessions() as s:
         study = store.get_study(s, spec.name)
         best = store.best_trial(s, study)
-        console.print(f"study {spec.name!r}: {status}")
+        console.print(f"study {escape(repr(spec.name))}: {status}")
         if best is None:
             console.print("no layout completed")
         else:
@@ -85,9 +86,14 @@ def register(app: typer.Typer) -> None:
     def run(
         spec: Annotated[Path, typer.Argument(help="study spec (YAML)")],
         name: Annotated[str | None, typer.Option(help="study name (default: the spec's)")] = None,
+        backend: Annotated[
+            str | None, typer.Option(help=f"where trials run: {list(BACKENDS)} (default: the spec's)")
+        ] = None,
     ) -> None:
         """Run a study in the foreground (resumes it if it was interrupted)."""
-        status = _run(spec, name, Settings.from_env())
+        if backend is not None and backend not in BACKENDS:
+            _fail(f"--backend: {backend!r} is not one of {list(BACKENDS)}")
+        status = _run(spec, name, Settings.from_env(), backend)
         raise typer.Exit(0 if status == "COMPLETE" else 1)
 
     @app.command()
@@ -109,7 +115,7 @@ def register(app: typer.Typer) -> None:
             return
         table = Table("name", "status", "model", "cluster", "gpus", "sampler", "trials", "created")
         for r in rows:
-            table.add_row(*(str(r[k]) for k in ("name", "status", "model", "cluster", "gpus", "sampler", "trials")),
+            table.add_row(*(escape(str(r[k])) for k in ("name", "status", "model", "cluster", "gpus", "sampler", "trials")),
                           r["created_at"][:19])  # fmt: skip
         console.print(table)
 
@@ -124,22 +130,14 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(rows, indent=1))
             return
-        table = Table(
-            "#",
-            "state",
-            "layout",
-            "tokens/s",
-            "TFLOP/s/dev",
-            "MFU",
-            "peak MiB",
-            "predicted tokens/s",
-            "failure",
-        )
+        table = Table("#", "state", "layout", "tokens/s", "TFLOP/s/dev", "MFU", "peak MiB", "predicted tokens/s",
+                      "failure", "job", "job state")  # fmt: skip
         for r in rows:
             table.add_row(str(r["number"]), r["state"], r["layout"], _num(r["tokens_per_s"], ",.0f"),
                           _num(r["tflops_per_device"], ".4f"), _num(r["mfu"], ".1%"),
                           _num(r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2**20, ".1f"),
-                          _num(r["predicted_tokens_per_s"], ",.0f"), r["failure_kind"] or "")  # fmt: skip
+                          _num(r["predicted_tokens_per_s"], ",.0f"), r["failure_kind"] or "",
+                          (r["job_id"] or "").partition("@")[0], r["job_state"] or "")  # fmt: skip
         console.print(table)
 
     @app.command()
@@ -183,7 +181,8 @@ def _trial_row(t) -> dict[str, Any]:
         "tokens_per_s": t.tokens_per_s, "tflops_per_device": t.tflops_per_device, "mfu": t.mfu,
         "peak_memory_bytes": t.peak_memory_bytes, "predicted_tokens_per_s": t.predicted_tokens_per_s,
         "predicted_memory_bytes": t.predicted_memory_bytes, "failure_kind": t.failure_kind,
-        "failure_message": t.failure_message, "job_id": t.job_id, "log_path": t.log_path, "attempts": t.attempts,
+        "failure_message": t.failure_message, "job_id": t.job_id, "job_state": t.job_state, "log_path": t.log_path,
+        "attempts": t.attempts,
     }  # fmt: skip
 
 

@@ -42,7 +42,7 @@ def _cpu_local() -> dict[str, Any]:
         "device_memory_gb": round(mem_gb / cores, 1), "peak_tflops": 0.05,
         # gloo over loopback: a few GB/s and tens of microseconds per message.
         "intra_node_gbps": 2.0, "inter_node_gbps": 2.0,
-        "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0,
+        "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0, "cores_per_node": cores,
     }  # fmt: skip
 
 
@@ -70,6 +70,17 @@ CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
                              "inter_node_latency_us": 12},
 }  # fmt: skip
 CLUSTER_PRESET_NAMES = ("cpu-local", *CLUSTER_PRESETS)
+
+
+def slug(name: str) -> str:
+    """A file-system and job-name safe form of a user's name: [A-Za-z0-9_.-] only, never '..' or a
+    leading dot, plus a short hash of the original so that different names stay apart."""
+    import hashlib
+
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).replace("..", "_").strip("._-")[:60] or "study"
+    if safe == name:
+        return name
+    return f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 def cluster_preset(name: str) -> dict[str, Any]:
@@ -137,6 +148,9 @@ class ClusterSpec(_Strict):
     inter_node_gbps: PositiveFloat = Field(description="per-node network bandwidth, GB/s")
     intra_node_latency_us: NonNegativeFloat = 5.0
     inter_node_latency_us: NonNegativeFloat = 10.0
+    # Set when a node's devices share fewer compute units than there are devices (CPU ranks on a
+    # few cores): the step then takes at least the node's total busy time over its cores.
+    cores_per_node: PositiveInt | None = None
 
     @property
     def total_devices(self) -> int:
@@ -201,8 +215,51 @@ class TrialSpec(_Strict):
     max_retries: int = Field(2, ge=0, description="re-runs after an infrastructure failure")
 
 
+# Values that end up as Slurm options: Slurm's own name syntax, nothing a shell or sbatch could
+# read as more than one word. Partitions may be a comma list; constraints use & | , [ ] * :.
+_SLURM_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.,-]*$"
+_SLURM_CONSTRAINT = r"^[A-Za-z0-9_.,&|\[\]*:-]+$"
+_MODULE = r"^[A-Za-z0-9][A-Za-z0-9_.+/-]*$"
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class SlurmSpec(_Strict):
+    """Where and how trials run on a Slurm cluster. Site-wide defaults come from settings
+    (TUNER_SLURM_*); what a spec sets wins. Raw shell lines for the job preamble are a site
+    setting only (TUNER_SLURM_SETUP), never part of a spec a user submits."""
+
+    account: str | None = Field(None, pattern=_SLURM_NAME, max_length=64)
+    partition: str | None = Field(None, pattern=_SLURM_NAME, max_length=128)
+    qos: str | None = Field(None, pattern=_SLURM_NAME, max_length=64)
+    constraint: str | None = Field(None, pattern=_SLURM_CONSTRAINT, max_length=128)
+    modules: list[str] = Field([], description="`module load` each, in order")
+    env: dict[str, str] = Field({}, description="exported in the job (values are quoted)")
+    cpus_per_task: PositiveInt | None = None
+    gpus_per_node: int | None = Field(None, ge=0, description="default: the cluster's, on cuda")
+    mode: Literal["job-per-trial", "allocation"] = "job-per-trial"
+    allocation_nodes: PositiveInt | None = Field(None, description="allocation mode; default: the study's")
+    allocation_minutes: PositiveInt = 60
+
+    @field_validator("modules")
+    @classmethod
+    def _modules(cls, v: list[str]) -> list[str]:
+        for m in v:
+            if not re.match(_MODULE, m):
+                raise ValueError(f"module name {m!r} must match {_MODULE}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not re.match(_ENV_NAME, k):
+                raise ValueError(f"environment variable name {k!r} must match {_ENV_NAME}")
+        return v
+
+
 class StudySpec(_Strict):
-    name: str = Field("study", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
+    # Any printable name: it is data. Paths and job names use slug(name), never the name itself.
+    name: str = Field("study", min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")
     model: ModelSpec
     cluster: ClusterSpec
     training: TrainingSpec
@@ -214,6 +271,7 @@ class StudySpec(_Strict):
     sampler: Literal[SAMPLERS] = "model"  # type: ignore[valid-type]
     seed: int = 0
     backend: Literal["local", "slurm", "dry-run"] = "local"
+    slurm: SlurmSpec = SlurmSpec()
 
     @field_validator("model", mode="before")
     @classmethod
