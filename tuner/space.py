@@ -46,6 +46,8 @@ class SearchSpace:
         self.model, self.num_gpus, self.gpus_per_node = model, num_gpus, gpus_per_node
         self.global_batch_size = global_batch_size
         self.space = space or SpaceSpec()
+        # A scaling study tries several device counts (space.num_gpus); by default, all of them.
+        self.world_sizes = sorted(self.space.num_gpus or [num_gpus])
 
     @classmethod
     def from_spec(cls, spec: StudySpec) -> SearchSpace:
@@ -61,17 +63,17 @@ class SearchSpace:
         schedules = [(sched, 1) for sched in s.pp_schedule if sched != "interleaved_1f1b"]
         if "interleaved_1f1b" in s.pp_schedule:
             schedules += [("interleaved_1f1b", v) for v in s.virtual_stages if v > 1]
-        for tp, pp in itertools.product(s.tp, s.pp):
+        for num_gpus, tp, pp in itertools.product(self.world_sizes, s.tp, s.pp):
             scheds = schedules if pp > 1 else [("1f1b", 1)]
             sps = s.sequence_parallel if tp > 1 else [False]
             combos = list(
                 itertools.product(scheds, s.micro_batch_size, s.zero_stage, s.activation_checkpoint, sps)
             )
-            if self.num_gpus % (tp * pp):
-                msg = f"tp ({tp}) * pp ({pp}) does not divide {self.num_gpus} GPUs"
+            if num_gpus % (tp * pp):
+                msg = f"tp ({tp}) * pp ({pp}) does not divide {num_gpus} GPUs"
                 yield from itertools.repeat((RULE_GPUS, msg), len(combos))
                 continue
-            dp = self.num_gpus // (tp * pp)
+            dp = num_gpus // (tp * pp)
             for (sched, v), mbs, zero, ac, sp in combos:
                 if self.global_batch_size % (dp * mbs):
                     msg = f"global batch {self.global_batch_size} not divisible by dp ({dp}) * micro_batch_size ({mbs})"
@@ -86,8 +88,9 @@ class SearchSpace:
     def violations(self, config: ParallelConfig) -> list[tuple[str, str]]:
         """(rule, message) for every rule `config` breaks in this study."""
         out = []
-        if config.world_size != self.num_gpus:
-            out.append((RULE_GPUS, f"tp*pp*dp = {config.world_size} != {self.num_gpus} GPUs in the study"))
+        if config.world_size not in self.world_sizes:
+            sizes = " or ".join(map(str, self.world_sizes))
+            out.append((RULE_GPUS, f"tp*pp*dp = {config.world_size} != {sizes} GPUs in the study"))
         if config.global_batch_size != self.global_batch_size:
             out.append((
                 RULE_BATCH,

@@ -178,6 +178,9 @@ class SpaceSpec(_Strict):
     sequence_parallel: list[bool] = [False, True]
     pp_schedule: list[Schedule] = ["1f1b", "interleaved_1f1b"]
     virtual_stages: list[PositiveInt] = [2, 4]  # for interleaved_1f1b
+    num_gpus: list[PositiveInt] | None = Field(
+        None, description="device counts to try (a scaling study); default: the study's num_gpus"
+    )
     allow_cross_node_tp: bool = False  # Megatron-LM (Narayanan et al. 2021, sec. 3.2): keep TP in a node
 
     @field_validator("pp_schedule", mode="before")
@@ -186,9 +189,11 @@ class SpaceSpec(_Strict):
         return [s.replace("-", "_") if isinstance(s, str) else s for s in v] if isinstance(v, list) else v
 
     @field_validator("tp", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint",
-                     "sequence_parallel", "pp_schedule", "virtual_stages")  # fmt: skip
+                     "sequence_parallel", "pp_schedule", "virtual_stages", "num_gpus")  # fmt: skip
     @classmethod
-    def _non_empty_unique(cls, v: list) -> list:
+    def _non_empty_unique(cls, v: list | None) -> list | None:
+        if v is None:
+            return v
         if not v:
             raise ValueError("needs at least one value")
         return sorted(set(v), key=v.index)
@@ -290,6 +295,8 @@ class StudySpec(_Strict):
             raise ValueError(
                 f"num_gpus ({gpus}) exceeds the cluster's {c.num_nodes} x {c.gpus_per_node} = {c.total_devices}"
             )
+        if self.space.num_gpus and max(self.space.num_gpus) > gpus:
+            raise ValueError(f"space.num_gpus {self.space.num_gpus} exceeds the study's num_gpus ({gpus})")
         if gpus % c.gpus_per_node and c.gpus_per_node % gpus:
             raise ValueError(
                 f"num_gpus ({gpus}) must be a multiple of gpus_per_node ({c.gpus_per_node}) or divide it "

@@ -200,16 +200,18 @@ def best_configs(
         q = q.where(Study.model_key == model)
     if cluster:
         q = q.where(Study.cluster_key == cluster)
+    world = Trial.tp * Trial.pp * Trial.dp  # a scaling study measures several device counts
     if num_gpus:
-        q = q.where(Study.num_gpus == num_gpus)
+        q = q.where(world == num_gpus)
     best: dict[tuple, Best] = {}
     for trial, study in session.execute(q.order_by(Trial.tokens_per_s.desc(), Trial.id)):
-        key = (study.model_key, study.cluster_key, study.num_gpus)
+        gpus = trial.tp * trial.pp * trial.dp
+        key = (study.model_key, study.cluster_key, gpus)
         if key not in best:
             spec = study.spec
             best[key] = Best(
                 study=study.name, model_key=study.model_key, num_params=study.num_params,
-                cluster_key=study.cluster_key, num_gpus=study.num_gpus, trial_number=trial.number,
+                cluster_key=study.cluster_key, num_gpus=gpus, trial_number=trial.number,
                 config=trial.config, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device,
                 mfu=trial.mfu, peak_memory_bytes=trial.peak_memory_bytes,
                 predicted_tokens_per_s=trial.predicted_tokens_per_s,

@@ -71,8 +71,9 @@ class SiteSettings:
 
 
 def time_limit_minutes(timeout_s: float) -> int:
-    """Slurm's --time for a trial: its timeout plus a minute for start-up, whole minutes."""
-    return max(1, math.ceil((timeout_s + 60) / 60))
+    """Slurm's --time for a trial: its timeout (start-up included) in whole minutes, at least 1.
+    Slurm enforces limits every 30 s, so a trial ends TIMEOUT up to ~30 s after it."""
+    return max(1, math.ceil(timeout_s / 60))
 
 
 def layout_resources(cfg: BenchmarkConfig, gpus_per_node: int) -> tuple[int, int]:

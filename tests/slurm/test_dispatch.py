@@ -1,0 +1,266 @@
+"""Studies on the real local Slurm cluster (scripts/slurm-local.sh): job per trial, the fault
+matrix, a worker killed and restarted while its jobs run, and names that must not reach a shell."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import sessionmaker
+
+from tests.slurm_cluster import SlurmCluster
+from tuner import store
+from tuner.db import connect, make_engine
+from tuner.dispatch import make_dispatcher
+from tuner.loop import run_study
+from tuner.spec import parse_spec, slug
+
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
+
+TUNER = shutil.which("tuner", path=str(Path(sys.executable).parent)) or "tuner"
+# One Slurm node advertising 8 CPUs: 8 CPU "devices" (ranks share the 2 real cores).
+CLUSTER = {"preset": "cpu-local", "gpus_per_node": 8, "num_nodes": 1}
+BASE = {
+    "model": "gpt-tiny", "cluster": CLUSTER, "num_gpus": 1,
+    "training": {"global_batch_size": 8, "precision": "fp32"},
+    "space": {"tp": [1], "pp": [1], "micro_batch_size": [8], "zero_stage": [0],
+              "activation_checkpoint": ["none"], "sequence_parallel": [False]},
+    "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 120, "device": "cpu", "max_retries": 1},
+    "sampler": "grid", "prune_predicted_oom": False, "backend": "slurm",
+    "slurm": {"partition": "debug", "env": {"GLOO_SOCKET_IFNAME": "lo"}},
+}  # fmt: skip
+
+
+@pytest.fixture
+def slurm_env(slurm_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
+    """This process talks to the test cluster (sbatch, sacct, squeue, scancel)."""
+    for key in ("SLURM_CONF", "PATH"):
+        monkeypatch.setenv(key, slurm_cluster.env[key])
+    return slurm_cluster
+
+
+def _spec(name: str, **overrides):
+    data = {**BASE, "name": name}
+    for key, value in overrides.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
+    return parse_spec(data)
+
+
+def _run(tmp_path: Path, spec, **kwargs) -> tuple[str, list]:
+    sessions = connect(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    with sessions.begin() as s:
+        store.create_study(s, spec)
+    status = run_study(sessions, spec.name, make_dispatcher(spec), tmp_path / "runs", poll_s=0.5, **kwargs)
+    with sessions() as s:
+        return status, store.trials(s, store.get_study(s, spec.name))
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} did not happen within {timeout_s} s")
+
+
+def _recording(fn, errors: list):
+    """fn for a thread: an exception is kept for the test to assert on, not lost."""
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as e:
+            errors.append(e)
+
+    return run
+
+
+def _running_job(tmp_path: Path, name: str) -> str | None:
+    """The Slurm id of the study's trial once its job is RUNNING (read from another thread: no
+    schema upgrade here, the study's own connect() does that)."""
+    path = tmp_path / "db.sqlite"
+    if not path.exists():
+        return None
+    try:
+        with sessionmaker(make_engine(f"sqlite:///{path}"))() as s:
+            study = store.get_study(s, name)
+            for t in store.trials(s, study) if study else []:
+                if t.job_state == "RUNNING" and t.job_id:
+                    return t.job_id.partition("@")[0]
+    except OperationalError:  # the schema is still being created
+        pass
+    return None
+
+
+def test_study_of_world_sizes_1_2_4_runs_one_job_per_trial(slurm_env: SlurmCluster, tmp_path: Path) -> None:
+    spec = _spec("scaling", num_gpus=4, space={"num_gpus": [1, 2, 4], "micro_batch_size": [2],
+                                                   "activation_checkpoint": ["none", "full"]},
+                 budget={"max_trials": 6, "trials_in_flight": 2})  # fmt: skip
+    status, trials = _run(tmp_path, spec)
+    assert status == "COMPLETE"
+    assert [t.state for t in trials] == ["COMPLETE"] * 6
+    assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 1, 2, 2, 4, 4]
+    assert all(t.tokens_per_s > 0 and t.job_state == "COMPLETED" and t.attempts == 1 for t in trials)
+    jobs = {t.job_id.partition("@")[0] for t in trials}
+    assert len(jobs) == 6 and all(j.isdigit() for j in jobs)
+    for t in trials:  # Slurm ran the layout's world size: one task per rank
+        ntasks = slurm_env.run(
+            "sacct", "-X", "-n", "-P", "-j", t.job_id.partition("@")[0], "--format=NTasks,AllocCPUS"
+        )
+        assert ntasks.split("|")[1].strip() == str(t.tp * t.pp * t.dp)
+
+
+def test_oom_from_the_trainers_memory_cap_is_a_failed_trial(slurm_env: SlurmCluster, tmp_path: Path) -> None:
+    # A 1 MB device: the trainer's measured peak goes over the cap (BenchmarkConfig.max_memory_bytes).
+    spec = _spec("oom", cluster={**CLUSTER, "device_memory_gb": 0.001})
+    status, (trial,) = _run(tmp_path, spec)
+    assert status == "COMPLETE"
+    assert (trial.state, trial.failure_kind, trial.job_state) == ("FAIL", "oom", "COMPLETED")
+    assert "max_memory_bytes" in trial.failure_message
+
+
+def test_crash_is_a_failed_trial(slurm_env: SlurmCluster, tmp_path: Path) -> None:
+    spec = _spec("crash", num_gpus=2, space={"micro_batch_size": [4]},
+                 slurm={**BASE["slurm"], "env": {**BASE["slurm"]["env"], "TRAINER_FAULT": "raise:1:0"}})  # fmt: skip
+    status, (trial,) = _run(tmp_path, spec)
+    assert (status, trial.state, trial.failure_kind) == ("COMPLETE", "FAIL", "crash")
+    assert "rank 1" in trial.failure_message
+
+
+def test_slurm_time_limit_is_a_timeout(slurm_env: SlurmCluster, tmp_path: Path) -> None:
+    spec = _spec("timeout", trial={**BASE["trial"], "timeout_s": 30},
+                 slurm={**BASE["slurm"], "env": {**BASE["slurm"]["env"], "TRAINER_FAULT": "hang:0:0"}})  # fmt: skip
+    status, (trial,) = _run(tmp_path, spec)
+    assert (status, trial.state, trial.failure_kind, trial.job_state) == (
+        "COMPLETE",
+        "FAIL",
+        "timeout",
+        "TIMEOUT",
+    )
+
+
+def test_scancel_from_outside_is_a_cancelled_trial(slurm_env: SlurmCluster, tmp_path: Path) -> None:
+    spec = _spec(
+        "scancel", slurm={**BASE["slurm"], "env": {**BASE["slurm"]["env"], "TRAINER_FAULT": "hang:0:0"}}
+    )
+
+    def cancel_when_running() -> None:
+        job = _wait(lambda: _running_job(tmp_path, "scancel"), 60, "the trial's job running")
+        slurm_env.run("scancel", job)
+
+    thread = threading.Thread(target=_recording(cancel_when_running, errors := []))
+    thread.start()
+    status, (trial,) = _run(tmp_path, spec)
+    thread.join()
+    assert not errors
+    assert (status, trial.state, trial.failure_kind, trial.job_state) == (
+        "COMPLETE",
+        "FAIL",
+        "cancelled",
+        "CANCELLED",
+    )
+    assert "outside the tuner" in trial.failure_message
+
+
+def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
+    slurm_env: SlurmCluster, tmp_path: Path
+) -> None:
+    spec = _spec("node-down", trial={**BASE["trial"], "measure_steps": 400})
+    downed: list[str] = []
+
+    def down_then_resume() -> None:
+        job = _wait(lambda: _running_job(tmp_path, "node-down"), 60, "the trial's job running")
+        slurm_env.run("scontrol", "update", f"nodename={slurm_env.node}", "state=down", "reason=tuner-test")
+        downed.append(job)
+        _wait(lambda: slurm_env.job_state(job) == "NODE_FAIL", 60, "NODE_FAIL")
+        # slurmd re-registers and ReturnToService=2 may have resumed the node already
+        subprocess.run(["scontrol", "update", f"nodename={slurm_env.node}", "state=resume"],
+                       env=slurm_env.env, capture_output=True)  # fmt: skip
+
+    thread = threading.Thread(target=_recording(down_then_resume, errors := []))
+    thread.start()
+    try:
+        status, (trial,) = _run(tmp_path, spec)
+    finally:
+        thread.join()
+        subprocess.run(["scontrol", "update", f"nodename={slurm_env.node}", "state=resume"],
+                       env=slurm_env.env, capture_output=True)  # fmt: skip
+    assert not errors and downed and slurm_env.job_state(downed[0]) == "NODE_FAIL"
+    # The infrastructure failure was retried as the same trial; the retry ran to the end.
+    assert (status, trial.state, trial.attempts, trial.job_state) == ("COMPLETE", "COMPLETE", 2, "COMPLETED")
+    assert trial.job_id.partition("@")[0] != downed[0]
+
+
+def _db_trials(db: str, name: str) -> list[tuple[int, str, int, str | None, str]]:
+    with connect(db)() as s:
+        study = store.get_study(s, name)
+        return (
+            [(t.number, t.state, t.attempts, t.job_id, t.layout_key) for t in store.trials(s, study)]
+            if study
+            else []
+        )
+
+
+def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster, tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    spec = {**BASE, "name": "sigkill", "num_gpus": 2,
+            "space": {**BASE["space"], "tp": [1, 2], "micro_batch_size": [1, 2, 4]},
+            "trial": {**BASE["trial"], "measure_steps": 60}, "budget": {"max_trials": 4, "trials_in_flight": 2}}  # fmt: skip
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {**slurm_env.env, "TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp_path / "runs")}
+    worker = subprocess.Popen([TUNER, "run", str(path)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        running = _wait(lambda: [t for t in _db_trials(db, "sigkill") if t[1] == "RUNNING"][:2]
+                        if sum(t[1] == "RUNNING" for t in _db_trials(db, "sigkill")) == 2 else None,
+                        120, "two trials running")  # fmt: skip
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+    # The jobs live on without the worker; a new worker re-attaches to them.
+    for _, _, _, job_id, _ in running:
+        assert slurm_env.job_state(job_id.partition("@")[0]) in ("RUNNING", "PENDING", "COMPLETED")
+    done = subprocess.run([TUNER, "run", str(path)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    final = _db_trials(db, "sigkill")
+    assert [t[1] for t in final] == ["COMPLETE"] * 4
+    assert len({t[4] for t in final}) == 4  # no layout twice
+    by_number = {t[0]: t for t in final}
+    for number, _, attempts, job_id, _ in running:  # re-attached: same job, not run again
+        assert (by_number[number][2], by_number[number][3]) == (attempts, job_id)
+    submitted = slurm_env.run("sacct", "-X", "-n", "-P", "--format=JobName", "-S", "now-1hour").split()
+    assert sum(name.startswith("sigkill-") for name in submitted) == 4  # one job per trial, none twice
+
+
+HOSTILE = "x; rm -rf $(pwd) \"q\" 's' ../../etc `id` "
+
+
+def test_hostile_names_reach_sbatch_and_paths_only_sanitised(slurm_env: SlurmCluster, tmp_path: Path) -> None:
+    canary = tmp_path / "pwned"
+    spec = _spec(HOSTILE, slurm={**BASE["slurm"], "env": {**BASE["slurm"]["env"],
+                                                          "TUNER_NOTE": f"$(touch {canary}); `touch {canary}` \" '"}})  # fmt: skip
+    status, (trial,) = _run(tmp_path, spec)
+    assert (status, trial.state) == ("COMPLETE", "COMPLETE")
+    runs = (tmp_path / "runs").resolve()
+    trial_dir = Path(trial.log_path).parent.resolve()
+    assert trial_dir.parent == runs / slug(HOSTILE) and trial_dir.is_relative_to(runs)
+    assert set(slug(HOSTILE)) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+    assert not canary.exists()
+    job = trial.job_id.partition("@")[0]
+    name = slurm_env.run("sacct", "-X", "-n", "-P", "-j", job, "--format=JobName").strip()
+    assert name == f"{slug(HOSTILE)}-0"[: len(name)]
+    script = (trial_dir / "job.sbatch").read_text()
+    assert "$(touch" in script and f"export TUNER_NOTE='$(touch {canary})" in script
