@@ -30,10 +30,12 @@ def torchrun_command(num_procs: int, config: Path, out: Path, python: str = sys.
     ]  # fmt: skip
 
 
-def local_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a trial on this machine: collectives on the loopback interface only."""
+def local_env(extra: dict[str, str] | None = None, loopback: bool = True) -> dict[str, str]:
+    """Environment for a trial: collectives on the loopback interface only when it runs on this
+    machine alone (`loopback`)."""
     env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if loopback:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The trial must import this checkout's trainer even when the caller runs from elsewhere.
     root = str(Path(__file__).resolve().parent.parent)
@@ -96,15 +98,19 @@ def start_local(
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
     python: str = sys.executable,
+    command: list[str] | None = None,
 ) -> LocalRun:
-    """Write the config into `work_dir` and start torchrun with one process per rank."""
+    """Write the config into `work_dir` and start torchrun with one process per rank (or
+    `command`, e.g. an srun step, which must read config.json and write result.json there)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / CONFIG_FILE).write_text(cfg.to_json())
     (work_dir / RESULT_FILE).unlink(missing_ok=True)
-    cmd = torchrun_command(cfg.parallel.world_size, work_dir / CONFIG_FILE, work_dir / RESULT_FILE, python)
+    cmd = command or torchrun_command(
+        cfg.parallel.world_size, work_dir / CONFIG_FILE, work_dir / RESULT_FILE, python
+    )
     with open(work_dir / LOG_FILE, "wb") as log:
         process = subprocess.Popen(
-            cmd, cwd=work_dir, env=local_env(env), stdout=log, stderr=subprocess.STDOUT,
+            cmd, cwd=work_dir, env=local_env(env, loopback=command is None), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
     return LocalRun(work_dir, process, time.monotonic(), timeout_s)

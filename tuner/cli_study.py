@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -65,8 +66,12 @@ def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | N
             bar.update(task, completed=min(p.finished, spec.budget.max_trials), best=best)
             bar.console.print(f"  {escape(p.last)}")
 
-        status = run_study(sessions, spec.name, make_dispatcher(spec, backend), settings.work_dir, on_progress=update,
-                           should_stop=lambda: stop["now"])  # fmt: skip
+        if (backend or spec.backend) == "slurm" and spec.slurm.mode == "allocation":
+            status = _follow_allocations(sessions, spec, settings, lambda n: bar.update(task, completed=n),
+                                         should_stop=lambda: stop["now"])  # fmt: skip
+        else:
+            status = run_study(sessions, spec.name, make_dispatcher(spec, backend), settings.work_dir,
+                               on_progress=update, should_stop=lambda: stop["now"])  # fmt: skip
     with sessions() as s:
         study = store.get_study(s, spec.name)
         best = store.best_trial(s, study)
@@ -79,6 +84,45 @@ def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | N
                           f"{best.tflops_per_device:.4f} TFLOP/s per device, MFU {best.mfu:.1%}, "
                           f"peak {best.peak_memory_bytes / 2**20:.1f} MiB (trial {best.number})")  # fmt: skip
     return status
+
+
+MAX_ALLOCATIONS = 20
+
+
+def _follow_allocations(sessions, spec, settings: Settings, on_finished, should_stop) -> str:
+    """Allocation mode: submit an allocation that runs the study, follow it in the database, and
+    submit the next one when an allocation ends with the study unfinished (handed back)."""
+    from tuner.dispatch.allocation import submit_allocation
+    from tuner.dispatch.slurm import ACTIVE, SiteSettings, sacct_states, squeue_states
+
+    with sessions() as s:
+        study_id = store.get_study(s, spec.name).id
+    env = {"TUNER_DATABASE_URL": settings.database_url, "TUNER_WORK_DIR": str(settings.work_dir.resolve())}
+    site, job, submitted = SiteSettings.from_env(), None, 0
+    while True:
+        with sessions() as s:
+            study = s.get(store.Study, study_id)
+            status = study.status
+            on_finished(sum(t.state in ("COMPLETE", "FAIL") for t in study.trials))
+        if status in ("COMPLETE", "FAILED", "CANCELLED"):
+            return status
+        if should_stop():
+            with sessions.begin() as s:
+                s.get(store.Study, study_id).status = "CANCELLED"  # the runner cancels its steps
+            should_stop = lambda: False  # noqa: E731
+        state = None
+        if job is not None:
+            state = (squeue_states([job]) or sacct_states([job])).get(job, ("UNKNOWN", ""))[0]
+        if job is None or state not in ACTIVE:
+            with sessions() as s:  # the runner may have finished the study as its job ended
+                if (status := s.get(store.Study, study_id).status) in ("COMPLETE", "FAILED", "CANCELLED"):
+                    return status
+            if submitted >= MAX_ALLOCATIONS:
+                return status
+            job = submit_allocation(study_id, spec, settings.work_dir, site=site, env=env)
+            submitted += 1
+            console.print(f"  allocation {job} submitted ({spec.slurm.allocation_minutes} min)")
+        time.sleep(2)
 
 
 def register(app: typer.Typer) -> None:
@@ -95,6 +139,20 @@ def register(app: typer.Typer) -> None:
             _fail(f"--backend: {backend!r} is not one of {list(BACKENDS)}")
         status = _run(spec, name, Settings.from_env(), backend)
         raise typer.Exit(0 if status == "COMPLETE" else 1)
+
+    @app.command(hidden=True)
+    def alloc_run(
+        study_id: int,
+        margin_s: Annotated[
+            float | None,
+            typer.Option(help="hand the study back this long before the end (default: the spec's)"),
+        ] = None,
+    ) -> None:
+        """Inside a Slurm allocation: run the study's trials as srun steps (allocation mode)."""
+        from tuner.dispatch.allocation import run_in_allocation
+
+        status = run_in_allocation(study_id, margin_s=margin_s)
+        console.print(f"study {study_id}: {status}")
 
     @app.command()
     def demo() -> None:

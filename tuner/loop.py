@@ -63,8 +63,11 @@ def run_study(
     poll_s: float = 0.2,
     on_progress: Callable[[Progress], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    should_yield: Callable[[], bool] = lambda: False,
 ) -> str:
-    """Run (or resume) a study to its end; returns its final status."""
+    """Run (or resume) a study to its end; returns its final status. `should_stop` cancels the
+    study; `should_yield` hands it back unfinished (an allocation about to end): running trials
+    are stopped and re-queued, not failed, and the study returns to PENDING for the next worker."""
     with sessions.begin() as s:
         study = store.get_study(s, study_name)
         if study is None:
@@ -119,6 +122,14 @@ def run_study(
         return not (b.early_stop_trials and since_improvement >= b.early_stop_trials)
 
     while True:
+        if should_yield():
+            for trial_id, job in running.items():
+                dispatcher.cancel(job)
+                with sessions.begin() as s:
+                    store.requeue_trial(s.get(Trial, trial_id))
+            with sessions.begin() as s:
+                store.release_study(s.get(store.Study, study_id))
+            return "PENDING"
         if should_stop() or _cancelled(sessions, study_id):
             for trial_id, job in running.items():
                 dispatcher.cancel(job)

@@ -244,6 +244,9 @@ class SlurmSpec(_Strict):
     mode: Literal["job-per-trial", "allocation"] = "job-per-trial"
     allocation_nodes: PositiveInt | None = Field(None, description="allocation mode; default: the study's")
     allocation_minutes: PositiveInt = 60
+    allocation_margin_s: PositiveFloat = Field(
+        60.0, description="allocation mode: trials still running this long before the end are re-queued"
+    )
 
     @field_validator("modules")
     @classmethod

@@ -72,6 +72,11 @@ def claim_study(session: Session, study: Study) -> None:
     study.worker = f"{socket.gethostname()}:{os.getpid()}"
 
 
+def release_study(study: Study) -> None:
+    """RUNNING -> PENDING: this worker stops (its allocation ends); another one resumes it."""
+    study.status, study.worker = "PENDING", None
+
+
 def finish_study(session: Session, study: Study, status: str, error: str | None = None) -> None:
     study.status, study.error, study.finished_at = status, error, utcnow()
 

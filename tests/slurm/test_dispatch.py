@@ -3,6 +3,7 @@ matrix, a worker killed and restarted while its jobs run, and names that must no
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -264,3 +265,59 @@ def test_hostile_names_reach_sbatch_and_paths_only_sanitised(slurm_env: SlurmClu
     assert name == f"{slug(HOSTILE)}-0"[: len(name)]
     script = (trial_dir / "job.sbatch").read_text()
     assert "$(touch" in script and f"export TUNER_NOTE='$(touch {canary})" in script
+
+
+# --- allocation mode ----------------------------------------------------------------------------
+
+
+def test_allocation_mode_runs_the_study_as_steps_of_one_allocation(
+    slurm_env: SlurmCluster, tmp_path: Path
+) -> None:
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    spec = {**BASE, "name": "alloc", "num_gpus": 4,
+            "space": {**BASE["space"], "num_gpus": [1, 2, 4], "micro_batch_size": [2],
+                      "activation_checkpoint": ["none", "full"]},
+            "budget": {"max_trials": 6, "trials_in_flight": 3},
+            "slurm": {**BASE["slurm"], "mode": "allocation", "allocation_minutes": 10}}  # fmt: skip
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {**slurm_env.env, "TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp_path / "runs")}
+    done = subprocess.run([TUNER, "run", str(path), "--backend", "slurm"], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with connect(db)() as s:
+        trials = store.trials(s, store.get_study(s, "alloc"))
+    assert [t.state for t in trials] == ["COMPLETE"] * 6
+    assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 1, 2, 2, 4, 4]
+    allocations = {t.job_id.split(":")[1] for t in trials}
+    assert len(allocations) == 1 and all(t.job_id.startswith("step:") for t in trials)
+    (allocation,) = allocations
+    assert slurm_env.job_state(allocation) == "COMPLETED"
+    # srun steps of that one allocation, several side by side (1 + 2 + 4 ranks fit its 8 CPUs)
+    steps = slurm_env.run("sacct", "-n", "-P", "-j", allocation, "--format=JobID,JobName").split()
+    assert sum(line.startswith(f"{allocation}.") and "alloc-" in line for line in steps) == 6
+    spans = sorted((t.started_at, t.finished_at) for t in trials)
+    assert any(b[0] < a[1] for a, b in itertools.pairwise(spans))
+
+
+def test_trials_cut_off_by_the_allocations_end_are_requeued(slurm_env: SlurmCluster, tmp_path: Path) -> None:
+    from tuner.dispatch.allocation import submit_allocation
+    from tuner.dispatch.slurm import SiteSettings
+
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    spec = _spec("cutoff", slurm={**BASE["slurm"], "mode": "allocation", "allocation_minutes": 1,
+                                  "allocation_margin_s": 15,
+                                  "env": {**BASE["slurm"]["env"], "TRAINER_FAULT": "hang:0:0"}})  # fmt: skip
+    sessions = connect(db)
+    with sessions.begin() as s:
+        study_id = store.create_study(s, spec).id
+    env = {"TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp_path / "runs")}
+    job = submit_allocation(study_id, spec, tmp_path / "runs", site=SiteSettings(), env=env)
+    assert slurm_env.wait_final_state(job, timeout_s=150) == "COMPLETED"  # the runner left in time
+    with sessions() as s:
+        study = s.get(store.Study, study_id)
+        (trial,) = store.trials(s, study)
+        assert study.status == "PENDING"  # handed back for the next allocation
+        assert (trial.state, trial.attempts, trial.failure_kind) == ("WAITING", 1, None)
+    log = next((tmp_path / "runs" / "cutoff").glob("allocation-*.log")).read_text()
+    assert "PENDING" in log
