@@ -4,6 +4,7 @@ matrix, a worker killed and restarted while its jobs run, and names that must no
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -233,7 +234,15 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
             os.killpg(worker.pid, signal.SIGKILL)
     # The jobs live on without the worker; a new worker re-attaches to them.
     for _, _, _, job_id, _ in running:
-        assert slurm_env.job_state(job_id.partition("@")[0]) in ("RUNNING", "PENDING", "COMPLETED")
+        slurm_id = job_id.partition("@")[0]
+        queued = subprocess.run(["squeue", "-h", "-j", slurm_id, "-o", "%T"], env=slurm_env.env,
+                                capture_output=True, text=True).stdout.strip()  # fmt: skip
+        assert (queued or slurm_env.wait_final_state(slurm_id)) in (
+            "RUNNING",
+            "PENDING",
+            "COMPLETING",
+            "COMPLETED",
+        )
     done = subprocess.run([TUNER, "run", str(path)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     final = _db_trials(db, "sigkill")
@@ -242,6 +251,13 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
     by_number = {t[0]: t for t in final}
     for number, _, attempts, job_id, _ in running:  # re-attached: same job, not run again
         assert (by_number[number][2], by_number[number][3]) == (attempts, job_id)
+    shown = subprocess.run([TUNER, "trials", "sigkill", "--json"], env=env, capture_output=True, text=True)
+    rows = json.loads(shown.stdout)
+    assert [(r["job_id"], r["job_state"]) for r in rows] == [(t[3], "COMPLETED") for t in final]
+    table = subprocess.run(
+        [TUNER, "trials", "sigkill"], env={**env, "COLUMNS": "250"}, capture_output=True, text=True
+    )
+    assert all(t[3].partition("@")[0] in table.stdout for t in final) and "COMPLETED" in table.stdout
     submitted = slurm_env.run("sacct", "-X", "-n", "-P", "--format=JobName", "-S", "now-1hour").split()
     assert sum(name.startswith("sigkill-") for name in submitted) == 4  # one job per trial, none twice
 
