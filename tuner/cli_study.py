@@ -125,6 +125,17 @@ def _follow_allocations(sessions, spec, settings: Settings, on_finished, should_
         time.sleep(2)
 
 
+Url = Annotated[
+    str | None,
+    typer.Option("--url", envvar="TUNER_URL", help="a `tuner serve` API; default: the database"),
+]
+Token = Annotated[
+    str | None,
+    typer.Option("--token", envvar="TUNER_API_TOKEN", help="bearer token for --url", show_default=False),
+]
+Json = Annotated[bool, typer.Option("--json", help="print JSON")]
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def run(
@@ -162,31 +173,56 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(0 if status == "COMPLETE" else 1)
 
     @app.command()
-    def studies(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    def studies(url: Url = None, token: Token = None, as_json: Json = False) -> None:
         """List studies."""
-        with _sessions(Settings.from_env())() as s:
-            rows = [{"name": st.name, "status": st.status, "model": st.model_key, "cluster": st.cluster_key,
-                     "gpus": st.num_gpus, "sampler": st.sampler, "trials": len(st.trials),
-                     "created_at": st.created_at.isoformat()} for st in store.list_studies(s)]  # fmt: skip
+        if url:
+            rows = [{"id": r["id"], "name": r["name"], "status": r["status"], "model": r["model"], "cluster": r["cluster"],
+                     "gpus": r["gpus"], "sampler": r["sampler"], "trials": sum(r["progress"]["by_state"].values()),
+                     "created_at": r["created_at"]} for r in _client(url, token).studies()]  # fmt: skip
+        else:
+            with _sessions(Settings.from_env())() as s:
+                found = store.list_studies(s)
+                counts = store.trial_counts(s, [st.id for st in found])
+                rows = [{"id": st.id, "name": st.name, "status": STATUS_WORDS.get(st.status, st.status), "model": st.model_key,
+                         "cluster": st.cluster_key, "gpus": st.num_gpus, "sampler": st.sampler,
+                         "trials": sum(counts[st.id].values()), "created_at": st.created_at.isoformat()}
+                        for st in found]  # fmt: skip
         if as_json:
             typer.echo(json.dumps(rows, indent=1))
             return
-        table = Table("name", "status", "model", "cluster", "gpus", "sampler", "trials", "created")
+        table = Table("id", "name", "status", "model", "cluster", "gpus", "sampler", "trials", "created")
         for r in rows:
-            table.add_row(*(escape(str(r[k])) for k in ("name", "status", "model", "cluster", "gpus", "sampler", "trials")),
-                          r["created_at"][:19])  # fmt: skip
+            table.add_row(*(escape(str(r[k])) for k in ("id", "name", "status", "model", "cluster", "gpus", "sampler",
+                                                        "trials")), r["created_at"][:19])  # fmt: skip
         console.print(table)
 
     @app.command()
-    def trials(study: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    def trials(
+        study: Annotated[str, typer.Argument(help="study id or name (id only with --url)")],
+        url: Url = None, token: Token = None, as_json: Json = False,
+        csv: Annotated[bool, typer.Option("--csv", help="every trial as one flat CSV table")] = False,
+    ) -> None:  # fmt: skip
         """The trials of one study."""
-        with _sessions(Settings.from_env())() as s:
-            found = store.get_study(s, study)
-            if found is None:
-                _fail(f"no study {study!r}; see `tuner studies`")
-            rows = [_trial_row(t) for t in store.trials(s, found)]
+        if url:
+            client = _client(url, token)
+            study_id = _study_id(study)
+            if csv:
+                typer.echo(_call(lambda: client.trials_csv(study_id)), nl=False)
+                return
+            rows = _call(lambda: client.trials(study_id))
+        else:
+            with _sessions(Settings.from_env())() as s:
+                found = store.get_study(s, study)
+                if found is None:
+                    _fail(f"no study {study!r}; see `tuner studies`")
+                if csv:
+                    from api.frames import trials_frame
+
+                    typer.echo(trials_frame(store.trials(s, found)).to_csv(index=False), nl=False)
+                    return
+                rows = [_trial_row(t) for t in store.trials(s, found)]
         if as_json:
-            typer.echo(json.dumps(rows, indent=1))
+            typer.echo(json.dumps(rows, indent=1, default=str))
             return
         table = Table("#", "state", "layout", "tokens/s", "TFLOP/s/dev", "MFU", "peak MiB", "predicted tokens/s",
                       "failure", "job", "job state")  # fmt: skip
@@ -203,11 +239,14 @@ def register(app: typer.Typer) -> None:
         model: Annotated[str | None, typer.Option(help="model preset or shape key")] = None,
         gpus: Annotated[int | None, typer.Option(help="devices")] = None,
         cluster: Annotated[str | None, typer.Option(help="cluster name")] = None,
-        as_json: Annotated[bool, typer.Option("--json")] = False,
-    ) -> None:
+        url: Url = None, token: Token = None, as_json: Json = False,
+    ) -> None:  # fmt: skip
         """The fastest measured layout per model size, cluster and device count, across studies."""
-        with _sessions(Settings.from_env())() as s:
-            rows = [b.to_dict() for b in store.best_configs(s, model=model, cluster=cluster, num_gpus=gpus)]
+        if url:
+            rows = _call(lambda: _client(url, token).best(model=model, gpus=gpus, cluster=cluster))
+        else:
+            with _sessions(Settings.from_env())() as s:
+                rows = store.best_rows(s, model=model, cluster=cluster, num_gpus=gpus)
         if as_json:
             typer.echo(json.dumps(rows, indent=1))
             return
@@ -215,12 +254,141 @@ def register(app: typer.Typer) -> None:
             typer.echo("no completed trial matches")
             raise typer.Exit(1)
         for r in rows:
-            from trainer.config import ParallelConfig
+            mfu = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU -"
+            typer.echo(f"{r['model']} ({r['num_params'] / 1e6:,.1f}M params) on {r['gpus']} x {r['cluster']}: "
+                       f"{r['layout']} - {r['tokens_per_s']:,.0f} tokens/s, {mfu} (study {r['study_id']} "
+                       f"{r['study']!r}, trial {r['trial_number']})")  # fmt: skip
 
-            layout = ParallelConfig.from_dict(r["config"]).describe()
-            typer.echo(f"{r['model_key']} ({r['num_params'] / 1e6:,.1f}M params) on {r['num_gpus']} x {r['cluster_key']}: "
-                       f"{layout} - {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%} (study {r['study']}, trial "
-                       f"{r['trial_number']})")  # fmt: skip
+    @app.command()
+    def submit(
+        spec: Annotated[Path, typer.Argument(help="study spec (YAML)")],
+        url: Url = None, token: Token = None,
+        wait: Annotated[bool, typer.Option("--wait", help="follow the study to its end with a progress bar")] = False,
+        as_json: Json = False,
+    ) -> None:  # fmt: skip
+        """Submit a study for a worker to run: to a server (--url), or straight into the database."""
+        try:
+            text = spec.read_text()
+            parsed = load_spec(spec)
+        except SpecError as e:
+            _fail(str(e))
+        except OSError as e:
+            _fail(f"{spec}: cannot read: {e.strerror}")
+        if url:
+            client = _client(url, token)
+            created = _call(lambda: client.submit(text))
+            study_id = created["id"]
+        else:
+            with _sessions(Settings.from_env()).begin() as s:
+                try:
+                    study_id = store.create_study(s, parsed).id
+                except store.StudyExists as e:
+                    _fail(str(e))
+        if as_json and not wait:
+            typer.echo(json.dumps({"id": study_id, "name": parsed.name}))
+            return
+        console.print(f"study {study_id} {escape(repr(parsed.name))} submitted")
+        if wait:
+            status = _wait_for(study_id, url, token, parsed.budget.max_trials)
+            raise typer.Exit(0 if status == "done" else 1)
+
+    @app.command()
+    def cancel(
+        study: Annotated[str, typer.Argument(help="study id (or name without --url)")],
+        url: Url = None,
+        token: Token = None,
+    ) -> None:
+        """Cancel a pending or running study."""
+        if url:
+            _call(lambda: _client(url, token).cancel(_study_id(study)))
+        else:
+            with _sessions(Settings.from_env()).begin() as s:
+                found = store.get_study(s, study)
+                if found is None:
+                    _fail(f"no study {study!r}; see `tuner studies`")
+                if found.status in store.FINISHED_STUDY:
+                    _fail(f"study {study!r} is already {found.status}")
+                store.finish_study(s, found, "CANCELLED", "cancelled from the CLI")
+        console.print(f"study {escape(study)} cancelled")
+
+    @app.command()
+    def export(
+        study: Annotated[str, typer.Argument(help="study id (or name without --url)")],
+        fmt: Annotated[str, typer.Option("--format", help="torchtitan | megatron | sbatch")] = "torchtitan",
+        url: Url = None, token: Token = None,
+    ) -> None:  # fmt: skip
+        """The study's best layout as a ready launch config."""
+        from tuner.export import FORMATS, export_layout
+
+        if fmt not in FORMATS:
+            _fail(f"--format: {fmt!r} is not one of {list(FORMATS)}")
+        if url:
+            typer.echo(_call(lambda: _client(url, token).export(_study_id(study), fmt)), nl=False)
+            return
+        with _sessions(Settings.from_env())() as s:
+            found = store.get_study(s, study)
+            if found is None:
+                _fail(f"no study {study!r}; see `tuner studies`")
+            best_trial = store.best_trial(s, found)
+            if best_trial is None:
+                _fail(f"study {study!r} has no completed trial yet")
+            from tuner.spec import StudySpec
+
+            typer.echo(
+                export_layout(fmt, StudySpec.model_validate(found.spec), store.config_of(best_trial)),
+                nl=False,
+            )
+
+    @app.command()
+    def worker(
+        once: Annotated[bool, typer.Option(help="run one study, then exit")] = False,
+        exit_when_idle: Annotated[bool, typer.Option(help="exit when no study is pending")] = False,
+        poll_s: Annotated[float, typer.Option(help="seconds between looks for pending studies")] = 2.0,
+        backend: Annotated[str | None, typer.Option(help=f"{list(BACKENDS)} (default: each spec's)")] = None,
+    ) -> None:
+        """Claim pending studies from the database and run them (several workers: PostgreSQL)."""
+        import threading
+
+        from tuner.worker import run_worker
+
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        ran = run_worker(Settings.from_env(), once=once, exit_when_idle=exit_when_idle, poll_s=poll_s,
+                         backend=backend, stop=stop,
+                         on_claim=lambda i, n: console.print(f"running study {i} {escape(repr(n))}"))  # fmt: skip
+        console.print(f"worker done: {ran} studies")
+
+    @app.command()
+    def serve(
+        host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="port")] = 8000,
+        no_worker: Annotated[
+            bool, typer.Option("--no-worker", help="API only; run `tuner worker`s apart")
+        ] = False,
+    ) -> None:
+        """The REST API and dashboard, plus one embedded worker (the single-machine default)."""
+        import threading
+
+        import uvicorn
+
+        from api.app import create_app
+        from tuner.worker import run_worker
+
+        settings = Settings.from_env()
+        app_ = create_app(settings, _sessions(settings))
+        stop = threading.Event()
+        thread = None
+        if not no_worker:
+            thread = threading.Thread(target=run_worker, args=(settings,), kwargs={"stop": stop}, daemon=True,
+                                      name="tuner-worker")  # fmt: skip
+            thread.start()
+        try:
+            uvicorn.run(app_, host=host, port=port, log_level="info", server_header=False)
+        finally:
+            stop.set()  # the worker hands its study back (running trials re-queued)
+            if thread is not None:
+                thread.join(timeout=60)
 
     db_app = typer.Typer(help="Database maintenance.")
     app.add_typer(db_app, name="db")
@@ -231,6 +399,56 @@ def register(app: typer.Typer) -> None:
         settings = Settings.from_env()
         _sessions(settings)
         typer.echo(f"database at {settings.database_url} is at the latest revision")
+
+
+STATUS_WORDS = {"PENDING": "pending", "RUNNING": "running", "COMPLETE": "done", "CANCELLED": "cancelled",
+                "FAILED": "failed"}  # fmt: skip
+
+
+def _client(url: str, token: str | None):
+    from tuner.client import Client
+
+    return Client(url, token)
+
+
+def _call(fn):
+    from tuner.client import ClientError
+
+    try:
+        return fn()
+    except ClientError as e:
+        _fail(str(e))
+
+
+def _study_id(study: str) -> int:
+    if not study.isdigit():
+        _fail(f"with --url, name the study by its id (see `tuner studies --url ...`), not {study!r}")
+    return int(study)
+
+
+def _wait_for(study_id: int, url: str | None, token: str | None, budget: int) -> str:
+    """Follow a study with a progress bar until it ends; returns its status word."""
+    with Progress(TextColumn("study {task.fields[sid]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[best]}"), console=console) as bar:  # fmt: skip
+        task = bar.add_task("", total=budget, sid=study_id, best="")
+        while True:
+            if url:
+                d = _call(lambda: _client(url, token).study(study_id))
+                status, done, best = d["status"], d["progress"]["finished"], d["best_tokens_per_s"]
+            else:
+                with _sessions(Settings.from_env())() as s:
+                    st = s.get(store.Study, study_id)
+                    counts = store.trial_counts(s, [study_id])[study_id]
+                    status = STATUS_WORDS.get(st.status, st.status)
+                    done = sum(n for k, n in counts.items() if k in ("COMPLETE", "FAIL", "PRUNED"))
+                    b = store.best_trial(s, st)
+                    best = b.tokens_per_s if b else None
+            bar.update(task, completed=min(done, budget), best=f"best {best:,.0f} tokens/s" if best else "")
+            if status in ("done", "failed", "cancelled"):
+                break
+            time.sleep(1.0)
+    console.print(f"study {study_id}: {status}")
+    return status
 
 
 def _trial_row(t) -> dict[str, Any]:

@@ -253,3 +253,103 @@ def latest_constants(session: Session, cluster_key: str) -> ModelConstants | Non
         return None
     known = {f.name for f in dataclasses.fields(ModelConstants)}
     return ModelConstants(**{k: v for k, v in row.constants.items() if k in known})
+
+
+# --- queries for the API and the workers -------------------------------------------------------
+
+FINISHED_STUDY = ("COMPLETE", "FAILED", "CANCELLED")
+
+
+def find_studies(
+    session: Session, *, status: str | None = None, model: str | None = None, cluster: str | None = None,
+    limit: int = 50, offset: int = 0,
+) -> tuple[list[Study], int]:  # fmt: skip
+    """A page of studies (newest first) and the number matching."""
+    q = select(Study)
+    if status:
+        q = q.where(Study.status == status)
+    if model:
+        q = q.where(Study.model_key == model)
+    if cluster:
+        q = q.where(Study.cluster_key == cluster)
+    total = session.scalar(select(func.count()).select_from(q.subquery())) or 0
+    rows = session.scalars(q.order_by(Study.id.desc()).limit(limit).offset(offset))
+    return list(rows), total
+
+
+def trial_counts(session: Session, study_ids: list[int]) -> dict[int, dict[str, int]]:
+    """{study id: {trial state: count}} in one query."""
+    out: dict[int, dict[str, int]] = {i: {} for i in study_ids}
+    if not study_ids:
+        return out
+    q = (
+        select(Trial.study_id, Trial.state, func.count()).where(Trial.study_id.in_(study_ids))
+        .group_by(Trial.study_id, Trial.state)
+    )  # fmt: skip
+    for study_id, state, n in session.execute(q):
+        out[study_id][state] = n
+    return out
+
+
+def trials_after(session: Session, study: Study, after: int = -1, limit: int = 1000) -> list[Trial]:
+    """Trials numbered above `after`, in order (incremental polling)."""
+    q = (
+        select(Trial).where(Trial.study_id == study.id, Trial.number > after)
+        .order_by(Trial.number).limit(limit)
+    )  # fmt: skip
+    return list(session.scalars(q))
+
+
+def changed_trials(session: Session, study: Study, since) -> list[Trial]:
+    """Trials that finished at or after `since` (for pollers that also want state changes)."""
+    q = select(Trial).where(Trial.study_id == study.id, Trial.finished_at >= since).order_by(Trial.number)
+    return list(session.scalars(q))
+
+
+def claim_next_pending(session: Session) -> Study | None:
+    """The oldest PENDING study, now RUNNING by this worker; None when there is none. On
+    PostgreSQL the row is locked with FOR UPDATE SKIP LOCKED, so concurrent workers never claim
+    the same study; on SQLite the write lock of the transaction does it (one worker)."""
+    q = select(Study).where(Study.status == "PENDING").order_by(Study.id).limit(1)
+    if session.get_bind().dialect.name == "postgresql":
+        q = q.with_for_update(skip_locked=True)
+    study = session.scalars(q).first()
+    if study is not None:
+        claim_study(session, study)
+        session.flush()
+    return study
+
+
+def state_counts(session: Session) -> tuple[dict[str, int], dict[str, int]]:
+    """({study status: n}, {trial state: n}) for /metrics."""
+    studies = dict(session.execute(select(Study.status, func.count()).group_by(Study.status)).all())
+    trials_ = dict(session.execute(select(Trial.state, func.count()).group_by(Trial.state)).all())
+    return studies, trials_
+
+
+def finished_durations(session: Session, limit: int = 100_000) -> list[float]:
+    """Seconds from start to end of finished trials (the latest `limit`), for /metrics."""
+    q = (
+        select(Trial.started_at, Trial.finished_at)
+        .where(Trial.started_at.is_not(None), Trial.finished_at.is_not(None))
+        .order_by(Trial.id.desc()).limit(limit)
+    )  # fmt: skip
+    return [(b - a).total_seconds() for a, b in session.execute(q)]
+
+
+def best_rows(
+    session: Session, *, model: str | None = None, cluster: str | None = None, num_gpus: int | None = None
+) -> list[dict[str, Any]]:
+    """best_configs() as the API and `tuner best --json` show it (one shape for both)."""
+    rows = best_configs(session, model=model, cluster=cluster, num_gpus=num_gpus)
+    ids = dict(
+        session.execute(select(Study.name, Study.id).where(Study.name.in_([b.study for b in rows]))).all()
+    )
+    return [
+        {"study_id": ids[b.study], "study": b.study, "model": b.model_key, "num_params": b.num_params,
+         "cluster": b.cluster_key, "gpus": b.num_gpus, "trial_number": b.trial_number,
+         "layout": ParallelConfig.from_dict(b.config).describe(), "config": b.config,
+         "tokens_per_s": b.tokens_per_s, "tflops_per_device": b.tflops_per_device, "mfu": b.mfu,
+         "peak_memory_bytes": b.peak_memory_bytes, "predicted_tokens_per_s": b.predicted_tokens_per_s}
+        for b in rows
+    ]  # fmt: skip

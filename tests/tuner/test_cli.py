@@ -45,7 +45,7 @@ def test_demo_runs_the_tiny_study_and_best_returns_it(tmp_path: Path) -> None:
     assert "COMPLETE" in proc.stdout and "best layout:" in proc.stdout
     best = subprocess.run([TUNER, "best", "--json"], capture_output=True, text=True, timeout=60, env=env)
     (row,) = json.loads(best.stdout)
-    assert row["model_key"] == "gpt-tiny" and row["tokens_per_s"] > 0 and row["num_gpus"] == 2
+    assert row["model"] == "gpt-tiny" and row["tokens_per_s"] > 0 and row["gpus"] == 2
     trials = json.loads(subprocess.run([TUNER, "trials", row["study"], "--json"], capture_output=True, text=True,
                                        timeout=60, env=env).stdout)  # fmt: skip
     assert max(t["tokens_per_s"] or 0 for t in trials) == row["tokens_per_s"]
