@@ -199,31 +199,41 @@ def best_trial(session: Session, study: Study) -> Trial | None:
 def best_configs(
     session: Session, *, model: str | None = None, cluster: str | None = None, num_gpus: int | None = None
 ) -> list[Best]:
-    """The fastest measured layout per (model, cluster, devices) across studies."""
-    q = select(Trial, Study).join(Study).where(Trial.state == TrialState.COMPLETE.value)
+    """The fastest measured layout per (model, cluster, devices) across studies: one query, ranked
+    in the database (a window over the completed trials), so it stays fast with many trials."""
+    world = Trial.tp * Trial.pp * Trial.dp  # a scaling study measures several device counts
+    rank = func.row_number().over(
+        partition_by=(Study.model_key, Study.cluster_key, world),
+        order_by=(Trial.tokens_per_s.desc(), Trial.id),
+    )
+    q = (
+        select(Trial.id.label("trial_id"), rank.label("rank"))
+        .join(Study)
+        .where(Trial.state == TrialState.COMPLETE.value)
+    )
     if model:
         q = q.where(Study.model_key == model)
     if cluster:
         q = q.where(Study.cluster_key == cluster)
-    world = Trial.tp * Trial.pp * Trial.dp  # a scaling study measures several device counts
     if num_gpus:
         q = q.where(world == num_gpus)
-    best: dict[tuple, Best] = {}
-    for trial, study in session.execute(q.order_by(Trial.tokens_per_s.desc(), Trial.id)):
-        gpus = trial.tp * trial.pp * trial.dp
-        key = (study.model_key, study.cluster_key, gpus)
-        if key not in best:
-            spec = study.spec
-            best[key] = Best(
-                study=study.name, model_key=study.model_key, num_params=study.num_params,
-                cluster_key=study.cluster_key, num_gpus=gpus, trial_number=trial.number,
-                config=trial.config, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device,
-                mfu=trial.mfu, peak_memory_bytes=trial.peak_memory_bytes,
-                predicted_tokens_per_s=trial.predicted_tokens_per_s,
-                global_batch_size=spec["training"]["global_batch_size"],
-                seq_len=spec["training"].get("seq_len") or spec["model"]["seq_len"],
-            )  # fmt: skip
-    return sorted(best.values(), key=lambda b: (b.num_params, b.cluster_key, b.num_gpus))
+    ranked = q.subquery()
+    top = (
+        select(Trial, Study).join(Study).join(ranked, ranked.c.trial_id == Trial.id).where(ranked.c.rank == 1)
+    )
+    best = []
+    for trial, study in session.execute(top):
+        spec = study.spec
+        best.append(Best(
+            study=study.name, model_key=study.model_key, num_params=study.num_params,
+            cluster_key=study.cluster_key, num_gpus=trial.tp * trial.pp * trial.dp, trial_number=trial.number,
+            config=trial.config, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device,
+            mfu=trial.mfu, peak_memory_bytes=trial.peak_memory_bytes,
+            predicted_tokens_per_s=trial.predicted_tokens_per_s,
+            global_batch_size=spec["training"]["global_batch_size"],
+            seq_len=spec["training"].get("seq_len") or spec["model"]["seq_len"],
+        ))  # fmt: skip
+    return sorted(best, key=lambda b: (b.num_params, b.cluster_key, b.num_gpus))
 
 
 # --- calibrations ------------------------------------------------------------------------------
