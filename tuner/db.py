@@ -65,6 +65,8 @@ class Trial(Base):
         UniqueConstraint("study_id", "number"),
         UniqueConstraint("study_id", "layout_key"),  # a layout runs at most once per study
         Index("ix_trials_layout", "tp", "pp", "dp", "micro_batch_size"),
+        Index("ix_trials_study_state_tps", "study_id", "state", "tokens_per_s"),
+        Index("ix_trials_study_state_world_tps", "study_id", "state", "tp", "pp", "dp", "tokens_per_s"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -108,6 +110,18 @@ class Trial(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
     study: Mapped[Study] = relationship(back_populates="trials")
+
+
+class StudyBest(Base):
+    """The fastest completed trial of a study per device count, kept as trials finish
+    (tuner.store.finish_trial), so "best per model size" reads a few rows, not every trial."""
+
+    __tablename__ = "study_bests"
+
+    study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"), primary_key=True)
+    world_size: Mapped[int] = mapped_column(primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
+    tokens_per_s: Mapped[float] = mapped_column(Float)
 
 
 class Calibration(Base):

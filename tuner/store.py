@@ -14,10 +14,10 @@ from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from trainer.config import ParallelConfig
-from tuner.db import Calibration, Study, Trial, utcnow
+from tuner.db import Calibration, Study, StudyBest, Trial, utcnow
 from tuner.outcome import FailureKind, Outcome, TrialState
 from tuner.perfmodel import ModelConstants
 from tuner.spec import StudySpec
@@ -147,10 +147,44 @@ def finish_trial(trial: Trial, outcome: Outcome) -> None:
             times[0],
             times[-1],
         )
+        _record_best(trial)
     else:
         trial.state = TrialState.FAIL.value
         trial.failure_kind = outcome.failure.value if outcome.failure else "crash"
         trial.failure_message = outcome.message[-4000:]
+
+
+def _record_best(trial: Trial) -> None:
+    """Keep study_bests current: this trial, if it is the study's fastest at its device count."""
+    session = object_session(trial)
+    if session is None or trial.id is None:
+        return
+    world = trial.tp * trial.pp * trial.dp
+    row = session.get(StudyBest, (trial.study_id, world))
+    if row is None:
+        session.add(StudyBest(study_id=trial.study_id, world_size=world, trial_id=trial.id,
+                              tokens_per_s=trial.tokens_per_s or 0.0))  # fmt: skip
+    elif (trial.tokens_per_s or 0.0) > row.tokens_per_s:
+        row.trial_id, row.tokens_per_s = trial.id, trial.tokens_per_s
+
+
+# Rebuilds study_bests from the trials (the migration that adds it; bulk loaders). Ties: lowest id.
+REBUILD_BESTS_SQL = """
+DELETE FROM study_bests;
+INSERT INTO study_bests (study_id, world_size, trial_id, tokens_per_s)
+SELECT study_id, world, id, tokens_per_s FROM (
+    SELECT id, study_id, tp * pp * dp AS world, tokens_per_s,
+           ROW_NUMBER() OVER (PARTITION BY study_id, tp * pp * dp ORDER BY tokens_per_s DESC, id) AS r
+    FROM trials WHERE state = 'COMPLETE' AND tokens_per_s IS NOT NULL
+) ranked WHERE r = 1
+"""
+
+
+def rebuild_bests(session: Session) -> None:
+    from sqlalchemy import text
+
+    for statement in REBUILD_BESTS_SQL.strip().split(";"):
+        session.execute(text(statement))
 
 
 def outcome_of(trial: Trial) -> Outcome | None:
@@ -199,34 +233,28 @@ def best_trial(session: Session, study: Study) -> Trial | None:
 def best_configs(
     session: Session, *, model: str | None = None, cluster: str | None = None, num_gpus: int | None = None
 ) -> list[Best]:
-    """The fastest measured layout per (model, cluster, devices) across studies: one query, ranked
-    in the database (a window over the completed trials), so it stays fast with many trials."""
-    world = Trial.tp * Trial.pp * Trial.dp  # a scaling study measures several device counts
-    rank = func.row_number().over(
-        partition_by=(Study.model_key, Study.cluster_key, world),
-        order_by=(Trial.tokens_per_s.desc(), Trial.id),
-    )
-    q = (
-        select(Trial.id.label("trial_id"), rank.label("rank"))
-        .join(Study)
-        .where(Trial.state == TrialState.COMPLETE.value)
-    )
+    """The fastest measured layout per (model, cluster, devices) across studies, from study_bests
+    (a row per study and device count, kept as trials finish): a few rows, however many trials."""
+    q = select(StudyBest, Study).join(Study, Study.id == StudyBest.study_id)
     if model:
         q = q.where(Study.model_key == model)
     if cluster:
         q = q.where(Study.cluster_key == cluster)
     if num_gpus:
-        q = q.where(world == num_gpus)
-    ranked = q.subquery()
-    top = (
-        select(Trial, Study).join(Study).join(ranked, ranked.c.trial_id == Trial.id).where(ranked.c.rank == 1)
-    )
+        q = q.where(StudyBest.world_size == num_gpus)
+    winners: dict[tuple, tuple[StudyBest, Study]] = {}
+    for row, study in session.execute(q.order_by(StudyBest.tokens_per_s.desc(), StudyBest.trial_id)):
+        winners.setdefault((study.model_key, study.cluster_key, row.world_size), (row, study))
+    trials_ = {
+        t.id: t
+        for t in session.scalars(select(Trial).where(Trial.id.in_([r.trial_id for r, _ in winners.values()])))
+    }
     best = []
-    for trial, study in session.execute(top):
-        spec = study.spec
+    for row, study in winners.values():
+        trial, spec = trials_[row.trial_id], study.spec
         best.append(Best(
             study=study.name, model_key=study.model_key, num_params=study.num_params,
-            cluster_key=study.cluster_key, num_gpus=trial.tp * trial.pp * trial.dp, trial_number=trial.number,
+            cluster_key=study.cluster_key, num_gpus=row.world_size, trial_number=trial.number,
             config=trial.config, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device,
             mfu=trial.mfu, peak_memory_bytes=trial.peak_memory_bytes,
             predicted_tokens_per_s=trial.predicted_tokens_per_s,
