@@ -56,7 +56,9 @@ class Study(Base):
     started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
-    trials: Mapped[list[Trial]] = relationship(back_populates="study", order_by="Trial.number")
+    trials: Mapped[list[Trial]] = relationship(
+        back_populates="study", order_by="Trial.number", cascade="all, delete-orphan", passive_deletes=True
+    )
 
 
 class Trial(Base):

@@ -114,3 +114,31 @@ def test_calibrations_keep_the_latest_constants_per_cluster(database_url: str) -
         assert store.latest_constants(s, "cpu-local") == ModelConstants(compute_efficiency=0.4)
         assert store.latest_constants(s, "a100-80gb") == ModelConstants(compute_efficiency=0.6)
         assert store.latest_constants(s, "h100-80gb") is None
+
+
+def test_best_per_model_size_follows_finished_trials_and_deletes(database_url: str) -> None:
+    sessions = connect(database_url)
+    with sessions.begin() as s:
+        a = store.create_study(s, SPEC)
+        b = store.create_study(s, SPEC.model_copy(update={"name": "s2"}))
+        for study, cfg, tps in [
+            (a, A, 100.0),
+            (a, B, 300.0),
+            (b, A, 200.0),
+            (b, ParallelConfig(micro_batch_size=8), 50.0),
+        ]:
+            t = store.add_trial(s, study, cfg, None, TrialState.WAITING)
+            store.start_trial(t, "1@/x", "/x/log")
+            s.flush()
+            store.finish_trial(t, ok(tps))
+    with sessions() as s:
+        best = {(r["gpus"], r["study"], r["tokens_per_s"]) for r in store.best_rows(s)}
+        assert best == {(2, "s1", 300.0), (1, "s2", 50.0)}  # per device count: 2 GPUs and 1
+        assert [r["tokens_per_s"] for r in store.best_rows(s, num_gpus=1)] == [50.0]
+    with sessions.begin() as s:
+        s.delete(store.get_study(s, "s1"))  # the trials and their bests go with it
+    with sessions() as s:
+        assert {(r["gpus"], r["study"], r["tokens_per_s"]) for r in store.best_rows(s)} == {
+            (2, "s2", 200.0),
+            (1, "s2", 50.0),
+        }
