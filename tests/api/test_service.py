@@ -97,6 +97,7 @@ def test_submit_over_http_worker_runs_it_best_matches_database(tmp_path: Path) -
         listed = json.loads(subprocess.run([TUNER, "studies", "--url", url, "--json"], capture_output=True,
                                            text=True).stdout)  # fmt: skip
         assert [(r["id"], r["status"], r["trials"]) for r in listed] == [(study_id, "done", 3)]
+
         csv = subprocess.run(
             [TUNER, "trials", str(study_id), "--url", url, "--csv"], capture_output=True, text=True
         )
@@ -104,6 +105,17 @@ def test_submit_over_http_worker_runs_it_best_matches_database(tmp_path: Path) -
         wrong = subprocess.run([TUNER, "cancel", str(study_id), "--url", url, "--token", "nope"], capture_output=True,
                                text=True)  # fmt: skip
         assert wrong.returncode != 0 and "invalid token" in (wrong.stdout + wrong.stderr)
+        second = tmp_path / "second.yaml"
+        second.write_text(yaml.safe_dump({**TINY, "name": "e2e-2", "budget": {"max_trials": 1}}))
+        no_token = {k: v for k, v in os.environ.items() if k != "TUNER_API_TOKEN"}
+        refused = subprocess.run([TUNER, "submit", str(second), "--url", url], capture_output=True, text=True,
+                                 env=no_token)  # fmt: skip
+        assert refused.returncode != 0 and "missing bearer token" in refused.stdout + refused.stderr
+        waited = subprocess.run([TUNER, "submit", str(second), "--url", url, "--wait"], capture_output=True,
+                                text=True, timeout=300, env={**os.environ, "TUNER_API_TOKEN": TOKEN})  # fmt: skip
+        assert waited.returncode == 0 and f"study {study_id + 1}: done" in waited.stdout, (
+            waited.stdout + waited.stderr
+        )
         exported = subprocess.run([TUNER, "export", str(study_id), "--format", "megatron", "--url", url],
                                   capture_output=True, text=True)  # fmt: skip
         assert "--micro-batch-size" in exported.stdout

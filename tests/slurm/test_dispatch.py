@@ -36,7 +36,7 @@ BASE = {
     "training": {"global_batch_size": 8, "precision": "fp32"},
     "space": {"tp": [1], "pp": [1], "micro_batch_size": [8], "zero_stage": [0],
               "activation_checkpoint": ["none"], "sequence_parallel": [False]},
-    "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 120, "device": "cpu", "max_retries": 1},
+    "trial": {"warmup_steps": 1, "measure_steps": 2, "timeout_s": 300, "device": "cpu", "max_retries": 1},
     "sampler": "grid", "prune_predicted_oom": False, "backend": "slurm",
     "slurm": {"partition": "debug", "env": {"GLOO_SOCKET_IFNAME": "lo"}},
 }  # fmt: skip
@@ -110,7 +110,9 @@ def test_study_of_world_sizes_1_2_4_runs_one_job_per_trial(slurm_env: SlurmClust
                  budget={"max_trials": 6, "trials_in_flight": 2})  # fmt: skip
     status, trials = _run(tmp_path, spec)
     assert status == "COMPLETE"
-    assert [t.state for t in trials] == ["COMPLETE"] * 6
+    assert [t.state for t in trials] == ["COMPLETE"] * 6, [
+        (t.number, t.failure_kind, t.failure_message) for t in trials
+    ]
     assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 1, 2, 2, 4, 4]
     assert all(t.tokens_per_s > 0 and t.job_state == "COMPLETED" and t.attempts == 1 for t in trials)
     jobs = {t.job_id.partition("@")[0] for t in trials}
@@ -217,7 +219,7 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     spec = {**BASE, "name": "sigkill", "num_gpus": 2,
             "space": {**BASE["space"], "tp": [1, 2], "micro_batch_size": [1, 2, 4]},
-            "trial": {**BASE["trial"], "measure_steps": 60}, "budget": {"max_trials": 4, "trials_in_flight": 2}}  # fmt: skip
+            "trial": {**BASE["trial"], "measure_steps": 30, "timeout_s": 600}, "budget": {"max_trials": 4, "trials_in_flight": 2}}  # fmt: skip
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(spec))
     env = {**slurm_env.env, "TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp_path / "runs")}
@@ -246,7 +248,12 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
     done = subprocess.run([TUNER, "run", str(path)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     final = _db_trials(db, "sigkill")
-    assert [t[1] for t in final] == ["COMPLETE"] * 4
+    with connect(db)() as s:
+        why = [
+            (t.number, t.state, t.failure_kind, (t.failure_message or "")[:300])
+            for t in store.trials(s, store.get_study(s, "sigkill"))
+        ]
+    assert [t[1] for t in final] == ["COMPLETE"] * 4, why
     assert len({t[4] for t in final}) == 4  # no layout twice
     by_number = {t[0]: t for t in final}
     for number, _, attempts, job_id, _ in running:  # re-attached: same job, not run again
@@ -303,7 +310,9 @@ def test_allocation_mode_runs_the_study_as_steps_of_one_allocation(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with connect(db)() as s:
         trials = store.trials(s, store.get_study(s, "alloc"))
-    assert [t.state for t in trials] == ["COMPLETE"] * 6
+    assert [t.state for t in trials] == ["COMPLETE"] * 6, [
+        (t.number, t.failure_kind, t.failure_message) for t in trials
+    ]
     assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 1, 2, 2, 4, 4]
     allocations = {t.job_id.split(":")[1] for t in trials}
     assert len(allocations) == 1 and all(t.job_id.startswith("step:") for t in trials)
