@@ -25,12 +25,16 @@ test: setup system-deps
 	$(BIN)/python -m pytest tests
 
 # The store tests start their own PostgreSQL server, the Slurm tests their own Slurm cluster
-# (scripts/slurm-local.sh): install the binaries when missing (as root, e.g. CI on a fresh
+# (scripts/slurm-local.sh), the dashboard tests drive Debian's chromium (Playwright's own browser
+# download is not used): install the binaries when missing (as root, e.g. CI on a fresh
 # machine); otherwise say what to install.
 system-deps:
 	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
 	else echo "PostgreSQL server binaries missing: sudo apt-get install postgresql" >&2; exit 1; fi
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "Chromium missing (dashboard tests): sudo apt-get install chromium" >&2; exit 1; fi
 	@bash scripts/slurm-local.sh install
 
 # Everything but the multi-process runs and the Slurm cluster: seconds, for the edit-test loop.

@@ -426,6 +426,9 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
             durations = store.finished_durations(s)
         return Response(prometheus_text(studies, trials, durations), media_type="text/plain; version=0.0.4")
 
+    from api.dashboard import mount_dashboard
+
+    mount_dashboard(app)  # the dashboard at /: static files over the endpoints above
     return app
 
 

@@ -1,0 +1,91 @@
+// Shared by the pages: the API client (bearer token from sessionStorage), DOM building (text
+// only: names are data, never HTML), number formats, and the promise that plotly.js has loaded.
+
+const TOKEN_KEY = "tuner.token";
+
+export class ApiError extends Error {
+  constructor(status, code, message) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+export function token() {
+  return sessionStorage.getItem(TOKEN_KEY) || "";
+}
+
+export function setToken(value) {
+  if (value) sessionStorage.setItem(TOKEN_KEY, value);
+  else sessionStorage.removeItem(TOKEN_KEY);
+}
+
+// Every request carries the token when there is one; errors come back in the API's one shape.
+export async function api(path, { method = "GET", text = false } = {}) {
+  const headers = token() ? { Authorization: `Bearer ${token()}` } : {};
+  const response = await fetch(path, { method, headers });
+  if (!response.ok) {
+    let error = {};
+    try {
+      error = (await response.json()).error || {};
+    } catch {
+      // not the API's JSON (a proxy's page): keep the status line
+    }
+    throw new ApiError(response.status, error.code || "http_error",
+      error.message || `${response.status} ${response.statusText}`);
+  }
+  return text ? response.text() : response.json();
+}
+
+// el("td", {class: "num", onclick: f}, "text", child, ...): strings become text nodes.
+export function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === undefined || value === null || value === false) continue;
+    if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else if (key === "dataset") Object.assign(node.dataset, value);
+    else node.setAttribute(key, value === true ? "" : value);
+  }
+  node.append(...children.flat().filter((c) => c !== null && c !== undefined && c !== false));
+  return node;
+}
+
+export const fmt = {
+  int: (x) => (x === null || x === undefined ? "–" : Math.round(x).toLocaleString("en-US")),
+  num: (x, digits = 3) => (x === null || x === undefined ? "–" : Number(x.toPrecision(digits)).toLocaleString("en-US")),
+  pct: (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)} %`),
+  bytes(x) {
+    if (x === null || x === undefined) return "–";
+    const units = [["GB", 1e9], ["MB", 1e6], ["kB", 1e3]];
+    for (const [unit, size] of units) if (x >= size) return `${(x / size).toFixed(x >= 10 * size ? 1 : 2)} ${unit}`;
+    return `${x} B`;
+  },
+  params: (x) => (x >= 1e9 ? `${(x / 1e9).toFixed(2)} B` : `${(x / 1e6).toFixed(0)} M`),
+  date: (x) => (x ? new Date(x).toLocaleString() : "–"),
+  // measured / predicted - 1, signed: "+12 %" means faster than the model said.
+  error: (measured, predicted) =>
+    measured && predicted ? `${measured >= predicted ? "+" : ""}${(100 * (measured / predicted - 1)).toFixed(0)} %` : "–",
+};
+
+// Plotly renders a subset of HTML in its labels; data goes in as plain text.
+export const plotText = (s) => String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+
+// plotly.js (4.8 MB) is loaded on first use, after the page has sent its API requests, so the
+// browser parses it while the server answers (rather than before the requests go out).
+let plotly = null;
+export function loadPlotly() {
+  plotly ??= new Promise((resolve, reject) => {
+    if (window.Plotly) return resolve(window.Plotly);
+    const script = document.createElement("script");
+    script.src = "/static/plotly.min.js";
+    script.addEventListener("load", () => resolve(window.Plotly));
+    script.addEventListener("error", () => reject(new Error("plotly.js did not load (/static/plotly.min.js)")));
+    document.head.append(script);
+  });
+  return plotly;
+}
+
+export const STUDY_STATES = ["pending", "running", "done", "cancelled", "failed"];
+export const isLive = (status) => status === "pending" || status === "running";
+export const statusBadge = (status) => el("span", { class: `badge ${status}` }, status);
+export const fact = (label, value, cls) => el("div", { class: cls }, el("dt", {}, label), el("dd", {}, value));

@@ -1,0 +1,218 @@
+// One study: its figures, five charts, the trial table (sort, filter, 100 rows a page) with a
+// detail panel, launch-config export, cancel, and live updates while the study is pending or
+// running (GET /trials?after=<n> every 2 s: new trials, and the ones still waiting or running).
+
+import * as charts from "./charts.js";
+import { api, el, fact, fmt, isLive, statusBadge, token } from "./lib.js";
+import { FINISHED, TrialTable, trialDetail } from "./trials.js";
+
+const POLL_MS = 2000;
+const FETCH_LIMIT = 10000; // the API's maximum: one request up to 10k trials
+
+async function fetchTrials(id, after) {
+  const out = [];
+  for (;;) {
+    const page = await api(`/api/studies/${id}/trials?after=${after}&limit=${FETCH_LIMIT}`);
+    for (const item of page.items) out.push(item);
+    if (page.items.length < FETCH_LIMIT) return out;
+    after = page.last_number;
+  }
+}
+
+export async function showStudy(current, id, ctx) {
+  const view = document.getElementById("view");
+  const byNumber = new Map();
+  let study = null;
+  let trials = [];
+
+  // New and changed trials in; the table re-rendered; true when anything changed.
+  const merge = (items) => {
+    const changed = items.filter((item) => {
+      const old = byNumber.get(item.number);
+      return !old || JSON.stringify(old) !== JSON.stringify(item);
+    });
+    for (const item of changed) byNumber.set(item.number, item);
+    if (changed.length) {
+      trials = [...byNumber.values()].sort((a, b) => a.number - b.number);
+      table.update(trials, changed);
+    }
+    return changed.length > 0;
+  };
+
+  // --- skeleton ---
+  const head = el("section", { class: "study-head" });
+  const exportBox = el("section", { class: "export", hidden: true });
+  const divs = Object.fromEntries(["history", "memory", "predicted", "failures", "parcoords"].map((name) =>
+    [name, el("div", { class: name === "parcoords" ? "chart wide" : "chart", dataset: { chart: name } })]));
+  current.charts.push(...Object.values(divs));
+  const table = new TrialTable((number) => select(number));
+  const detail = el("aside", { class: "detail", hidden: true, "aria-label": "trial detail" });
+  view.append(head, exportBox, el("section", { class: "charts" }, Object.values(divs)), table.node, detail);
+
+  // --- header: figures, cancel, export ---
+  function renderHead() {
+    const best = study.best;
+    const cancel = isLive(study.status)
+      ? el("button", { type: "button", class: "danger", onclick: cancelStudy }, cancelArmed ? "Really cancel? Click again" : "Cancel study")
+      : null;
+    const exports = best
+      ? el("span", { class: "buttons" }, "Export the best layout: ",
+        [["torchtitan", "torchtitan"], ["megatron", "Megatron-LM"], ["sbatch", "sbatch"]].map(([format, label]) =>
+          el("button", { type: "button", dataset: { format }, onclick: () => showExport(format, label) }, label)))
+      : null;
+    const counts = Object.entries(study.progress.by_state).map(([s, n]) => `${n} ${s.toLowerCase()}`).join(", ");
+    head.replaceChildren(
+      el("h1", {}, study.name, " ", statusBadge(study.status), isLive(study.status) ? el("span", { class: "live" }, "live") : null),
+      el("dl", { class: "facts" },
+        fact("model", study.model), fact("cluster", study.cluster), fact("GPUs", String(study.gpus)), fact("sampler", study.sampler),
+        fact("progress", `${study.progress.finished} / ${study.progress.budget} trials${counts ? ` (${counts})` : ""}`),
+        fact("best tokens/s", fmt.int(study.best_tokens_per_s)), fact("best MFU", fmt.pct(study.best_mfu)),
+        fact("best layout", best ? `#${best.number} ${best.layout}` : "–", "wide"),
+        fact("device memory", `${study.spec.cluster?.device_memory_gb ?? "–"} GB`),
+        fact("created", fmt.date(study.created_at)), fact("finished", fmt.date(study.finished_at)),
+        study.error ? fact("error", study.error) : null),
+      el("div", { class: "actions" }, cancel, exports));
+  }
+
+  let cancelArmed = false; // two clicks, no blocking dialog; the header is redrawn by every poll
+  async function cancelStudy() {
+    if (!token()) return ctx.askToken("Cancelling a study needs the API token.");
+    if (!cancelArmed) {
+      cancelArmed = true;
+      renderHead();
+      setTimeout(() => { cancelArmed = false; if (study && current === ctx.page()) renderHead(); }, 10_000);
+      return;
+    }
+    cancelArmed = false;
+    try {
+      await api(`/api/studies/${id}/cancel`, { method: "POST" });
+      await poll();
+    } catch (e) {
+      if (e.status === 401) ctx.askToken(`Cancelling needs a valid token: ${e.message}`);
+      else ctx.message(e.message);
+    }
+  }
+
+  async function showExport(format, label) {
+    const text = await api(`/api/studies/${id}/export?format=${format}`, { text: true }).catch((e) => ctx.fail(e, current));
+    if (text === undefined || current !== ctx.page()) return;
+    const pre = el("pre", { class: "code" }, text);
+    const copy = el("button", { type: "button", onclick: async () => {
+      try {
+        await navigator.clipboard.writeText(text);
+        copy.textContent = "copied";
+      } catch { // no clipboard permission: select it for Ctrl+C
+        getSelection().selectAllChildren(pre);
+        copy.textContent = "selected: press Ctrl+C";
+      }
+    } }, "copy");
+    exportBox.replaceChildren(el("h2", {}, `${label} launch config for #${study.best.number} ${study.best.layout}`), copy,
+      el("button", { type: "button", onclick: () => (exportBox.hidden = true) }, "close"), pre);
+    exportBox.dataset.format = format;
+    exportBox.hidden = false;
+  }
+
+  function select(number) {
+    table.select(number);
+    showDetail();
+  }
+
+  function showDetail() {
+    const t = byNumber.get(table.selected);
+    if (!t) return;
+    detail.replaceChildren(
+      el("button", { type: "button", class: "close", "aria-label": "close", onclick: () => (detail.hidden = true) }, "×"),
+      ...trialDetail(t));
+    detail.dataset.number = String(t.number);
+    detail.hidden = false;
+  }
+
+  // --- charts: the first one alone, then one per frame (the page paints and takes clicks in
+  // between); each redrawn only when the trials changed. Parallel coordinates (WebGL: seconds for
+  // thousands of lines where the browser renders WebGL in software) waits until it is scrolled to.
+  let version = 0; // bumped by every merge that changed a trial
+  const drawnAt = {};
+  let parcoordsWanted = false;
+  const draws = {
+    history: () => charts.history(divs.history, trials),
+    memory: () => charts.memory(divs.memory, trials, study.spec.cluster?.device_memory_gb),
+    predicted: () => charts.predicted(divs.predicted, trials),
+    failures: () => charts.failures(divs.failures, trials),
+    parcoords: () => charts.parcoords(divs.parcoords, trials),
+  };
+  let drawing = null;
+  let again = false;
+  function renderCharts() {
+    if (drawing) {
+      again = true;
+      return drawing;
+    }
+    drawing = (async () => {
+      try {
+        do {
+          again = false;
+          for (const [name, draw] of Object.entries(draws)) {
+            if (drawnAt[name] === version || (name === "parcoords" && !parcoordsWanted) || current !== ctx.page()) continue;
+            if (name !== "history") await new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve)));
+            const drawn = version;
+            await draw();
+            drawnAt[name] = drawn;
+            if (!performance.getEntriesByName(`tuner:${name}`).length) performance.mark(`tuner:${name}`);
+          }
+        } while (again);
+      } finally {
+        drawing = null;
+      }
+    })();
+    return drawing;
+  }
+  const onScreen = new IntersectionObserver((entries) => {
+    if (!entries.some((e) => e.isIntersecting)) return;
+    onScreen.disconnect();
+    parcoordsWanted = true;
+    renderCharts().catch((e) => ctx.fail(e, current));
+  });
+
+  // --- live updates ---
+  let lastNumber = -1;
+  let polling = false;
+  async function poll() {
+    if (polling || current !== ctx.page() || document.hidden) return; // a background tab waits
+    polling = true;
+    try {
+      // From the oldest trial still waiting or running: new trials and the ones that moved on.
+      const open = trials.find((t) => !FINISHED.has(t.state));
+      const after = open ? open.number - 1 : lastNumber;
+      let [next, items] = await Promise.all([api(`/api/studies/${id}`), fetchTrials(id, after)]);
+      if (!isLive(next.status)) items = items.concat(await fetchTrials(id, after)); // trials finished with it
+      if (current !== ctx.page()) return;
+      study = next;
+      renderHead();
+      if (items.length) lastNumber = Math.max(lastNumber, items[items.length - 1].number);
+      if (merge(items)) {
+        version += 1;
+        if (!detail.hidden && items.some((t) => t.number === table.selected)) showDetail();
+        renderCharts().catch((e) => ctx.fail(e, current));
+      }
+      if (!isLive(study.status)) for (const timer of current.timers.splice(0)) clearInterval(timer);
+    } finally {
+      polling = false;
+    }
+  }
+
+  // --- first load: study and all its trials in parallel; the table before plotly is ready ---
+  const [first, items] = await Promise.all([api(`/api/studies/${id}`), fetchTrials(id, -1)]);
+  if (current !== ctx.page()) return;
+  study = first;
+  merge(items);
+  performance.mark("tuner:trials-loaded");
+  lastNumber = trials.length ? trials[trials.length - 1].number : -1;
+  document.title = `${study.name} · parallel-tuner`;
+  renderHead();
+  if (!trials.length) table.update(trials, []);
+  view.dataset.loaded = "true";
+  if (isLive(study.status)) current.timers.push(setInterval(() => poll().catch((e) => ctx.fail(e, current)), POLL_MS));
+  await renderCharts();
+  onScreen.observe(divs.parcoords);
+  current.cleanups.push(() => onScreen.disconnect());
+}
