@@ -223,9 +223,10 @@ class Best:
 
 
 def best_trial(session: Session, study: Study) -> Trial | None:
+    """The study's fastest completed trial (from study_bests: its best per device count)."""
     q = (
-        select(Trial).where(Trial.study_id == study.id, Trial.state == TrialState.COMPLETE.value)
-        .order_by(Trial.tokens_per_s.desc(), Trial.number).limit(1)
+        select(Trial).join(StudyBest, StudyBest.trial_id == Trial.id).where(StudyBest.study_id == study.id)
+        .order_by(StudyBest.tokens_per_s.desc(), Trial.number).limit(1)
     )  # fmt: skip
     return session.scalars(q).first()
 
