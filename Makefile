@@ -39,7 +39,7 @@ system-deps:
 
 # Everything but the multi-process runs and the Slurm cluster: seconds, for the edit-test loop.
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not distributed and not slurm"
+	$(BIN)/python -m pytest tests -m "not distributed and not slurm and not browser"
 
 lint: setup
 	$(BIN)/ruff check .
