@@ -28,6 +28,11 @@ from tuner.spec import parse_spec, slug
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
+# How Slurm saw a trial that ran to its result: COMPLETED, or FAILED when a rank exits non-zero
+# after rank 0 wrote the result (gloo ranks can abort at exit on CPU: shared/notes/torch-on-cpu.md).
+# The trial's outcome comes from the result either way (tuner/dispatch/slurm.py).
+ENDED = ("COMPLETED", "FAILED")
+
 TUNER = shutil.which("tuner", path=str(Path(sys.executable).parent)) or "tuner"
 # One Slurm node advertising 8 CPUs: 8 CPU "devices" (ranks share the 2 real cores).
 CLUSTER = {"preset": "cpu-local", "gpus_per_node": 8, "num_nodes": 1}
@@ -114,7 +119,9 @@ def test_study_of_world_sizes_1_2_4_runs_one_job_per_trial(slurm_env: SlurmClust
         (t.number, t.failure_kind, t.failure_message) for t in trials
     ]
     assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 1, 2, 2, 4, 4]
-    assert all(t.tokens_per_s > 0 and t.job_state == "COMPLETED" and t.attempts == 1 for t in trials)
+    assert [(t.tokens_per_s > 0, t.job_state in ENDED, t.attempts) for t in trials] == [
+        (True, True, 1)
+    ] * 6, [(t.number, t.job_state, t.attempts) for t in trials]
     jobs = {t.job_id.partition("@")[0] for t in trials}
     assert len(jobs) == 6 and all(j.isdigit() for j in jobs)
     for t in trials:  # Slurm ran the layout's world size: one task per rank
@@ -129,7 +136,7 @@ def test_oom_from_the_trainers_memory_cap_is_a_failed_trial(slurm_env: SlurmClus
     spec = _spec("oom", cluster={**CLUSTER, "device_memory_gb": 0.001})
     status, (trial,) = _run(tmp_path, spec)
     assert status == "COMPLETE"
-    assert (trial.state, trial.failure_kind, trial.job_state) == ("FAIL", "oom", "COMPLETED")
+    assert (trial.state, trial.failure_kind, trial.job_state in ENDED) == ("FAIL", "oom", True)
     assert "max_memory_bytes" in trial.failure_message
 
 
@@ -201,7 +208,12 @@ def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
                        env=slurm_env.env, capture_output=True)  # fmt: skip
     assert not errors and downed and slurm_env.job_state(downed[0]) == "NODE_FAIL"
     # The infrastructure failure was retried as the same trial; the retry ran to the end.
-    assert (status, trial.state, trial.attempts, trial.job_state) == ("COMPLETE", "COMPLETE", 2, "COMPLETED")
+    assert (status, trial.state, trial.attempts, trial.job_state in ENDED) == (
+        "COMPLETE",
+        "COMPLETE",
+        2,
+        True,
+    )
     assert trial.job_id.partition("@")[0] != downed[0]
 
 
@@ -260,11 +272,13 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
         assert (by_number[number][2], by_number[number][3]) == (attempts, job_id)
     shown = subprocess.run([TUNER, "trials", "sigkill", "--json"], env=env, capture_output=True, text=True)
     rows = json.loads(shown.stdout)
-    assert [(r["job_id"], r["job_state"]) for r in rows] == [(t[3], "COMPLETED") for t in final]
+    with connect(db)() as s:
+        stored = [(t.job_id, t.job_state) for t in store.trials(s, store.get_study(s, "sigkill"))]
+    assert [(r["job_id"], r["job_state"]) for r in rows] == stored and all(st in ENDED for _, st in stored)
     table = subprocess.run(
         [TUNER, "trials", "sigkill"], env={**env, "COLUMNS": "250"}, capture_output=True, text=True
     )
-    assert all(t[3].partition("@")[0] in table.stdout for t in final) and "COMPLETED" in table.stdout
+    assert all(t[3].partition("@")[0] in table.stdout for t in final) and stored[0][1] in table.stdout
     submitted = slurm_env.run("sacct", "-X", "-n", "-P", "--format=JobName", "-S", "now-1hour").split()
     assert sum(name.startswith("sigkill-") for name in submitted) == 4  # one job per trial, none twice
 
