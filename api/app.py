@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import yaml
 from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field, ValidationError
@@ -40,6 +41,8 @@ log = logging.getLogger("tuner.api")
 STATUS = {"PENDING": "pending", "RUNNING": "running", "COMPLETE": "done", "CANCELLED": "cancelled",
           "FAILED": "failed"}  # fmt: skip
 STATUS_IN = {v: k for k, v in STATUS.items()}
+# Ids are 32-bit integers in every database we support: larger ones are refused (422), not sent.
+StudyId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="the study's id")]
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 
 
@@ -320,7 +323,7 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
         return StudyPage(items=items, total=total, limit=limit, offset=offset)
 
     @app.get("/api/studies/{study_id}", response_model=StudyDetail, tags=["studies"], dependencies=[Read])
-    def get_study(study_id: int) -> StudyDetail:
+    def get_study(study_id: StudyId) -> StudyDetail:
         with sessions() as s:
             study = _study(s, study_id)
             summary = _summary(s, study, store.trial_counts(s, [study.id])[study.id])
@@ -333,7 +336,7 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
         "/api/studies/{study_id}/trials", response_model=TrialPage, tags=["studies"], dependencies=[Read]
     )
     def get_trials(
-        study_id: int,
+        study_id: StudyId,
         after: Annotated[int, Query(ge=-1, le=10**9, description="only trials numbered above this")] = -1,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     ) -> TrialPage:
@@ -344,7 +347,7 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
 
     @app.get("/api/studies/{study_id}/trials.csv", tags=["studies"], dependencies=[Read],
              response_class=PlainTextResponse, responses={200: {"content": {"text/csv": {}}}})  # fmt: skip
-    def trials_csv(study_id: int) -> Response:
+    def trials_csv(study_id: StudyId) -> Response:
         """Every trial as one flat table (for notebooks and spreadsheets)."""
         with sessions() as s:
             study = _study(s, study_id)
@@ -355,7 +358,7 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
     @app.post(
         "/api/studies/{study_id}/cancel", response_model=StudySummary, tags=["studies"], dependencies=[Write]
     )
-    def cancel(study_id: int) -> StudySummary:
+    def cancel(study_id: StudyId) -> StudySummary:
         """Cancel a pending or running study (its running trials are stopped by its worker)."""
         with sessions.begin() as s:
             study = _study(s, study_id)
@@ -366,7 +369,7 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
             return _summary(s, study, store.trial_counts(s, [study.id])[study.id])
 
     @app.delete("/api/studies/{study_id}", status_code=204, tags=["studies"], dependencies=[Write])
-    def delete(study_id: int) -> Response:
+    def delete(study_id: StudyId) -> Response:
         """Delete a finished study and its trials (409 while it is pending or running)."""
         with sessions.begin() as s:
             study = _study(s, study_id)
@@ -403,7 +406,7 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
     @app.get("/api/studies/{study_id}/export", tags=["results"], dependencies=[Read],
              response_class=PlainTextResponse)  # fmt: skip
     def export(
-        study_id: int, format: Annotated[str, Query(pattern="^(torchtitan|megatron|sbatch)$")]
+        study_id: StudyId, format: Annotated[str, Query(pattern="^(torchtitan|megatron|sbatch)$")]
     ) -> Response:
         """The study's best layout as a launch config: torchtitan TOML, Megatron-LM arguments, or an
         sbatch script running the bundled trainer."""

@@ -202,6 +202,8 @@ def test_unknown_ids_are_404(client: TestClient) -> None:
         r = client.request(method, path, headers=AUTH)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, path)
     assert client.get("/api/studies/abc").status_code == 422
+    assert client.get(f"/api/studies/{2**70}").status_code == 422  # beyond any database integer
+    assert client.delete(f"/api/studies/{2**63}", headers=AUTH).json()["error"]["code"] == "invalid_request"
 
 
 def test_writes_need_the_token(client: TestClient, settings: Settings) -> None:
