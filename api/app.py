@@ -38,8 +38,7 @@ from tuner.spec import StudySpec
 
 log = logging.getLogger("tuner.api")
 
-STATUS = {"PENDING": "pending", "RUNNING": "running", "COMPLETE": "done", "CANCELLED": "cancelled",
-          "FAILED": "failed"}  # fmt: skip
+STATUS = store.STATUS_WORDS
 STATUS_IN = {v: k for k, v in STATUS.items()}
 # Ids are 32-bit integers in every database we support: larger ones are refused (422), not sent.
 StudyId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="the study's id")]

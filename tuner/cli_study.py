@@ -183,7 +183,7 @@ def register(app: typer.Typer) -> None:
             with _sessions(Settings.from_env())() as s:
                 found = store.list_studies(s)
                 counts = store.trial_counts(s, [st.id for st in found])
-                rows = [{"id": st.id, "name": st.name, "status": STATUS_WORDS.get(st.status, st.status), "model": st.model_key,
+                rows = [{"id": st.id, "name": st.name, "status": store.STATUS_WORDS.get(st.status, st.status), "model": st.model_key,
                          "cluster": st.cluster_key, "gpus": st.num_gpus, "sampler": st.sampler,
                          "trials": sum(counts[st.id].values()), "created_at": st.created_at.isoformat()}
                         for st in found]  # fmt: skip
@@ -401,10 +401,6 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"database at {settings.database_url} is at the latest revision")
 
 
-STATUS_WORDS = {"PENDING": "pending", "RUNNING": "running", "COMPLETE": "done", "CANCELLED": "cancelled",
-                "FAILED": "failed"}  # fmt: skip
-
-
 def _client(url: str, token: str | None):
     from tuner.client import Client
 
@@ -439,7 +435,7 @@ def _wait_for(study_id: int, url: str | None, token: str | None, budget: int) ->
                 with _sessions(Settings.from_env())() as s:
                     st = s.get(store.Study, study_id)
                     counts = store.trial_counts(s, [study_id])[study_id]
-                    status = STATUS_WORDS.get(st.status, st.status)
+                    status = store.STATUS_WORDS.get(st.status, st.status)
                     done = sum(n for k, n in counts.items() if k in ("COMPLETE", "FAIL", "PRUNED"))
                     b = store.best_trial(s, st)
                     best = b.tokens_per_s if b else None

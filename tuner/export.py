@@ -13,7 +13,14 @@ import shlex
 
 from trainer.config import BenchmarkConfig, ParallelConfig
 from trainer.launch import CONFIG_FILE, RESULT_FILE
-from tuner.dispatch.slurm import ROOT, SiteSettings, layout_resources, time_limit_minutes
+from tuner.dispatch.slurm import (
+    SITE_OPTIONS,
+    SiteSettings,
+    layout_resources,
+    preamble,
+    site_options,
+    time_limit_minutes,
+)
 from tuner.spec import SlurmSpec, StudySpec, slug
 
 FORMATS = ("torchtitan", "megatron", "sbatch")
@@ -243,9 +250,9 @@ def _sbatch(spec: StudySpec, config: ParallelConfig, site: SiteSettings) -> str:
     cfg = _bench_config(spec, config)
     gpu = cfg.device == "cuda"
     nodes, per_node = layout_resources(cfg, spec.cluster.gpus_per_node)
-    names = SlurmSpec(
-        **{k: getattr(s, k) or getattr(site, k) for k in ("account", "partition", "qos", "constraint")}
-    )
+    SlurmSpec(
+        **{k: getattr(s, k) or getattr(site, k) for k in SITE_OPTIONS}
+    )  # the site's names pass the spec's checks
     options = [f"--job-name={slug(spec.name)}", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
                f"--ntasks={config.world_size}"]  # fmt: skip
     if gpu:
@@ -253,11 +260,7 @@ def _sbatch(spec: StudySpec, config: ParallelConfig, site: SiteSettings) -> str:
     if s.cpus_per_task:
         options.append(f"--cpus-per-task={s.cpus_per_task}")
     options.append(f"--time={time_limit_minutes(spec.trial.timeout_s)}")
-    options += [
-        f"--{k}={getattr(names, k)}"
-        for k in ("account", "partition", "qos", "constraint")
-        if getattr(names, k)
-    ]
+    options += site_options(s, site)
     run_dir = q(slug(spec.name)) + '-"$SLURM_JOB_ID"'
     lines = ["#!/bin/bash", *[f"#SBATCH {o}" for o in options]]
     timing = (
@@ -265,9 +268,7 @@ def _sbatch(spec: StudySpec, config: ParallelConfig, site: SiteSettings) -> str:
         f"{cfg.warmup_steps} and measures {cfg.measure_steps} steps; result.json has the figures."
     )
     lines += _comments([*_header(spec, config, "sbatch job"), timing])
-    lines += ["set -u", *site.setup, *[f"module load {q(m)}" for m in s.modules]]
-    lines.append(f"export PYTHONPATH={q(str(ROOT))}" + "${PYTHONPATH:+:$PYTHONPATH}")
-    lines += [f"export {k}={q(v)}" for k, v in sorted(s.env.items())]
+    lines += ["set -u", *preamble(s, site, {})]
     lines += [
         "# one directory per job, under the submit directory (sbatch's working directory)",
         f"mkdir -p {run_dir}",

@@ -297,6 +297,9 @@ def latest_constants(session: Session, cluster_key: str) -> ModelConstants | Non
 # --- queries for the API and the workers -------------------------------------------------------
 
 FINISHED_STUDY = ("COMPLETE", "FAILED", "CANCELLED")
+# A study's status as the API, the CLI and the dashboard say it.
+STATUS_WORDS = {"PENDING": "pending", "RUNNING": "running", "COMPLETE": "done", "CANCELLED": "cancelled",
+                "FAILED": "failed"}  # fmt: skip
 
 
 def find_studies(
@@ -336,12 +339,6 @@ def trials_after(session: Session, study: Study, after: int = -1, limit: int = 1
         select(Trial).where(Trial.study_id == study.id, Trial.number > after)
         .order_by(Trial.number).limit(limit)
     )  # fmt: skip
-    return list(session.scalars(q))
-
-
-def changed_trials(session: Session, study: Study, since) -> list[Trial]:
-    """Trials that finished at or after `since` (for pollers that also want state changes)."""
-    q = select(Trial).where(Trial.study_id == study.id, Trial.finished_at >= since).order_by(Trial.number)
     return list(session.scalars(q))
 
 

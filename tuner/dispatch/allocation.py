@@ -24,7 +24,7 @@ from pathlib import Path
 from trainer.config import BenchmarkConfig, BenchmarkResult
 from trainer.launch import CONFIG_FILE, RESULT_FILE, start_local
 from tuner.dispatch.local import LocalDispatcher
-from tuner.dispatch.slurm import ROOT, SiteSettings, _job_name, _run, layout_resources
+from tuner.dispatch.slurm import SiteSettings, _job_name, _run, layout_resources, preamble, site_options
 from tuner.outcome import FailureKind, Outcome, classify
 from tuner.spec import StudySpec, slug
 
@@ -94,10 +94,7 @@ class SrunDispatcher(LocalDispatcher):
 def render_allocation_script(study_id: int, spec: StudySpec, site: SiteSettings, env: dict[str, str]) -> str:
     q = shlex.quote
     lines = ["#!/bin/bash", "# parallel-tuner allocation (tuner/dispatch/allocation.py)", "set -u"]
-    lines += list(site.setup)
-    lines += [f"module load {q(m)}" for m in spec.slurm.modules]
-    lines.append(f"export PYTHONPATH={q(str(ROOT))}" + "${PYTHONPATH:+:$PYTHONPATH}")
-    lines += [f"export {k}={q(v)}" for k, v in sorted({**env, **spec.slurm.env}.items())]
+    lines += preamble(spec.slurm, site, env)
     lines.append(f"exec {q(site.python)} -m tuner.cli alloc-run {int(study_id)}")
     return "\n".join(lines) + "\n"
 
@@ -119,9 +116,7 @@ def submit_allocation(study_id: int, spec: StudySpec, work_dir: Path, *, site: S
     ]  # fmt: skip
     if spec.trial.device == "cuda":
         args.append(f"--gpus-per-node={s.gpus_per_node if s.gpus_per_node is not None else c.gpus_per_node}")
-    for option in ("account", "partition", "qos", "constraint"):
-        if value := getattr(s, option) or getattr(site, option):
-            args.append(f"--{option}={value}")
+    args += site_options(s, site)
     args.append(str(script))
     return _run(args).strip().split(";")[0]
 

@@ -99,12 +99,28 @@ def sbatch_args(
         args.append(f"--gpus-per-node={spec.gpus_per_node if spec.gpus_per_node is not None else per_node}")
     if spec.cpus_per_task:
         args.append(f"--cpus-per-task={spec.cpus_per_task}")
-    for option in ("account", "partition", "qos", "constraint"):
-        value = getattr(spec, option) or getattr(site, option)
-        if value:
-            args.append(f"--{option}={value}")
+    args += site_options(spec, site)
     args.append(str(work_dir / SCRIPT_FILE))
     return args
+
+
+SITE_OPTIONS = ("account", "partition", "qos", "constraint")
+
+
+def site_options(spec: SlurmSpec, site: SiteSettings) -> list[str]:
+    """`--account=...` etc.: the spec's value, else the site's; validated names only."""
+    return [f"--{o}={v}" for o in SITE_OPTIONS if (v := getattr(spec, o) or getattr(site, o))]
+
+
+def preamble(spec: SlurmSpec, site: SiteSettings, env: dict[str, str]) -> list[str]:
+    """Job-script lines before the command: site setup, module loads, this checkout on
+    PYTHONPATH, the exports (`env`, then the spec's; values quoted)."""
+    q = shlex.quote
+    return [
+        *site.setup, *[f"module load {q(m)}" for m in spec.modules],
+        f"export PYTHONPATH={q(str(ROOT))}" + "${PYTHONPATH:+:$PYTHONPATH}",
+        *[f"export {k}={q(v)}" for k, v in sorted({**env, **spec.env}.items())],
+    ]  # fmt: skip
 
 
 def render_script(cfg: BenchmarkConfig, *, work_dir: Path, spec: SlurmSpec, site: SiteSettings,
@@ -116,11 +132,7 @@ def render_script(cfg: BenchmarkConfig, *, work_dir: Path, spec: SlurmSpec, site
         "# parallel-tuner trial (tuner/dispatch/slurm.py); resources are sbatch options",
         "set -u",
     ]
-    lines += list(site.setup)
-    lines += [f"module load {q(m)}" for m in spec.modules]
-    pythonpath = q(str(ROOT)) + "${PYTHONPATH:+:$PYTHONPATH}"
-    lines.append(f"export PYTHONPATH={pythonpath}")
-    lines += [f"export {k}={q(v)}" for k, v in sorted({**env, **spec.env}.items())]
+    lines += preamble(spec, site, env)
     lines.append(f"cd {q(str(work_dir))}")
     lines.append(
         f"exec srun --kill-on-bad-exit=1 {q(site.python)} -m trainer.benchmark "
