@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 ActivationCheckpoint = Literal["none", "selective", "full"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-Status = Literal["ok", "oom", "invalid", "error"]
+Status = Literal["ok", "oom", "invalid", "error", "timeout"]
 
 ACTIVATION_CHECKPOINTS = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -362,10 +362,16 @@ class BenchmarkConfig:
 
 @dataclass(frozen=True)
 class BenchmarkResult:
-    """What one trial measured. Throughput fields are 0 unless status == 'ok'."""
+    """What one trial measured. Throughput fields are 0 unless status == 'ok'.
+
+    status: 'ok'; 'invalid' (the layout cannot run; reasons in error); 'oom' (out of device
+    memory, or over max_memory_bytes); 'timeout' (the trial hung or was too slow: the launcher's
+    time limit, Slurm's TIMEOUT, or a collective that timed out because some rank stopped making
+    progress); 'error' (a crash: an exception, or a rank that died).
+    """
 
     status: Status
-    error: str = ""  # reason (invalid) or exception tail (error, oom)
+    error: str = ""  # reason (invalid), exception tail (error, oom, timeout) or the log tail
     failed_rank: int | None = None
     step_times_s: list[float] = field(default_factory=list)  # measured steps, max over ranks
     tokens_per_s: float = 0.0  # global

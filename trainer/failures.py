@@ -7,6 +7,10 @@ wait for the process-group timeout: rank 0 writes the result and every rank exit
 would kill rank 0 before it wrote anything if a worker exited non-zero). This needs `out` on a
 file system every rank sees (the trial's work dir); without one, the shortened process-group
 timeout is the fallback.
+
+A collective that timed out, with no rank reporting a failure of its own, means some rank stopped
+making progress (a hang): status 'timeout'. A peer that went away (connection closed or reset)
+means it crashed: status 'error'.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ _SECONDARY = re.compile(
     r"peer|socket|ECONNRESET|recv|send",
     re.IGNORECASE,
 )
+# Of those, the ones that say the collective waited too long, not that the peer is gone.
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PEER_GONE = re.compile(r"connection (closed|reset)|broken pipe|ECONNRESET", re.IGNORECASE)
 _POLL_S = 0.25
 _SETTLE_S = 0.75  # after the first failure file, wait this long for an earlier-rooted one
 
@@ -87,12 +94,14 @@ class FailureBoard:
 
     def post(self, exc: BaseException) -> dict:
         """Record this rank's failure; returns the record."""
+        message, secondary = str(exc), bool(_SECONDARY.search(str(exc))) and classify(exc) == "error"
         record = {
             "status": classify(exc),
             "error": error_tail(exc),
             "rank": self.rank,
             "time": time.time(),
-            "secondary": bool(_SECONDARY.search(str(exc))) and classify(exc) == "error",
+            "secondary": secondary,
+            "timed_out": secondary and bool(_TIMED_OUT.search(message)) and not _PEER_GONE.search(message),
             "run_id": self.run_id,
         }
         if self.out is not None and self.world_size > 1:
@@ -117,10 +126,15 @@ class FailureBoard:
         time.sleep(_SETTLE_S if self.world_size > 1 else 0)
         records = self._posted() + ([own] if own else [])
         root = min(records, key=lambda r: (r["secondary"], r["time"]))
+        if root["timed_out"]:  # no primary failure anywhere: a hang; which rank hung is unknown
+            status, failed_rank = "timeout", None
+            error = f"a collective timed out on rank {root['rank']}: some rank stopped making progress\n"
+        else:
+            status, failed_rank, error = root["status"], root["rank"], ""
         result = BenchmarkResult(
-            status=root["status"],
-            error=root["error"],
-            failed_rank=None if root["status"] == "invalid" else root["rank"],
+            status=status,
+            error=error + root["error"],
+            failed_rank=None if status == "invalid" else failed_rank,
             **self.base,
         )
         self.write(result)
