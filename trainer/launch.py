@@ -1,19 +1,31 @@
-"""Launch one benchmark trial as a local process group under torchrun (torch-free: the tuner uses it).
+"""Launch one benchmark trial on this machine under a supervisor (torch-free: the tuner uses it).
 
-The result is judged by the result file rank 0 writes, not by torchrun's exit code: a rank can
-abort at exit after the result was written (../shared/notes/torch-on-cpu.md), and a failed trial
-exits 0 on purpose (trainer/failures.py).
+    start_local(cfg, work_dir, timeout_s=600) -> LocalRun
+
+starts `python -m trainer.launch` (the supervisor, in its own session), which starts the command
+(torchrun with one process per rank, or e.g. an srun step) and enforces the time limit itself, so
+the limit holds when the caller dies. Every process of a trial carries PARALLEL_TUNER_TRIAL=<tag>
+in its environment; the trial is killed by that tag (kill_trial), not by process group, because
+torchrun starts each rank in a session of its own and a rank outlives a killed torchrun.
+
+The result is judged by the result file rank 0 writes, not by an exit code: a gloo rank can abort
+at exit after the result was written (about 6 in 140 CPU launches), and a failed trial exits 0 on
+purpose (trainer/failures.py). work_dir holds config.json, result.json, log.txt and launch.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import BenchmarkConfig, BenchmarkResult
@@ -21,6 +33,12 @@ from trainer.config import BenchmarkConfig, BenchmarkResult
 RESULT_FILE = "result.json"
 CONFIG_FILE = "config.json"
 LOG_FILE = "log.txt"
+LAUNCH_FILE = "launch.json"
+TAG_VAR = "PARALLEL_TUNER_TRIAL"
+# torchrun and srun forward SIGTERM to their ranks (srun to the step's tasks on every node): give
+# them this long before everything tagged here gets SIGTERM and then SIGKILL.
+COMMAND_GRACE_S = 5.0
+TIMEOUT_EXIT_CODE = 124  # as timeout(1)
 
 
 def torchrun_command(num_procs: int, config: Path, out: Path, python: str = sys.executable) -> list[str]:
@@ -44,51 +62,171 @@ def local_env(extra: dict[str, str] | None = None, loopback: bool = True) -> dic
     return env
 
 
+# --- processes: by tag, by (pid, start time) ------------------------------------------------------
+
+
+def trial_processes(tag: str) -> list[int]:
+    """Pids of the live processes (not zombies) whose environment carries this trial's tag, the
+    caller excluded. Processes we may not read (other users') are skipped."""
+    needle, me = f"{TAG_VAR}={tag}".encode(), os.getpid()
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes()  # empty for a zombie
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def kill_trial(tag: str, grace_s: float = 5.0, max_rounds: int = 20) -> int:
+    """SIGTERM every process of the trial, wait up to `grace_s` for them to go, then SIGKILL what
+    is left until none is found (at most `max_rounds` rounds: a process stuck in the kernel may not
+    die). Returns how many processes were signalled."""
+    signalled: set[int] = set()
+    pids = trial_processes(tag)
+    _signal(pids, signal.SIGTERM, signalled)
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = trial_processes(tag)
+    for _ in range(max_rounds):
+        if not (pids := trial_processes(tag)):
+            break
+        _signal(pids, signal.SIGKILL, signalled)
+        time.sleep(0.1)
+    return len(signalled)
+
+
+def _signal(pids: list[int], sig: signal.Signals, signalled: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+            signalled.add(pid)
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot: field 22 of /proc/<pid>/stat), None if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the name in parentheses may hold spaces
+    return fields[0], int(fields[19])
+
+
+def process_start_time(pid: int) -> int | None:
+    stat = _stat(pid)
+    return stat[1] if stat else None
+
+
+def is_alive(pid: int, start_time: int) -> bool:
+    """Whether process `pid` is the one that started at `start_time` and is still running: a
+    reused pid has another start time; a zombie (exited, not yet reaped) counts as dead."""
+    stat = _stat(pid)
+    return stat is not None and stat[1] == start_time and stat[0] not in ("Z", "X")
+
+
+# --- the caller's side ----------------------------------------------------------------------------
+
+
 @dataclass
 class LocalRun:
-    """A trial started in `work_dir` (config.json, result.json, log.txt)."""
+    """A trial started in `work_dir`, watched through its supervisor `pid` (with `start_time`, so a
+    reused pid is not mistaken for it). `process` is None when attached after a restart."""
 
     work_dir: Path
-    process: subprocess.Popen
-    started: float
-    timeout_s: float | None
+    tag: str
+    pid: int
+    start_time: int
+    timeout_s: float | None = None
+    process: subprocess.Popen | None = None
+    _result: BenchmarkResult | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def attach(cls, work_dir: Path) -> LocalRun | None:
+        """The trial in `work_dir` as its launch.json describes it; None if there is none. Raises
+        ValueError if it was launched on another host (its pid means nothing here)."""
+        try:
+            info = json.loads((work_dir / LAUNCH_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        if info["host"] != socket.gethostname():
+            raise ValueError(
+                f"the trial in {work_dir} was launched on host {info['host']!r}, this is {socket.gethostname()!r}"
+            )
+        return cls(work_dir, info["tag"], info["pid"], info["start_time"], info["timeout_s"])
 
     @property
     def result_path(self) -> Path:
         return self.work_dir / RESULT_FILE
 
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return is_alive(self.pid, self.start_time)
+
     def poll(self) -> BenchmarkResult | None:
-        """None while running; the result once done (a timeout or a crash becomes status 'error')."""
-        code = self.process.poll()
-        if code is None:
-            if self.timeout_s is not None and time.monotonic() - self.started > self.timeout_s:
-                self.cancel()
-                return self._failed(f"timed out after {self.timeout_s:.0f} s (hang or too slow)")
-            return None
-        return self._read(code)
+        """None while the supervisor runs; then the result file, or an 'error' result saying
+        there was none. The supervisor writes status 'timeout' when the time limit ends the trial."""
+        if self._result is None and not self.alive():
+            # A supervisor that was SIGKILLed left its trial behind; nothing of it may outlive poll.
+            kill_trial(self.tag, grace_s=1.0)
+            self._result = self._read()
+        return self._result
 
     def wait(self) -> BenchmarkResult:
         while (result := self.poll()) is None:
-            time.sleep(0.1)
+            time.sleep(0.2)
         return result
 
-    def cancel(self) -> None:
-        """Kill the whole process group (torchrun and its ranks)."""
-        if self.process.poll() is None:
+    def cancel(self, grace_s: float = 10.0) -> None:
+        """Stop the trial: SIGTERM to the supervisor (it stops the command gracefully and kills
+        every tagged process), then after `grace_s` kill whatever of the trial is still alive.
+        When this returns no process of the trial is alive (on this machine)."""
+        if self.alive():
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        kill_trial(self.tag, grace_s=2.0)
+        if self.process is not None:
             self.process.wait()
 
-    def _read(self, code: int) -> BenchmarkResult:
+    def _read(self) -> BenchmarkResult:
         try:
             return BenchmarkResult.from_json(self.result_path.read_text())
         except (OSError, ValueError) as e:
-            return self._failed(f"no valid result file ({e}); torchrun exit code {code}")
+            code = (
+                self.process.returncode
+                if self.process is not None
+                else _launch_info(self.work_dir).get("exit_code")
+            )
+            return BenchmarkResult(
+                status="error",
+                error=with_log_tail(f"no valid result file ({e}); exit code {code}", self.work_dir),
+            )
 
-    def _failed(self, reason: str) -> BenchmarkResult:
-        log = self.work_dir / LOG_FILE
-        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-        return BenchmarkResult(status="error", error=f"{reason}\n--- log tail ---\n{tail}")
+
+def with_log_tail(reason: str, work_dir: Path, limit: int = 3000) -> str:
+    log = work_dir / LOG_FILE
+    tail = log.read_text(errors="replace")[-limit:] if log.exists() else ""
+    return f"{reason}\n--- log tail ---\n{tail}"
+
+
+def _launch_info(work_dir: Path) -> dict:
+    try:
+        return json.loads((work_dir / LAUNCH_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def new_tag() -> str:
+    return f"trial-{uuid.uuid4().hex[:16]}"
 
 
 def start_local(
@@ -99,22 +237,124 @@ def start_local(
     env: dict[str, str] | None = None,
     python: str = sys.executable,
     command: list[str] | None = None,
+    tag: str | None = None,
 ) -> LocalRun:
-    """Write the config into `work_dir` and start torchrun with one process per rank (or
-    `command`, e.g. an srun step, which must read config.json and write result.json there)."""
+    """Write the config into `work_dir` and start the supervisor, which runs torchrun with one
+    process per rank on `python` (or `command`, e.g. an srun step, which must read config.json
+    and write result.json there) for at most `timeout_s`. Returns once launch.json is written."""
+    tag = tag or new_tag()
+    if "\0" in tag:
+        raise ValueError(f"a trial tag cannot hold a NUL byte: {tag!r}")
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / CONFIG_FILE).write_text(cfg.to_json())
-    (work_dir / RESULT_FILE).unlink(missing_ok=True)
+    for name in (RESULT_FILE, LAUNCH_FILE):
+        (work_dir / name).unlink(missing_ok=True)
     cmd = command or torchrun_command(
         cfg.parallel.world_size, work_dir / CONFIG_FILE, work_dir / RESULT_FILE, python
     )
+    limit = [] if timeout_s is None else [f"--timeout-s={timeout_s}"]
+    # The supervisor runs on this interpreter: it imported trainer.launch, torch or not.
+    argv = [sys.executable, "-m", "trainer.launch", f"--work-dir={work_dir}", *limit, "--", *cmd]
     with open(work_dir / LOG_FILE, "wb") as log:
         process = subprocess.Popen(
-            cmd, cwd=work_dir, env=local_env(env, loopback=command is None), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            argv, cwd=work_dir, env={**local_env(env, loopback=command is None), TAG_VAR: tag},
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
-    return LocalRun(work_dir, process, time.monotonic(), timeout_s)
+    # launch.json is written before the command starts, so an attach after this finds the trial.
+    while not (work_dir / LAUNCH_FILE).exists() and process.poll() is None:
+        time.sleep(0.01)
+    return LocalRun(work_dir, tag, process.pid, process_start_time(process.pid) or 0, timeout_s, process)
 
 
 def run_local(cfg: BenchmarkConfig, work_dir: Path, **kwargs) -> BenchmarkResult:
     return start_local(cfg, work_dir, **kwargs).wait()
+
+
+# --- the supervisor: python -m trainer.launch --work-dir D [--timeout-s N] -- COMMAND... ----------
+
+
+def supervise(command: list[str], work_dir: Path, timeout_s: float | None) -> int:
+    """Run `command` for at most `timeout_s`; leave no tagged process behind. Exit code: the
+    command's, 124 on the time limit (after writing a 'timeout' result unless one was written),
+    128 + signal on a cancel (no result)."""
+    started, started_at = time.monotonic(), time.time()
+    tag = os.environ[TAG_VAR]
+    stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
+    info = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "host": socket.gethostname(),
+            "tag": tag, "timeout_s": timeout_s, "started_at": started_at}  # fmt: skip
+    _atomic_write(work_dir / LAUNCH_FILE, json.dumps(info))
+    try:
+        # Its own process group: SIGTERM to it reaches the command's children (srun, torchrun).
+        proc = subprocess.Popen(command, cwd=work_dir, stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as e:
+        print(f"trainer.launch: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)
+        return _finish(work_dir, info, 127)
+    deadline = None if timeout_s is None else started + timeout_s
+    while proc.poll() is None and not stop and (deadline is None or time.monotonic() < deadline):
+        time.sleep(0.1)
+    if proc.returncode is not None:  # the command ended: kill any rank that outlived it
+        kill_trial(tag, grace_s=2.0)
+        code = proc.returncode
+        return _finish(work_dir, info, code if code >= 0 else 128 - code)
+    reason = f"signal {stop[0]} (cancel)" if stop else f"time limit {timeout_s:.0f} s"
+    print(f"trainer.launch: {reason}: stopping trial {tag}", file=sys.stderr, flush=True)
+    _stop(proc, tag)
+    if stop:
+        return _finish(work_dir, info, 128 + stop[0])
+    error = with_log_tail(f"timed out after {timeout_s:.0f} s (hang or too slow)", work_dir)
+    result = BenchmarkResult(status="timeout", error=error, wall_time_s=time.monotonic() - started)
+    _write_new(work_dir / RESULT_FILE, result.to_json())  # a result the trainer wrote stands
+    return _finish(work_dir, info, TIMEOUT_EXIT_CODE)
+
+
+def _stop(proc: subprocess.Popen, tag: str) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(COMMAND_GRACE_S)
+    kill_trial(tag, grace_s=2.0)
+    if proc.poll() is None:  # a command that dropped the tag from its environment
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _finish(work_dir: Path, info: dict, exit_code: int) -> int:
+    _atomic_write(
+        work_dir / LAUNCH_FILE, json.dumps({**info, "exit_code": exit_code, "ended_at": time.time()})
+    )
+    return exit_code
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _write_new(path: Path, text: str) -> bool:
+    """Write `path` whole unless it exists (a hard link does not replace)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Supervise one trial (see trainer/launch.py).")
+    parser.add_argument("--work-dir", required=True, type=Path)
+    parser.add_argument("--timeout-s", type=float, default=None)
+    parser.add_argument("command", nargs="+", help="after --: the command to run")
+    args = parser.parse_args(argv)
+    return supervise(args.command, args.work_dir, args.timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
