@@ -37,9 +37,10 @@ system-deps:
 	else echo "Chromium missing (dashboard tests): sudo apt-get install chromium" >&2; exit 1; fi
 	@bash scripts/slurm-local.sh install
 
-# Everything but the multi-process runs and the Slurm cluster: seconds, for the edit-test loop.
+# Everything but the multi-process runs, the Slurm cluster, the browser and the slow GP sampler:
+# under a minute, for the edit-test loop (the study runner's state machine is in it).
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not distributed and not slurm and not browser"
+	$(BIN)/python -m pytest tests -m "not distributed and not slurm and not browser and not slow"
 
 lint: setup
 	$(BIN)/ruff check .

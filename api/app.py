@@ -29,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.frames import trials_frame
 from tuner import __version__, store
-from tuner.db import Study, connect
+from tuner.db import Study, aware, connect, utcnow
+from tuner.outcome import STATUS_FROM_WORD, STATUS_WORDS, StudyStatus, TrialState
 from tuner.plan import PlanError, parse_pins
 from tuner.plan import plan as run_plan
 from tuner.settings import Settings
@@ -38,8 +39,7 @@ from tuner.spec import StudySpec
 
 log = logging.getLogger("tuner.api")
 
-STATUS = store.STATUS_WORDS
-STATUS_IN = {v: k for k, v in STATUS.items()}
+STATUS_IN = {word: status.value for word, status in STATUS_FROM_WORD.items()}
 # Ids are 32-bit integers in every database we support: larger ones are refused (422), not sent.
 StudyId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="the study's id")]
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
@@ -72,10 +72,21 @@ class Progress(BaseModel):
     by_state: dict[str, int]
 
 
+class LeaseOut(BaseModel):
+    owner: str
+    host: str | None
+    pid: int | None
+    renewed_s_ago: float | None
+    expires_in_s: float | None  # negative: expired (another worker may take the study)
+
+
 class StudySummary(BaseModel):
     id: int
     name: str
     status: str
+    reason: str | None = None  # why it is in its status: a failure, the cancel request, a pause
+    lease: LeaseOut | None = None  # who runs it now
+    owner: str | None = None  # who holds it, or last held it
     model: str
     cluster: str
     gpus: int
@@ -118,6 +129,9 @@ class TrialOut(BaseModel):
     job_id: str | None
     job_state: str | None
     attempts: int
+    attempt_log: list[dict[str, Any]] | None = None  # every ended attempt: job, state, kind, times
+    device_s: float = 0.0
+    told: str | None = None  # what the sampler heard: score, infeasible, nothing
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
 
@@ -302,13 +316,15 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
                 study = store.create_study(s, spec)
             except store.StudyExists as e:
                 raise ApiError(409, "study_exists", str(e)) from None
-            created = StudyCreated(id=study.id, name=study.name, status=STATUS[study.status],
+            created = StudyCreated(id=study.id, name=study.name, status=store.status_of(study).word,
                                    url=f"/api/studies/{study.id}")  # fmt: skip
         return created
 
     @app.get("/api/studies", response_model=StudyPage, tags=["studies"], dependencies=[Read])
     def list_studies(
-        status: Annotated[str | None, Query(pattern="^(pending|running|done|cancelled|failed)$")] = None,
+        status: Annotated[
+            str | None, Query(pattern="^(pending|running|cancelling|done|cancelled|failed)$")
+        ] = None,
         model: Annotated[str | None, Query(max_length=200)] = None,
         cluster: Annotated[str | None, Query(max_length=200)] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
@@ -358,13 +374,15 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
         "/api/studies/{study_id}/cancel", response_model=StudySummary, tags=["studies"], dependencies=[Write]
     )
     def cancel(study_id: StudyId) -> StudySummary:
-        """Cancel a pending or running study (its running trials are stopped by its worker)."""
+        """Cancel a pending or running study: a pending one with nothing running ends at once;
+        otherwise it is `cancelling` until its worker has stopped its trials. Cancelling again
+        changes nothing (the first reason is kept); a finished study is 409."""
         with sessions.begin() as s:
             study = _study(s, study_id)
-            if study.status in store.FINISHED_STUDY:
-                raise ApiError(409, "already_finished", f"study {study_id} is already {STATUS[study.status]}")
-            store.finish_study(s, study, "CANCELLED", "cancelled through the API")
-            s.flush()
+            result = store.cancel(s, study.id, "cancelled through the API")
+            if result.status.is_final and not result.took:
+                raise ApiError(409, "already_finished", result.message)
+            study = _study(s, study_id)
             return _summary(s, study, store.trial_counts(s, [study.id])[study.id])
 
     @app.delete("/api/studies/{study_id}", status_code=204, tags=["studies"], dependencies=[Write])
@@ -372,9 +390,9 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
         """Delete a finished study and its trials (409 while it is pending or running)."""
         with sessions.begin() as s:
             study = _study(s, study_id)
-            if study.status not in store.FINISHED_STUDY:
+            if not store.status_of(study).is_final:
                 raise ApiError(
-                    409, "not_finished", f"study {study_id} is {STATUS[study.status]}; cancel it first"
+                    409, "not_finished", f"study {study_id} is {store.status_of(study).word}; cancel it first"
                 )
             s.delete(study)
         return Response(status_code=204)
@@ -448,13 +466,24 @@ def _load_token_hashes(settings: Settings) -> list[str]:
 
 def _summary(s, study: Study, counts: dict[str, int]) -> StudySummary:
     best = store.best_trial(s, study)
-    finished = sum(n for state, n in counts.items() if state in ("COMPLETE", "FAIL", "PRUNED"))
+    finished = sum(n for state, n in counts.items() if TrialState(state).is_finished())
     return StudySummary(
-        id=study.id, name=study.name, status=STATUS.get(study.status, study.status.lower()), model=study.model_key,
+        id=study.id, name=study.name, status=store.status_of(study).word, reason=study.error,
+        lease=_lease(study), owner=study.lease_owner, model=study.model_key,
         cluster=study.cluster_key, gpus=study.num_gpus, sampler=study.sampler, created_at=study.created_at,
         progress=Progress(finished=finished, budget=study.spec.get("budget", {}).get("max_trials", 0), by_state=counts),
         best_tokens_per_s=best.tokens_per_s if best else None, best_mfu=best.mfu if best else None,
     )  # fmt: skip
+
+
+def _lease(study: Study) -> LeaseOut | None:
+    if study.lease_owner is None or study.lease_expires_at is None:
+        return None
+    now = utcnow()
+    renewed = aware(study.lease_renewed_at)
+    return LeaseOut(owner=study.lease_owner, host=study.lease_host, pid=study.lease_pid,
+                    renewed_s_ago=(now - renewed).total_seconds() if renewed else None,
+                    expires_in_s=(aware(study.lease_expires_at) - now).total_seconds())  # fmt: skip
 
 
 def _trial(t) -> TrialOut:
@@ -466,18 +495,19 @@ def _trial(t) -> TrialOut:
         peak_memory_bytes=t.peak_memory_bytes, step_time_median_s=t.step_time_median_s,
         predicted_tokens_per_s=t.predicted_tokens_per_s, predicted_memory_bytes=t.predicted_memory_bytes,
         failure_kind=t.failure_kind, failure_message=t.failure_message, job_id=t.job_id, job_state=t.job_state,
-        attempts=t.attempts, started_at=t.started_at, finished_at=t.finished_at,
+        attempts=t.attempts, attempt_log=t.attempt_log, device_s=t.device_s or 0.0, told=t.told,
+        started_at=t.started_at, finished_at=t.finished_at,
     )  # fmt: skip
 
 
 def prometheus_text(studies: dict[str, int], trials: dict[str, int], durations: list[float]) -> str:
     out = io.StringIO()
     out.write("# HELP tuner_studies Studies by state.\n# TYPE tuner_studies gauge\n")
-    for state in ("PENDING", "RUNNING", "COMPLETE", "FAILED", "CANCELLED"):
-        out.write(f'tuner_studies{{state="{STATUS[state]}"}} {studies.get(state, 0)}\n')
+    for status in StudyStatus:
+        out.write(f'tuner_studies{{state="{STATUS_WORDS[status]}"}} {studies.get(status.value, 0)}\n')
     out.write("# HELP tuner_trials Trials by state.\n# TYPE tuner_trials gauge\n")
-    for state in ("WAITING", "RUNNING", "COMPLETE", "PRUNED", "FAIL"):
-        out.write(f'tuner_trials{{state="{state.lower()}"}} {trials.get(state, 0)}\n')
+    for state in TrialState:
+        out.write(f'tuner_trials{{state="{state.value.lower()}"}} {trials.get(state.value, 0)}\n')
     out.write("# HELP tuner_trial_duration_seconds Wall time of finished trials.\n"
               "# TYPE tuner_trial_duration_seconds histogram\n")  # fmt: skip
     for le in (1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600):

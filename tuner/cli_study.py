@@ -20,6 +20,7 @@ from tuner.db import DatabaseError, connect
 from tuner.dispatch import BACKENDS, make_dispatcher
 from tuner.loop import Progress as LoopProgress
 from tuner.loop import run_study
+from tuner.outcome import StudyStatus
 from tuner.settings import Settings
 from tuner.spec import SpecError, load_spec
 
@@ -39,7 +40,8 @@ def _sessions(settings: Settings):
         _fail(str(e))
 
 
-def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | None = None) -> str:
+def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | None = None,
+         takeover: bool = False) -> StudyStatus:  # fmt: skip
     try:
         spec = load_spec(spec_path)
     except SpecError as e:
@@ -50,10 +52,11 @@ def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | N
     with sessions.begin() as s:
         existing = store.get_study(s, spec.name)
         if existing is None:
-            store.create_study(s, spec)
-        elif existing.status in ("COMPLETE", "FAILED", "CANCELLED"):
+            study_id = store.create_study(s, spec).id
+        elif store.status_of(existing).is_final:
             _fail(f"study {spec.name!r} already ran ({existing.status}); pick another --name")
         else:
+            study_id = existing.id
             console.print(f"resuming study {escape(repr(spec.name))} ({existing.status})")
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
@@ -67,15 +70,22 @@ def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | N
             bar.console.print(f"  {escape(p.last)}")
 
         if (backend or spec.backend) == "slurm" and spec.slurm.mode == "allocation":
-            status = _follow_allocations(sessions, spec, settings, lambda n: bar.update(task, completed=n),
-                                         should_stop=lambda: stop["now"])  # fmt: skip
+            from tuner.worker import follow_allocations
+
+            status = follow_allocations(sessions, study_id, spec, settings, on_finished=lambda n: bar.update(task, completed=n),
+                                        should_stop=lambda: stop["now"], say=console.print)  # fmt: skip
         else:
-            status = run_study(sessions, spec.name, make_dispatcher(spec, backend), settings.work_dir,
-                               on_progress=update, should_stop=lambda: stop["now"])  # fmt: skip
+            try:
+                status = run_study(sessions, study_id, make_dispatcher(spec, backend), settings.work_dir,
+                                   lease_s=settings.lease_s, takeover=takeover, on_progress=update,
+                                   should_stop=lambda: stop["now"])  # fmt: skip
+            except store.ClaimRefused as e:
+                bar.stop()
+                _fail(f"{e}" + ("" if takeover else "; `tuner run --takeover` takes over an expired lease"))
     with sessions() as s:
         study = store.get_study(s, spec.name)
         best = store.best_trial(s, study)
-        console.print(f"study {escape(repr(spec.name))}: {status}")
+        console.print(f"study {escape(repr(spec.name))}: {status.value}")
         if best is None:
             console.print("no layout completed")
         else:
@@ -84,45 +94,6 @@ def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | N
                           f"{best.tflops_per_device:.4f} TFLOP/s per device, MFU {best.mfu:.1%}, "
                           f"peak {best.peak_memory_bytes / 2**20:.1f} MiB (trial {best.number})")  # fmt: skip
     return status
-
-
-MAX_ALLOCATIONS = 20
-
-
-def _follow_allocations(sessions, spec, settings: Settings, on_finished, should_stop) -> str:
-    """Allocation mode: submit an allocation that runs the study, follow it in the database, and
-    submit the next one when an allocation ends with the study unfinished (handed back)."""
-    from tuner.dispatch.allocation import submit_allocation
-    from tuner.dispatch.slurm import ACTIVE, SiteSettings, sacct_states, squeue_states
-
-    with sessions() as s:
-        study_id = store.get_study(s, spec.name).id
-    env = {"TUNER_DATABASE_URL": settings.database_url, "TUNER_WORK_DIR": str(settings.work_dir.resolve())}
-    site, job, submitted = SiteSettings.from_env(), None, 0
-    while True:
-        with sessions() as s:
-            study = s.get(store.Study, study_id)
-            status = study.status
-            on_finished(sum(t.state in ("COMPLETE", "FAIL") for t in study.trials))
-        if status in ("COMPLETE", "FAILED", "CANCELLED"):
-            return status
-        if should_stop():
-            with sessions.begin() as s:
-                s.get(store.Study, study_id).status = "CANCELLED"  # the runner cancels its steps
-            should_stop = lambda: False  # noqa: E731
-        state = None
-        if job is not None:
-            state = (squeue_states([job]) or sacct_states([job])).get(job, ("UNKNOWN", ""))[0]
-        if job is None or state not in ACTIVE:
-            with sessions() as s:  # the runner may have finished the study as its job ended
-                if (status := s.get(store.Study, study_id).status) in ("COMPLETE", "FAILED", "CANCELLED"):
-                    return status
-            if submitted >= MAX_ALLOCATIONS:
-                return status
-            job = submit_allocation(study_id, spec, settings.work_dir, site=site, env=env)
-            submitted += 1
-            console.print(f"  allocation {job} submitted ({spec.slurm.allocation_minutes} min)")
-        time.sleep(2)
 
 
 Url = Annotated[
@@ -144,12 +115,16 @@ def register(app: typer.Typer) -> None:
         backend: Annotated[
             str | None, typer.Option(help=f"where trials run: {list(BACKENDS)} (default: the spec's)")
         ] = None,
+        takeover: Annotated[
+            bool, typer.Option("--takeover", help="take the study over from a worker whose lease expired")
+        ] = False,
     ) -> None:
-        """Run a study in the foreground (resumes it if it was interrupted)."""
+        """Run a study in the foreground (resumes it if it was interrupted). A study another live
+        worker holds is refused, naming the worker."""
         if backend is not None and backend not in BACKENDS:
             _fail(f"--backend: {backend!r} is not one of {list(BACKENDS)}")
-        status = _run(spec, name, Settings.from_env(), backend)
-        raise typer.Exit(0 if status == "COMPLETE" else 1)
+        status = _run(spec, name, Settings.from_env(), backend, takeover)
+        raise typer.Exit(0 if status is StudyStatus.COMPLETE else 1)
 
     @app.command(hidden=True)
     def alloc_run(
@@ -160,17 +135,17 @@ def register(app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """Inside a Slurm allocation: run the study's trials as srun steps (allocation mode)."""
-        from tuner.dispatch.allocation import run_in_allocation
+        from tuner.worker import run_in_allocation
 
         status = run_in_allocation(study_id, margin_s=margin_s)
-        console.print(f"study {study_id}: {status}")
+        console.print(f"study {study_id}: {status.value}")
 
     @app.command()
     def demo() -> None:
         """The tiny CPU study (studies/tiny-cpu.yaml) end to end with the model sampler."""
         name = f"tiny-cpu-{dt.datetime.now():%Y%m%d-%H%M%S}"
         status = _run(STUDIES_DIR / "tiny-cpu.yaml", name, Settings.from_env())
-        raise typer.Exit(0 if status == "COMPLETE" else 1)
+        raise typer.Exit(0 if status is StudyStatus.COMPLETE else 1)
 
     @app.command()
     def studies(url: Url = None, token: Token = None, as_json: Json = False) -> None:
@@ -178,22 +153,28 @@ def register(app: typer.Typer) -> None:
         if url:
             rows = [{"id": r["id"], "name": r["name"], "status": r["status"], "model": r["model"], "cluster": r["cluster"],
                      "gpus": r["gpus"], "sampler": r["sampler"], "trials": sum(r["progress"]["by_state"].values()),
-                     "created_at": r["created_at"]} for r in _client(url, token).studies()]  # fmt: skip
+                     "created_at": r["created_at"], "owner": r.get("owner"), "lease": r.get("lease"),
+                     "reason": r.get("reason")} for r in _client(url, token).studies()]  # fmt: skip
         else:
             with _sessions(Settings.from_env())() as s:
                 found = store.list_studies(s)
                 counts = store.trial_counts(s, [st.id for st in found])
-                rows = [{"id": st.id, "name": st.name, "status": store.STATUS_WORDS.get(st.status, st.status), "model": st.model_key,
+                rows = [{"id": st.id, "name": st.name, "status": store.status_of(st).word, "model": st.model_key,
                          "cluster": st.cluster_key, "gpus": st.num_gpus, "sampler": st.sampler,
-                         "trials": sum(counts[st.id].values()), "created_at": st.created_at.isoformat()}
+                         "trials": sum(counts[st.id].values()), "created_at": st.created_at.isoformat(),
+                         "owner": st.lease_owner, "lease": store.describe_lease(st) if st.lease_expires_at else None,
+                         "reason": st.error}
                         for st in found]  # fmt: skip
         if as_json:
             typer.echo(json.dumps(rows, indent=1))
             return
-        table = Table("id", "name", "status", "model", "cluster", "gpus", "sampler", "trials", "created")
+        table = Table(
+            "id", "name", "status", "model", "cluster", "gpus", "sampler", "trials", "created", "held by"
+        )
         for r in rows:
+            held = r["lease"] or (f"(last: {r['owner']})" if r["owner"] else "")
             table.add_row(*(escape(str(r[k])) for k in ("id", "name", "status", "model", "cluster", "gpus", "sampler",
-                                                        "trials")), r["created_at"][:19])  # fmt: skip
+                                                        "trials")), r["created_at"][:19], escape(held))  # fmt: skip
         console.print(table)
 
     @app.command()
@@ -231,7 +212,7 @@ def register(app: typer.Typer) -> None:
                           _num(r["tflops_per_device"], ".4f"), _num(r["mfu"], ".1%"),
                           _num(r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2**20, ".1f"),
                           _num(r["predicted_tokens_per_s"], ",.0f"), r["failure_kind"] or "",
-                          (r["job_id"] or "").partition("@")[0], r["job_state"] or "")  # fmt: skip
+                          (r["job_id"] or "").partition("@")[0].partition(":")[2], r["job_state"] or "")  # fmt: skip
         console.print(table)
 
     @app.command()
@@ -306,9 +287,9 @@ def register(app: typer.Typer) -> None:
                 found = store.get_study(s, study)
                 if found is None:
                     _fail(f"no study {study!r}; see `tuner studies`")
-                if found.status in store.FINISHED_STUDY:
-                    _fail(f"study {study!r} is already {found.status}")
-                store.finish_study(s, found, "CANCELLED", "cancelled from the CLI")
+                result = store.cancel(s, found.id, "cancelled from the CLI")
+            console.print(escape(result.message))
+            return
         console.print(f"study {escape(study)} cancelled")
 
     @app.command()
@@ -435,12 +416,12 @@ def _wait_for(study_id: int, url: str | None, token: str | None, budget: int) ->
                 with _sessions(Settings.from_env())() as s:
                     st = s.get(store.Study, study_id)
                     counts = store.trial_counts(s, [study_id])[study_id]
-                    status = store.STATUS_WORDS.get(st.status, st.status)
+                    status = store.status_of(st).word
                     done = sum(n for k, n in counts.items() if k in ("COMPLETE", "FAIL", "PRUNED"))
                     b = store.best_trial(s, st)
                     best = b.tokens_per_s if b else None
             bar.update(task, completed=min(done, budget), best=f"best {best:,.0f} tokens/s" if best else "")
-            if status in ("done", "failed", "cancelled"):
+            if status in ("done", "failed", "cancelled"):  # final words (tuner/outcome.py)
                 break
             time.sleep(1.0)
     console.print(f"study {study_id}: {status}")
@@ -454,7 +435,7 @@ def _trial_row(t) -> dict[str, Any]:
         "peak_memory_bytes": t.peak_memory_bytes, "predicted_tokens_per_s": t.predicted_tokens_per_s,
         "predicted_memory_bytes": t.predicted_memory_bytes, "failure_kind": t.failure_kind,
         "failure_message": t.failure_message, "job_id": t.job_id, "job_state": t.job_state, "log_path": t.log_path,
-        "attempts": t.attempts,
+        "attempts": t.attempts, "attempt_log": t.attempt_log, "device_s": t.device_s, "told": t.told,
     }  # fmt: skip
 
 

@@ -33,6 +33,11 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+def aware(t: dt.datetime | None) -> dt.datetime | None:
+    """Every time we store is UTC; SQLite hands datetimes back without their zone."""
+    return t.replace(tzinfo=dt.UTC) if t is not None and t.tzinfo is None else t
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON}  # noqa: RUF012
 
@@ -50,10 +55,19 @@ class Study(Base):
     num_params: Mapped[int] = mapped_column(BigInteger, index=True)
     cluster_key: Mapped[str] = mapped_column(String(100), index=True)
     num_gpus: Mapped[int] = mapped_column(index=True)
+    # Why the study is in its status: the failure, the first cancel request, a pause.
     error: Mapped[str | None] = mapped_column(Text)
-    worker: Mapped[str | None] = mapped_column(String(200))
+    # The lease (tuner/store/studies.py): who runs the study and until when, renewed by its
+    # heartbeat. Another worker may take the study only once lease_expires_at has passed.
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_host: Mapped[str | None] = mapped_column(String(255))
+    lease_pid: Mapped[int | None]
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    lease_renewed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    resume_after: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))  # a paused study
+    dispatch_failures: Mapped[int] = mapped_column(default=0)  # in a row; reset by a submission
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))  # first claim
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
     trials: Mapped[list[Trial]] = relationship(
@@ -107,6 +121,11 @@ class Trial(Base):
     job_state: Mapped[str | None] = mapped_column(String(32))  # the scheduler's word (Slurm state)
     log_path: Mapped[str | None] = mapped_column(String(500))
     attempts: Mapped[int] = mapped_column(default=0)
+    # One entry per ended attempt: {"attempt", "job", "job_state", "kind", "message", "started_at",
+    # "ended_at", "device_s"}; device_s sums them (the device-hours budget).
+    attempt_log: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    device_s: Mapped[float] = mapped_column(Float, default=0.0)
+    told: Mapped[str | None] = mapped_column(String(16))  # what the sampler heard (outcome.Feedback)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import shlex
 
-from trainer.config import BenchmarkConfig, ParallelConfig
+from trainer.config import ParallelConfig
 from trainer.launch import CONFIG_FILE, RESULT_FILE
-from tuner.dispatch.slurm import (
+from tuner.dispatch.sbatch import (
     SITE_OPTIONS,
     SiteSettings,
+    SlurmResources,
     layout_resources,
     preamble,
-    site_options,
-    time_limit_minutes,
+    trainer_command,
 )
-from tuner.spec import SlurmSpec, StudySpec, slug
+from tuner.spec import SlurmSpec, StudySpec, benchmark_config, slug
 
 FORMATS = ("torchtitan", "megatron", "sbatch")
 
@@ -48,20 +48,10 @@ def export_layout(
     return _sbatch(spec, config, site or SiteSettings(python="python"))
 
 
-def _bench_config(spec: StudySpec, config: ParallelConfig) -> BenchmarkConfig:
-    """What our trainer runs for this layout: the study's trial settings on real devices. fp16
-    studies run bf16 (the trainer has no fp16 loss scaling; tuner/loop.py does the same)."""
-    t = spec.trial
-    device = "cpu" if t.device == "cpu" or spec.cluster.name == "cpu-local" else "cuda"
-    dtype = "fp32" if spec.training.precision == "fp32" or device == "cpu" else "bf16"
-    return BenchmarkConfig(model=spec.gpt(), parallel=config, warmup_steps=t.warmup_steps,
-                           measure_steps=t.measure_steps, seed=spec.seed, device=device, dtype=dtype)  # fmt: skip
-
-
 def _header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
     """Comment lines (without '# ') shared by every format: which study, layout, model, batch."""
     m, c = spec.gpt(), config
-    nodes, per_node = layout_resources(_bench_config(spec, config), spec.cluster.gpus_per_node)
+    nodes, per_node = layout_resources(benchmark_config(spec, config), spec.cluster.gpus_per_node)
     return [
         f"{tool} for study {slug(spec.name)} (parallel-tuner, tuner/export.py): {c.describe()}",
         f"{c.world_size} ranks = tp {c.tp} x pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
@@ -160,7 +150,7 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
             f"megatron: num_layers ({m.num_layers}) is not a multiple of pp ({c.pp}) x virtual_stages "
             f"({c.virtual_stages}) = {c.num_stages}: Megatron-LM splits layers evenly over stages"
         )
-    nodes, per_node = layout_resources(_bench_config(spec, config), spec.cluster.gpus_per_node)
+    nodes, per_node = layout_resources(benchmark_config(spec, config), spec.cluster.gpus_per_node)
     args = [
         ("--tensor-model-parallel-size", c.tp),
         ("--pipeline-model-parallel-size", c.pp),
@@ -247,22 +237,14 @@ def _sbatch(spec: StudySpec, config: ParallelConfig, site: SiteSettings) -> str:
     jobs do, with the resources as #SBATCH lines. Those lines are not shell and cannot be quoted,
     so every value is a number, a slug, or a name that passed SlurmSpec's checks (the site's too)."""
     q, s = shlex.quote, spec.slurm
-    cfg = _bench_config(spec, config)
-    gpu = cfg.device == "cuda"
-    nodes, per_node = layout_resources(cfg, spec.cluster.gpus_per_node)
+    cfg = benchmark_config(spec, config)  # exactly what the study measured (tests/tuner/test_export.py)
     SlurmSpec(
         **{k: getattr(s, k) or getattr(site, k) for k in SITE_OPTIONS}
     )  # the site's names pass the spec's checks
-    options = [f"--job-name={slug(spec.name)}", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
-               f"--ntasks={config.world_size}"]  # fmt: skip
-    if gpu:
-        options.append(f"--gpus-per-node={s.gpus_per_node if s.gpus_per_node is not None else per_node}")
-    if s.cpus_per_task:
-        options.append(f"--cpus-per-task={s.cpus_per_task}")
-    options.append(f"--time={time_limit_minutes(spec.trial.timeout_s)}")
-    options += site_options(s, site)
+    resources = SlurmResources.for_trial(cfg, name=slug(spec.name), timeout_s=spec.trial.timeout_s, spec=s,
+                                         site=site, gpus_per_node=spec.cluster.gpus_per_node)  # fmt: skip
     run_dir = q(slug(spec.name)) + '-"$SLURM_JOB_ID"'
-    lines = ["#!/bin/bash", *[f"#SBATCH {o}" for o in options]]
+    lines = ["#!/bin/bash", *resources.sbatch_lines()]
     timing = (
         f"--time is the study's trial timeout ({spec.trial.timeout_s:g} s): the trainer warms up "
         f"{cfg.warmup_steps} and measures {cfg.measure_steps} steps; result.json has the figures."
@@ -276,7 +258,6 @@ def _sbatch(spec: StudySpec, config: ParallelConfig, site: SiteSettings) -> str:
         f"cat > {CONFIG_FILE} <<'CONFIG_JSON'",
         cfg.to_json(),
         "CONFIG_JSON",
-        f"exec srun --kill-on-bad-exit=1 {q(site.python)} -m trainer.benchmark --config {CONFIG_FILE} "
-        f"--out {RESULT_FILE}",
+        trainer_command(site.python, CONFIG_FILE, RESULT_FILE),
     ]
     return "\n".join(lines) + "\n"

@@ -1,35 +1,53 @@
-"""run_study(): ask -> estimate -> (prune | dispatch) -> poll -> classify -> tell -> store.
+"""The study runner: one study, held through a lease, to its end.
 
-The database is the source of truth. On (re)start the sampler is rebuilt by replaying every
-trial; RUNNING trials are re-attached through their job id (or re-queued if their process is
-gone); WAITING trials run before anything new is asked. Every trial ends in exactly one final
-state, and a layout runs at most once per study (a unique key in the database)."""
+    StudyRunner(sessions, study_id, dispatcher, work_dir, lease).run() -> the study's status
+
+`run()` loads the spec, the valid space and a sampler replayed from the stored trials, then
+repeats, every `poll_s`:
+  1. refresh      read the study (status, our lease) and its unfinished trials
+  2. handle stop  CANCELLING (or told to stop): end every trial, CANCELLED; the lease lost: stop
+                  at once; told to yield (a worker stopping, an allocation ending): re-queue,
+                  hand back
+  3. reconcile    trials left SUBMITTING by a crash: found by job name, or re-queued
+  4. collect      poll running jobs; an ended attempt is retried as the same trial or finishes
+                  the trial, and the sampler is told (tuner/outcome.py: retry, feedback)
+  5. start        queued trials first, then new layouts from the sampler, while the budget
+                  (derived from stored rows: tuner/budget.py) and free devices allow; a failed
+                  submission re-queues the trial with back-off, and after
+                  `trial.max_dispatch_failures` in a row the study pauses (PENDING)
+  6. finish       nothing left to run: COMPLETE (the model is calibrated on the measurements)
+
+The database is the truth and the runner the one writer of its study's trials; everything it
+keeps in memory (the sampler, job handles, back-off times) is a cache rebuilt on restart. A
+database that stops answering (a restart) pauses the loop until it answers again.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 
-from trainer.config import BenchmarkConfig, ParallelConfig
 from tuner import store
-from tuner.db import Trial
-from tuner.dispatch import Dispatcher
-from tuner.outcome import FailureKind, Outcome, TrialState
-from tuner.perfmodel import (
-    Measurement,
-    calibrate,
-    estimate,
-    fit_memory_scale,
-    load_constants,
-    rms_log_error,
-)
+from tuner.budget import may_add_trial, stop_reason
+from tuner.calibration import calibrate_study
+from tuner.db import Trial, utcnow
+from tuner.dispatch import Dispatcher, DispatchError, JobHandle
+from tuner.lease import Lease
+from tuner.outcome import FailureKind, Outcome, StudyStatus, TrialState, feedback, retry
+from tuner.perfmodel import estimate, load_constants
 from tuner.samplers import make_sampler
 from tuner.space import SearchSpace
-from tuner.spec import StudySpec, slug
+from tuner.spec import StudySpec, benchmark_config, slug
+
+log = logging.getLogger("tuner.loop")
+MAX_BACKOFF_S = 300.0
 
 
 @dataclass
@@ -44,212 +62,340 @@ class Progress:
     events: list[str] = field(default_factory=list)
 
 
-def benchmark_config(spec: StudySpec, config: ParallelConfig) -> BenchmarkConfig:
-    t = spec.trial
-    dtype = {"bf16": "bf16", "fp16": "bf16", "fp32": "fp32"}[spec.training.precision]
-    return BenchmarkConfig(
-        model=spec.gpt(), parallel=config, warmup_steps=t.warmup_steps, measure_steps=t.measure_steps,
-        seed=spec.seed, device=t.device, dtype=dtype if t.device != "cpu" else "fp32",
-        max_memory_bytes=int(spec.cluster.device_memory_bytes),
-    )  # fmt: skip
+class StudyRunner:
+    def __init__(
+        self, sessions: sessionmaker, study_id: int, dispatcher: Dispatcher, work_dir: Path, lease: Lease, *,
+        poll_s: float = 0.2, on_progress: Callable[[Progress], None] | None = None,
+        should_yield: Callable[[], bool] = lambda: False, should_stop: Callable[[], bool] = lambda: False,
+        clock: Callable[[], dt.datetime] = utcnow,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:  # fmt: skip
+        self.sessions, self.study_id, self.dispatcher, self.work_dir = (
+            sessions,
+            study_id,
+            dispatcher,
+            work_dir,
+        )
+        self.lease, self.owner = lease, lease.owner
+        self.poll_s, self.on_progress, self.should_yield, self.should_stop = (
+            poll_s, on_progress, should_yield, should_stop)  # fmt: skip
+        self.clock, self.sleep = clock, sleep
+        self.not_before: dict[int, dt.datetime] = {}  # trial id -> no new submission before
+        self.exhausted = False
+        self.progress = Progress()
+
+    # --- the steps ---------------------------------------------------------------------------
+
+    def run(self) -> StudyStatus:
+        """Run the study to its end, a hand-back or a pause; returns its status then (RUNNING if
+        the lease was lost: someone else runs it now)."""
+        if (status := self._retrying(self.load)) is not None:
+            return status
+        backoff = 1.0
+        while True:
+            try:
+                status = self.step()
+                backoff = 1.0
+            except OperationalError as e:  # the database restarts: wait for it, lose nothing
+                log.warning("study %d: database unavailable (%s); retrying in %.0f s", self.study_id,
+                            str(e).splitlines()[0], backoff)  # fmt: skip
+                self.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            if status is not None:
+                return status
+            self.sleep(self.poll_s)
+
+    def load(self) -> StudyStatus | None:
+        with self.sessions() as s:
+            study = s.get(store.Study, self.study_id)
+            self.spec = StudySpec.model_validate(study.spec)
+            history = [(store.config_of(t), store.outcome_of(t)) for t in store.trials(s, study)]
+            stored = store.latest_constants(s, self.spec.cluster.name)
+        self.constants = stored or load_constants(self.spec.cluster.name)
+        self.model, self.cluster = self.spec.gpt(), self.spec.cluster
+        space = SearchSpace.from_spec(self.spec).enumerate()
+        if not space.valid:
+            reasons = "; ".join(
+                f"{space.examples[r]} ({n} layouts)" for r, n in space.rejected.most_common(3)
+            )
+            return self._end(StudyStatus.FAILED, f"no valid layout in the space: {reasons}")
+        self.sampler = make_sampler(self.spec.sampler, space.valid, seed=self.spec.seed, model=self.model,
+                                    cluster=self.cluster, precision=self.spec.training.precision,
+                                    constants=self.constants)  # fmt: skip
+        for config, outcome in history:
+            self.sampler.replay(config, outcome)
+            if outcome is not None and outcome.ok and outcome.tokens_per_s > self.progress.best_tokens_per_s:
+                self.progress.best_tokens_per_s, self.progress.best_layout = (
+                    outcome.tokens_per_s,
+                    config.describe(),
+                )
+        self.progress.budget = self.spec.budget.max_trials
+        return None
+
+    def step(self) -> StudyStatus | None:
+        """One pass of the loop; a status when the runner is done with the study."""
+        with self.sessions() as s:
+            study = s.get(store.Study, self.study_id, populate_existing=True)
+            status, holder = store.status_of(study), study.lease_owner
+        if (
+            self.lease.lost.is_set()
+            or holder != self.owner.id
+            or status not in (StudyStatus.RUNNING, StudyStatus.CANCELLING)
+        ):
+            log.warning(
+                "study %d: lease lost (now %s, held by %s); stopping", self.study_id, status.value, holder
+            )
+            return StudyStatus.RUNNING if status is StudyStatus.RUNNING else status
+        if status is StudyStatus.RUNNING and self.should_stop():  # Ctrl-C on `tuner run`
+            with self.sessions.begin() as s:
+                store.cancel(s, self.study_id, "cancelled from the command line (Ctrl-C)", now=self.clock())
+            status = StudyStatus.CANCELLING
+        if status is StudyStatus.CANCELLING:
+            return self.cancel_all()
+        if self.should_yield():
+            return self.hand_back()
+        self.reconcile()
+        self.collect()
+        if (paused := self.start()) is not None:
+            return paused
+        return self.finish_if_done()
+
+    def reconcile(self) -> None:
+        """A trial left SUBMITTING (this or an earlier runner died, or the database failed,
+        between the submission and the commit of its handle): find its job by name."""
+        for trial in self._trials(TrialState.SUBMITTING):
+            name = store.job_name(self.study_id, trial.number, trial.attempts)
+            job = self.dispatcher.find(name, self._trial_dir(trial))
+            with self.sessions.begin() as s:
+                trial = s.get(Trial, trial.id)
+                if job is not None:
+                    store.attach_job(s, trial, str(job), str(self._trial_dir(trial) / "log.txt"))
+                else:
+                    store.submission_failed(
+                        s, trial, f"no job named {name} was found after a restart; re-queued"
+                    )
+
+    def collect(self) -> None:
+        for trial in self._trials(TrialState.RUNNING):
+            job = JobHandle.parse(trial.job_id)
+            report = self.dispatcher.poll(job)
+            with self.sessions.begin() as s:
+                trial = s.get(Trial, trial.id)
+                if not report.done:
+                    store.note_job_state(s, trial, report.state)
+                    continue
+                told = self._end_attempt(s, trial, report.outcome, report.state)
+            if told is not None:
+                self._told(*told)
+
+    def start(self) -> StudyStatus | None:
+        """Start trials while the budget and the devices allow; a status if the study paused."""
+        b = self.spec.budget
+        while True:
+            with self.sessions() as s:
+                study = s.get(store.Study, self.study_id)
+                used = store.usage(s, study, min_improvement=b.early_stop_min_improvement, now=self.clock())
+                waiting = store.trials(s, study, (TrialState.WAITING,))
+            now = self.clock()
+            eligible = [t for t in waiting if self.not_before.get(t.id, now) <= now]
+            if used.active >= b.trials_in_flight or stop_reason(b, used):
+                return None
+            # Queued trials first; no new layout while one waits out a back-off.
+            trial = (eligible[0] if eligible else None) if waiting else self._new_trial(used)
+            if trial is None:
+                return None
+            cfg = benchmark_config(self.spec, store.config_of(trial))
+            if not self.dispatcher.can_start(cfg):
+                return None
+            if (paused := self._submit(trial, cfg)) is not None:
+                return paused
+
+    def finish_if_done(self) -> StudyStatus | None:
+        with self.sessions() as s:
+            study = s.get(store.Study, self.study_id)
+            used = store.usage(
+                s, study, min_improvement=self.spec.budget.early_stop_min_improvement, now=self.clock()
+            )
+            waiting = store.trials(s, study, (TrialState.WAITING,))
+        reason = stop_reason(self.spec.budget, used)
+        if used.active:
+            return None
+        if reason is None and (waiting or (may_add_trial(self.spec.budget, used) and not self.exhausted)):
+            return None
+        with self.sessions.begin() as s:
+            if waiting:
+                store.cancel_waiting(s, self.study_id, f"not run: {reason}", now=self.clock())
+            calibrate_study(s, s.get(store.Study, self.study_id), self.spec, self.constants)
+        return self._end(StudyStatus.COMPLETE, reason)
+
+    # --- stopping --------------------------------------------------------------------------------
+
+    def cancel_all(self) -> StudyStatus:
+        """CANCELLING -> every running job cancelled, every trial ended, CANCELLED."""
+        for trial in self._trials(TrialState.RUNNING, TrialState.SUBMITTING):
+            job = (JobHandle.parse(trial.job_id) if trial.job_id else
+                   self.dispatcher.find(store.job_name(self.study_id, trial.number, trial.attempts),
+                                        self._trial_dir(trial)))  # fmt: skip
+            if job is not None:
+                self.dispatcher.cancel(job)
+            with self.sessions.begin() as s:
+                trial = s.get(Trial, trial.id)
+                outcome = Outcome.failed(FailureKind.CANCELLED, "the study was cancelled")
+                if trial.state == TrialState.SUBMITTING.value:
+                    store.submission_failed(s, trial, "the study was cancelled before its job was known")
+                else:
+                    store.end_attempt(
+                        s, trial, outcome, requeue=False, told=feedback(outcome), now=self.clock()
+                    )
+        with self.sessions.begin() as s:
+            store.cancel_waiting(s, self.study_id, "not run: the study was cancelled", now=self.clock())
+        return self._end(StudyStatus.CANCELLED, None)
+
+    def hand_back(self, reason: str | None = None, resume_after: dt.datetime | None = None,
+                  keep_running: bool = False) -> StudyStatus:  # fmt: skip
+        """RUNNING -> PENDING for the next worker. Running trials are stopped and re-queued
+        (not failed, no retry used), unless `keep_running` (a pause: the next holder re-attaches)."""
+        self.reconcile()
+        if not keep_running:
+            for trial in self._trials(TrialState.RUNNING):
+                self.dispatcher.cancel(JobHandle.parse(trial.job_id))
+                outcome = Outcome.failed(
+                    FailureKind.CANCELLED, "handed back: the worker or allocation stopped"
+                )
+                with self.sessions.begin() as s:
+                    store.end_attempt(s, s.get(Trial, trial.id), outcome, requeue=True, now=self.clock())
+        with self.sessions.begin() as s:
+            store.release(
+                s, self.study_id, self.owner, reason=reason, resume_after=resume_after, now=self.clock()
+            )
+        self.lease.stop()
+        return StudyStatus.PENDING
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _new_trial(self, used: store.Usage) -> Trial | None:
+        """Ask the sampler for a layout; predicted not to fit -> PRUNED (told), ask again."""
+        while may_add_trial(self.spec.budget, used) and not self.exhausted:
+            config = self.sampler.ask()
+            if config is None:
+                self.exhausted = True
+                return None
+            est = estimate(self.model, config, self.cluster, self.spec.training.precision, self.constants)
+            with self.sessions.begin() as s:
+                study = s.get(store.Study, self.study_id)
+                trial = store.add_trial(s, study, config, est.to_dict(), TrialState.WAITING)
+                if not (self.spec.prune_predicted_oom and not est.fits):
+                    return trial
+                reason = (f"predicted {est.memory_bytes / 2**30:.2f} GiB > {self.cluster.device_memory_gb:g} GB "
+                          f"device memory (margin {self.constants.memory_margin:.0%})")  # fmt: skip
+                store.prune_trial(s, trial, reason, now=self.clock())
+            self.sampler.tell(config, Outcome.failed(FailureKind.PREDICTED_OOM, reason))
+        return None
+
+    def _submit(self, trial: Trial, cfg) -> StudyStatus | None:
+        with self.sessions.begin() as s:
+            trial = s.get(Trial, trial.id)
+            if not store.begin_attempt(s, trial, now=self.clock()):
+                return None  # changed under us; the next pass sees it
+            name, work_dir = (
+                store.job_name(self.study_id, trial.number, trial.attempts),
+                self._trial_dir(trial),
+            )
+        try:
+            job = self.dispatcher.submit(
+                cfg, name=name, work_dir=work_dir, timeout_s=self.spec.trial.timeout_s
+            )
+        except DispatchError as e:
+            return self._submission_failed(trial.id, str(e))
+        with self.sessions.begin() as s:
+            store.attach_job(s, s.get(Trial, trial.id), str(job), str(work_dir / "log.txt"))
+            store.count_dispatch_failure(s, self.study_id, reset=True)
+        self.not_before.pop(trial.id, None)
+        return None
+
+    def _submission_failed(self, trial_id: int, message: str) -> StudyStatus | None:
+        t = self.spec.trial
+        with self.sessions.begin() as s:
+            store.submission_failed(s, s.get(Trial, trial_id), message, now=self.clock())
+            failures = store.count_dispatch_failure(s, self.study_id)
+        delay = min(t.dispatch_backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S)
+        self.not_before[trial_id] = self.clock() + dt.timedelta(seconds=delay)
+        log.warning("study %d: submission failed (%d in a row), trial re-queued for %.0f s: %s", self.study_id,
+                    failures, delay, message)  # fmt: skip
+        if failures < t.max_dispatch_failures:
+            return None
+        reason = f"paused after {failures} failed submissions in a row; last: {message}"[:2000]
+        resume = self.clock() + dt.timedelta(seconds=t.dispatch_pause_s)
+        return self.hand_back(reason, resume_after=resume, keep_running=True)
+
+    def _end_attempt(self, s, trial: Trial, outcome: Outcome, job_state: str):
+        """Retry the trial or finish it; returns (config, outcome, number) to tell, or None."""
+        t = self.spec.trial
+        if retry(
+            outcome, store.previous_kinds(trial), max_retries=t.max_retries, crash_retries=t.crash_retries
+        ):
+            store.end_attempt(s, trial, outcome, requeue=True, job_state=job_state, now=self.clock())
+            log.info("study %d trial %d: attempt %d %s; re-queued", self.study_id, trial.number, trial.attempts,
+                     outcome.kind)  # fmt: skip
+            return None
+        if not store.end_attempt(s, trial, outcome, requeue=False, told=feedback(outcome), job_state=job_state,
+                                 now=self.clock()):  # fmt: skip
+            return None
+        return store.config_of(trial), outcome, trial.number
+
+    def _told(self, config, outcome: Outcome, number: int) -> None:
+        """After the trial's end is committed: the sampler learns it, the progress shows it."""
+        self.sampler.tell(config, outcome)
+        p = self.progress
+        p.finished += 1
+        if outcome.ok and outcome.tokens_per_s > p.best_tokens_per_s:
+            p.best_tokens_per_s, p.best_layout = outcome.tokens_per_s, config.describe()
+        p.last = f"trial {number}: {config.describe()} -> " + (
+            f"{outcome.tokens_per_s:.0f} tokens/s" if outcome.ok else outcome.kind
+        )
+        if self.on_progress:
+            self.on_progress(p)
+
+    def _trials(self, *states: TrialState) -> list[Trial]:
+        with self.sessions() as s:
+            return store.trials(s, s.get(store.Study, self.study_id), states)
+
+    def _trial_dir(self, trial: Trial) -> Path:
+        return self.work_dir / slug(self.spec.name) / f"trial-{trial.number:04d}"
+
+    def _end(self, status: StudyStatus, reason: str | None) -> StudyStatus:
+        with self.sessions.begin() as s:
+            took = store.finish(s, self.study_id, self.owner, status, reason, now=self.clock())
+        self.lease.stop()
+        return status if took else StudyStatus.RUNNING
+
+    def _retrying(self, fn):
+        """fn() with the database allowed to be away for a while (at start-up)."""
+        for delay in (1, 2, 4, 8, 15, 30):
+            try:
+                return fn()
+            except OperationalError as e:
+                log.warning("study %d: database unavailable (%s)", self.study_id, str(e).splitlines()[0])
+                self.sleep(delay)
+        return fn()
 
 
 def run_study(
-    sessions: sessionmaker,
-    study_name: str,
-    dispatcher: Dispatcher,
-    work_dir: Path,
-    *,
-    poll_s: float = 0.2,
-    on_progress: Callable[[Progress], None] | None = None,
-    should_stop: Callable[[], bool] = lambda: False,
-    should_yield: Callable[[], bool] = lambda: False,
-) -> str:
-    """Run (or resume) a study to its end; returns its final status. `should_stop` cancels the
-    study; `should_yield` hands it back unfinished (an allocation about to end): running trials
-    are stopped and re-queued, not failed, and the study returns to PENDING for the next worker."""
+    sessions: sessionmaker, study: str | int, dispatcher: Dispatcher, work_dir: Path, *,
+    owner: store.Owner | None = None, lease_s: float = store.DEFAULT_LEASE_S, takeover: bool = False,
+    **kwargs,
+) -> StudyStatus:  # fmt: skip
+    """Claim the study (see store.claim: refused while another live owner holds it) and run it
+    under a lease with its heartbeat. Returns the status it ended in."""
+    owner = owner or store.Owner.this_process("run")
     with sessions.begin() as s:
-        study = store.get_study(s, study_name)
-        if study is None:
-            raise ValueError(f"no study named {study_name!r}")
-        if study.status in ("COMPLETE", "FAILED", "CANCELLED"):
-            return study.status
-        spec = StudySpec.model_validate(study.spec)
-        store.claim_study(s, study)
-        study_id = study.id
-        history = [
-            (t.id, store.config_of(t), TrialState(t.state), store.outcome_of(t), t.job_id)
-            for t in store.trials(s, study)
-        ]
-
-    model, cluster, precision = spec.gpt(), spec.cluster, spec.training.precision
-    space = SearchSpace.from_spec(spec).enumerate()
-    if not space.valid:
-        reasons = "; ".join(f"{space.examples[r]} ({n} layouts)" for r, n in space.rejected.most_common(3))
-        return _finish(sessions, study_id, "FAILED", f"no valid layout in the space: {reasons}")
-    with sessions() as s:
-        constants = store.latest_constants(s, cluster.name) or load_constants(cluster.name)
-    sampler = make_sampler(spec.sampler, space.valid, seed=spec.seed, model=model, cluster=cluster,
-                           precision=precision, constants=constants)  # fmt: skip
-    progress = Progress(budget=spec.budget.max_trials)
-    running: dict[int, str] = {}  # trial id -> job id
-    job_states: dict[int, str] = {}  # trial id -> the scheduler's last word, as stored
-    waiting: list[int] = []
-    best = 0.0
-    since_improvement = 0
-    for trial_id, config, state, outcome, job_id in history:
-        sampler.replay(config, outcome)
-        if state == TrialState.RUNNING and job_id:
-            running[trial_id] = job_id
-        elif state in (TrialState.WAITING, TrialState.RUNNING):
-            waiting.append(trial_id)
-        if outcome is not None and outcome.ok:
-            best = max(best, outcome.tokens_per_s)
-        if state in (TrialState.COMPLETE, TrialState.FAIL):
-            progress.finished += 1
-    started = time.monotonic()
-    device_s = 0.0
-    exhausted = False
-
-    def budget_left() -> bool:
-        b = spec.budget
-        if progress.finished + len(running) >= b.max_trials:
-            return False
-        if b.max_wall_time_s and time.monotonic() - started > b.max_wall_time_s:
-            return False
-        if b.max_device_hours and device_s / 3600 > b.max_device_hours:
-            return False
-        return not (b.early_stop_trials and since_improvement >= b.early_stop_trials)
-
-    while True:
-        if should_yield():
-            for trial_id, job in running.items():
-                dispatcher.cancel(job)
-                with sessions.begin() as s:
-                    store.requeue_trial(s.get(Trial, trial_id))
-            with sessions.begin() as s:
-                store.release_study(s.get(store.Study, study_id))
-            return "PENDING"
-        if should_stop() or _cancelled(sessions, study_id):
-            for trial_id, job in running.items():
-                dispatcher.cancel(job)
-                with sessions.begin() as s:
-                    store.finish_trial(
-                        s.get(Trial, trial_id), Outcome.failed(FailureKind.CANCELLED, "study cancelled")
-                    )
-            return _finish(sessions, study_id, "CANCELLED", None)
-
-        # Start trials while devices and budget allow: queued ones first, then new asks.
-        while len(running) < spec.budget.trials_in_flight and budget_left():
-            if waiting:
-                trial_id = waiting.pop(0)
-                with sessions.begin() as s:
-                    config = store.config_of(s.get(Trial, trial_id))
-            else:
-                config = sampler.ask()
-                if config is None:
-                    exhausted = True
-                    break
-                est = estimate(model, config, cluster, precision, constants)
-                with sessions.begin() as s:
-                    study = s.get(store.Study, study_id)
-                    if spec.prune_predicted_oom and not est.fits:
-                        trial = store.add_trial(s, study, config, est.to_dict(), TrialState.PRUNED)
-                        reason = (f"predicted {est.memory_bytes / 2**30:.1f} GiB > {cluster.device_memory_gb:g} GB "
-                                  f"device memory (margin {constants.memory_margin:.0%})")  # fmt: skip
-                        store.prune_trial(trial, reason)
-                        sampler.tell(config, Outcome.failed(FailureKind.OOM, reason))
-                        continue
-                    trial_id = store.add_trial(s, study, config, est.to_dict(), TrialState.WAITING).id
-            cfg = benchmark_config(spec, config)
-            if not dispatcher.can_start(cfg):
-                waiting.insert(0, trial_id)
-                break
-            with sessions.begin() as s:
-                trial = s.get(Trial, trial_id)
-                trial_dir = work_dir / slug(spec.name) / f"trial-{trial.number:04d}"
-                job = dispatcher.submit(cfg, name=f"{slug(spec.name)}-{trial.number}", work_dir=trial_dir,
-                                        timeout_s=spec.trial.timeout_s)  # fmt: skip
-                store.start_trial(trial, job, str(trial_dir / "log.txt"))
-            running[trial_id] = job
-
-        # Collect finished trials.
-        for trial_id, job in list(running.items()):
-            outcome = dispatcher.poll(job)
-            job_state = dispatcher.state(job) if hasattr(dispatcher, "state") else None
-            if outcome is None:
-                if job_state and job_states.get(trial_id) != job_state:
-                    job_states[trial_id] = job_state
-                    with sessions.begin() as s:
-                        s.get(Trial, trial_id).job_state = job_state
-                continue
-            del running[trial_id]
-            job_states.pop(trial_id, None)
-            with sessions.begin() as s:
-                trial = s.get(Trial, trial_id)
-                trial.job_state = job_state or trial.job_state
-                config = store.config_of(trial)
-                elapsed = (time.time() - trial.started_at.timestamp()) if trial.started_at else 0.0
-                device_s += elapsed * config.world_size
-                if outcome.failure is FailureKind.INFRA and trial.attempts <= spec.trial.max_retries:
-                    store.requeue_trial(trial)  # not the layout's fault: run it again, not told
-                    waiting.append(trial_id)
-                    continue
-                store.finish_trial(trial, outcome)
-                number = trial.number
-            sampler.tell(config, outcome)
-            progress.finished += 1
-            if outcome.ok and outcome.tokens_per_s > best * (1 + spec.budget.early_stop_min_improvement):
-                since_improvement = 0
-            else:
-                since_improvement += 1
-            if outcome.ok and outcome.tokens_per_s > best:
-                best = outcome.tokens_per_s
-                progress.best_tokens_per_s, progress.best_layout = best, config.describe()
-            progress.last = (f"trial {number}: {config.describe()} -> "
-                             + (f"{outcome.tokens_per_s:.0f} tokens/s" if outcome.ok else outcome.failure.value))  # fmt: skip
-            if on_progress:
-                on_progress(progress)
-
-        if not running and not waiting and (exhausted or not budget_left()):
-            _save_calibration(sessions, study_id, spec, constants)
-            return _finish(sessions, study_id, "COMPLETE", None)
-        time.sleep(poll_s)
-
-
-MIN_CALIBRATION_POINTS = 3
-
-
-def _save_calibration(sessions: sessionmaker, study_id: int, spec: StudySpec, prior) -> None:
-    """Fit the performance model to this study's measured trials, starting from the constants the
-    study began with, and keep the result as the cluster's prior for its next study and plan."""
-    with sessions.begin() as s:
-        study = s.get(store.Study, study_id)
-        measured = [t for t in store.trials(s, study, (TrialState.COMPLETE,)) if t.step_time_median_s]
-        points = [
-            Measurement(
-                spec.gpt(), store.config_of(t), spec.cluster, t.step_time_median_s, spec.training.precision
-            )
-            for t in measured
-        ]
-        if len(points) < MIN_CALIBRATION_POINTS:
-            return
-        fitted = calibrate(points, prior)
-        peaks = [
-            (m, t.peak_memory_bytes) for m, t in zip(points, measured, strict=True) if t.peak_memory_bytes
-        ]
-        fitted = fit_memory_scale(peaks, fitted)
-        store.save_calibration(
-            s, spec.cluster.name, fitted, len(points), rms_log_error(points, fitted), study
-        )
-
-
-def _cancelled(sessions: sessionmaker, study_id: int) -> bool:
-    with sessions() as s:
-        return s.get(store.Study, study_id).status == "CANCELLED"
-
-
-def _finish(sessions: sessionmaker, study_id: int, status: str, error: str | None) -> str:
-    with sessions.begin() as s:
-        store.finish_study(s, s.get(store.Study, study_id), status, error)
-    return status
+        found = store.get_study(s, study)
+        if found is None:
+            raise ValueError(f"no study named {study!r}")
+        if store.status_of(found).is_final:
+            return store.status_of(found)
+        study_id = found.id
+        store.claim(s, study_id, owner, lease_s=lease_s, takeover=takeover)
+    with Lease(sessions, study_id, owner, lease_s) as lease:
+        return StudyRunner(sessions, study_id, dispatcher, work_dir, lease, **kwargs).run()

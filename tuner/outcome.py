@@ -1,16 +1,76 @@
-"""Trial states and outcomes: what happened to a layout, in the tuner's words."""
+"""States and outcomes in the tuner's words, and the one failure policy.
+
+- `StudyStatus` and its allowed transitions (`STUDY_TRANSITIONS`): `tuner.store.transition` is
+  the only writer of a study's status and refuses any other move.
+- `TrialState`: WAITING -> SUBMITTING -> RUNNING -> COMPLETE | FAIL (PRUNED: never run).
+- `Outcome`: how one attempt of a trial ended; `classify()` turns the trainer's typed result
+  into one.
+- The policy (docs/samplers.md, "Failures"): `retry()` says whether an attempt that failed runs
+  again as the same trial, `feedback()` what a sampler is told about a trial that ended. Every
+  sampler and the runner use these two functions and nothing else.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import BenchmarkResult
 
 
+class StudyStatus(str, enum.Enum):
+    PENDING = "PENDING"  # waiting for a worker (new, handed back, or paused until resume_after)
+    RUNNING = "RUNNING"  # held by a worker's lease
+    CANCELLING = "CANCELLING"  # cancel asked: the lease holder stops its trials, then CANCELLED
+    COMPLETE = "COMPLETE"
+    FAILED = "FAILED"  # the study itself cannot run (no valid layout, a broken spec): never a trial's fault
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_final(self) -> bool:
+        return self in FINAL_STUDY
+
+    @property
+    def word(self) -> str:
+        """The public vocabulary (API, CLI, dashboard)."""
+        return STATUS_WORDS[self]
+
+
+FINAL_STUDY = frozenset({StudyStatus.COMPLETE, StudyStatus.FAILED, StudyStatus.CANCELLED})
+# What each status may become. RUNNING -> RUNNING is a take-over of an expired lease.
+STUDY_TRANSITIONS: dict[StudyStatus, frozenset[StudyStatus]] = {
+    StudyStatus.PENDING: frozenset({StudyStatus.RUNNING, StudyStatus.CANCELLING, StudyStatus.CANCELLED}),
+    StudyStatus.RUNNING: frozenset(
+        {
+            StudyStatus.RUNNING,
+            StudyStatus.PENDING,
+            StudyStatus.CANCELLING,
+            StudyStatus.COMPLETE,
+            StudyStatus.FAILED,
+        }
+    ),
+    StudyStatus.CANCELLING: frozenset({StudyStatus.CANCELLING, StudyStatus.CANCELLED}),
+    StudyStatus.COMPLETE: frozenset(),
+    StudyStatus.FAILED: frozenset(),
+    StudyStatus.CANCELLED: frozenset(),
+}
+STATUS_WORDS = {
+    StudyStatus.PENDING: "pending", StudyStatus.RUNNING: "running", StudyStatus.CANCELLING: "cancelling",
+    StudyStatus.COMPLETE: "done", StudyStatus.FAILED: "failed", StudyStatus.CANCELLED: "cancelled",
+}  # fmt: skip
+STATUS_FROM_WORD = {w: s for s, w in STATUS_WORDS.items()}
+
+
+def allowed_from(to: StudyStatus) -> frozenset[StudyStatus]:
+    """The statuses a study may be in for a move to `to`."""
+    return frozenset(s for s, targets in STUDY_TRANSITIONS.items() if to in targets)
+
+
 class TrialState(str, enum.Enum):
-    WAITING = "WAITING"
+    WAITING = "WAITING"  # new, or re-queued after a retryable failure
+    SUBMITTING = "SUBMITTING"  # handed to the dispatcher; its job id not stored yet
     RUNNING = "RUNNING"
     COMPLETE = "COMPLETE"
     PRUNED = "PRUNED"  # never run: predicted not to fit (the reason is stored)
@@ -20,25 +80,24 @@ class TrialState(str, enum.Enum):
         return self in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
+ACTIVE_TRIAL = (TrialState.SUBMITTING, TrialState.RUNNING)
+
+
 class FailureKind(str, enum.Enum):
-    """Whose fault: the layout's (told to the sampler as infeasible) or the infrastructure's
-    (retried, never told)."""
+    """Why an attempt failed. Whose fault it is, and what follows, is `retry()` and `feedback()`."""
 
-    OOM = "oom"
-    INVALID = "invalid"
-    CRASH = "crash"
-    TIMEOUT = "timeout"
-    INFRA = "infra"  # node failure, preemption, lost worker: not the layout's fault
-    CANCELLED = "cancelled"  # the study was cancelled while the trial ran
-
-    @property
-    def layout_fault(self) -> bool:
-        return self not in (FailureKind.INFRA, FailureKind.CANCELLED)
+    OOM = "oom"  # measured: the layout needs more memory than the device has
+    PREDICTED_OOM = "predicted_oom"  # never run: the performance model says it cannot fit
+    INVALID = "invalid"  # the trainer refused the layout for this model
+    CRASH = "crash"  # the trainer or a rank died
+    TIMEOUT = "timeout"  # hung or too slow: whichever timer fired (launcher, Slurm, a collective)
+    INFRA = "infra"  # node failure, preemption, a lost worker or allocation: not the layout's fault
+    CANCELLED = "cancelled"  # the study was cancelled, or someone cancelled the job
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """A finished trial: ok with metrics, or a failure with its kind and message."""
+    """How one attempt ended: ok with metrics, or a failure with its kind and message."""
 
     ok: bool
     tokens_per_s: float = 0.0
@@ -50,18 +109,23 @@ class Outcome:
     message: str = ""
     result: dict[str, Any] = field(default_factory=dict)  # the BenchmarkResult, as stored
 
-    @property
-    def infeasible(self) -> bool:
-        """The layout cannot run here (OOM, invalid): a constraint for samplers, not a score."""
-        return self.failure in (FailureKind.OOM, FailureKind.INVALID)
-
     @classmethod
     def failed(cls, kind: FailureKind, message: str, result: dict | None = None) -> Outcome:
         return cls(ok=False, failure=kind, message=message, result=result or {})
 
+    @property
+    def kind(self) -> str:
+        """'ok' or the failure kind's value (what attempt logs and the API show)."""
+        return "ok" if self.ok else (self.failure or FailureKind.CRASH).value
+
+
+# The trainer's typed statuses (trainer/config.py: BenchmarkResult.status) -> failure kinds.
+_STATUS_KINDS = {"oom": FailureKind.OOM, "invalid": FailureKind.INVALID, "timeout": FailureKind.TIMEOUT,
+                 "error": FailureKind.CRASH}  # fmt: skip
+
 
 def classify(result: BenchmarkResult) -> Outcome:
-    """A trainer result -> Outcome. Timeouts are reported by the launcher as errors that say so."""
+    """A trainer result -> Outcome, by its typed status only."""
     data = result.to_dict()
     if result.ok:
         times = sorted(result.step_times_s)
@@ -70,10 +134,45 @@ def classify(result: BenchmarkResult) -> Outcome:
             mfu=result.mfu, peak_memory_bytes=result.peak_memory_bytes,
             step_time_s=times[len(times) // 2] if times else 0.0, result=data,
         )  # fmt: skip
-    if result.status == "oom":
-        return Outcome.failed(FailureKind.OOM, result.error, data)
-    if result.status == "invalid":
-        return Outcome.failed(FailureKind.INVALID, result.error, data)
-    if result.error.startswith("timed out"):
-        return Outcome.failed(FailureKind.TIMEOUT, result.error, data)
-    return Outcome.failed(FailureKind.CRASH, result.error, data)
+    return Outcome.failed(_STATUS_KINDS.get(result.status, FailureKind.CRASH), result.error, data)
+
+
+# --- the failure policy ---------------------------------------------------------------------------
+
+
+class Feedback(str, enum.Enum):
+    """What a sampler hears about a finished trial."""
+
+    SCORE = "score"  # tokens/s
+    INFEASIBLE = "infeasible"  # a constraint: never propose this layout, learn from it
+    NOTHING = "nothing"  # not the layout's fault: the sampler does not hear of it
+
+
+# Kinds that say the layout cannot run well here. A crash is told only once it repeated (see
+# retry()): one crash may be a flaky node or a rank killed from outside.
+_INFEASIBLE = frozenset({FailureKind.OOM, FailureKind.PREDICTED_OOM, FailureKind.INVALID,
+                         FailureKind.CRASH, FailureKind.TIMEOUT})  # fmt: skip
+
+
+def feedback(outcome: Outcome) -> Feedback:
+    """What a sampler is told about a trial that ended with `outcome` (its last attempt):
+    ok -> its score; OOM (measured or predicted), invalid, a timeout (hung or too slow within the
+    trial's limit) and a crash that repeated -> infeasible; infrastructure failures and
+    cancellations (the study's, or an administrator's scancel) -> nothing."""
+    if outcome.ok:
+        return Feedback.SCORE
+    return Feedback.INFEASIBLE if outcome.failure in _INFEASIBLE else Feedback.NOTHING
+
+
+def retry(outcome: Outcome, previous: Sequence[str], *, max_retries: int, crash_retries: int) -> bool:
+    """Whether a failed attempt runs again as the same trial (re-queued, not told). `previous` are
+    the kinds of the trial's earlier attempts (Outcome.kind). Infrastructure failures are retried
+    up to `max_retries` times, a crash up to `crash_retries` times (a crash that repeats is the
+    layout's); nothing else is retried."""
+    if outcome.ok:
+        return False
+    if outcome.failure is FailureKind.INFRA:
+        return sum(k == FailureKind.INFRA.value for k in previous) < max_retries
+    if outcome.failure is FailureKind.CRASH:
+        return sum(k == FailureKind.CRASH.value for k in previous) < crash_retries
+    return False

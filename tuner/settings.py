@@ -26,6 +26,9 @@ class Settings:
     allow_anonymous_writes: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
     url: str | None = None  # the client's server (TUNER_URL)
+    # A worker's hold on a study: renewed every third of it; another worker may take the study
+    # once it expired (tuner/store/studies.py).
+    lease_s: float = 60.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
@@ -41,4 +44,5 @@ class Settings:
             cors_origins=tuple(o.strip() for o in env.get("TUNER_CORS_ORIGINS", "").split(",") if o.strip()),
             allow_anonymous_writes=_flag(env.get("TUNER_ALLOW_ANONYMOUS_WRITES")),
             url=env.get("TUNER_URL") or None,
+            lease_s=float(env.get("TUNER_LEASE_S", 60.0)),
         )

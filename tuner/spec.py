@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.config import MODEL_PRESETS, GPTConfig
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -218,6 +218,16 @@ class TrialSpec(_Strict):
     timeout_s: PositiveFloat = 600.0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_retries: int = Field(2, ge=0, description="re-runs after an infrastructure failure")
+    crash_retries: int = Field(
+        1, ge=0, description="re-runs after a crash; a crash that repeats makes the layout infeasible"
+    )
+    # A failed submission (sbatch exits non-zero or times out, the controller is unreachable) puts
+    # the trial back in the queue, retried after dispatch_backoff_s x 2^(n-1) (capped at 5 min);
+    # after max_dispatch_failures in a row the study is handed back (PENDING) for
+    # dispatch_pause_s, never failed.
+    dispatch_backoff_s: PositiveFloat = 2.0
+    max_dispatch_failures: PositiveInt = 5
+    dispatch_pause_s: PositiveFloat = 60.0
 
 
 # Values that end up as Slurm options: Slurm's own name syntax, nothing a shell or sbatch could
@@ -324,6 +334,26 @@ class StudySpec(_Strict):
 
     def gpt(self) -> GPTConfig:
         return self.model.gpt(self.seq_len)
+
+    @property
+    def device(self) -> Literal["cpu", "cuda"]:
+        """Where trials run: trial.device, with `auto` = the CPU on cpu-local, a GPU elsewhere."""
+        if self.trial.device != "auto":
+            return self.trial.device
+        return "cpu" if self.cluster.name == "cpu-local" else "cuda"
+
+
+def benchmark_config(spec: StudySpec, config: ParallelConfig) -> BenchmarkConfig:
+    """What the trainer runs for `config` in this study: the one derivation used by the runner,
+    the allocation runner and the exports. Device `auto` is the CPU on cluster cpu-local and a GPU
+    anywhere else; CPU ranks run fp32, GPUs bf16 mixed precision (fp16 studies too: the trainer
+    has no fp16 loss scaling); the trainer reports OOM above the cluster's device memory."""
+    t, device = spec.trial, spec.device
+    dtype = "fp32" if spec.training.precision == "fp32" or device == "cpu" else "bf16"
+    return BenchmarkConfig(
+        model=spec.gpt(), parallel=config, warmup_steps=t.warmup_steps, measure_steps=t.measure_steps,
+        seed=spec.seed, device=device, dtype=dtype, max_memory_bytes=int(spec.cluster.device_memory_bytes),
+    )  # fmt: skip
 
 
 def format_validation_error(err: ValidationError) -> str:

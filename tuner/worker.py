@@ -1,23 +1,35 @@
-"""`tuner worker`: claim PENDING studies from the database and run them, one after another.
+"""Workers: the processes that hold studies and run them.
 
-Several workers may share one PostgreSQL database: a study is claimed with FOR UPDATE SKIP
-LOCKED (tuner.store.claim_next_pending), so no study runs twice. On SQLite run one worker. A
-worker told to stop (SIGTERM/SIGINT) hands its study back: running trials are stopped and
-re-queued, the study returns to PENDING for the next worker.
+- `run_worker` (`tuner worker`): claims studies one after another: PENDING ones (not paused), and
+  RUNNING or CANCELLING ones whose lease expired (their worker died): those resume where they
+  were, re-attaching to jobs that still run. Several workers may share one PostgreSQL database
+  (candidates read FOR UPDATE SKIP LOCKED; the claim is a conditional UPDATE either way). A worker
+  told to stop (SIGTERM/SIGINT) hands its study back: running trials are stopped and re-queued.
+- `run_in_allocation` (`tuner alloc-run`, inside a Slurm allocation): the study's trials as srun
+  steps until the study ends or the allocation is about to; then it hands the study back.
+- `follow_allocations` (`tuner run` in allocation mode): submits allocations and watches them
+  until the study ends.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import sessionmaker
+
 from tuner import store
-from tuner.db import Study, connect
-from tuner.dispatch import make_dispatcher
-from tuner.loop import run_study
+from tuner.db import connect
+from tuner.dispatch import DispatchError, make_dispatcher
+from tuner.lease import Lease
+from tuner.loop import StudyRunner, run_study
+from tuner.outcome import StudyStatus
 from tuner.settings import Settings
 from tuner.spec import StudySpec
 
@@ -33,35 +45,119 @@ def run_worker(
     backend: str | None = None,
     stop: threading.Event | None = None,
     on_claim: Callable[[int, str], None] | None = None,
+    sessions: sessionmaker | None = None,
 ) -> int:
     """Run studies until stopped (or idle, or one study with `once`); returns how many ran."""
     stop = stop or threading.Event()
-    sessions = connect(settings.database_url)
+    sessions = sessions or connect(settings.database_url)
+    owner = store.Owner.this_process("worker")
     ran = 0
     while not stop.is_set():
-        with sessions.begin() as s:
-            study = store.claim_next_pending(s)
-            claimed = (study.id, study.name, study.spec) if study else None
+        try:
+            with sessions.begin() as s:
+                study = store.claim_next(s, owner, lease_s=settings.lease_s)
+                claimed = (study.id, study.name) if study else None
+        except OperationalError as e:  # the database restarts: look again later
+            log.warning("cannot claim a study (database: %s)", str(e).splitlines()[0])
+            stop.wait(poll_s)
+            continue
         if claimed is None:
             if once or exit_when_idle:
                 return ran
             stop.wait(poll_s)
             continue
-        study_id, name, spec_data = claimed
+        study_id, name = claimed
         if on_claim:
             on_claim(study_id, name)
         log.info("running study %d", study_id)
-        try:
-            spec = StudySpec.model_validate(spec_data)
-            status = run_study(sessions, name, make_dispatcher(spec, backend), settings.work_dir,
-                               should_yield=stop.is_set)  # fmt: skip
-            log.info("study %d: %s", study_id, status)
-        except Exception as e:  # one broken study must not take the worker down
-            log.error("study %d failed: %s", study_id, traceback.format_exc())
-            with sessions.begin() as s:
-                store.finish_study(s, s.get(Study, study_id), "FAILED", f"{type(e).__name__}: {e}"[:2000])
+        _run_claimed(sessions, study_id, owner, settings, backend, stop)
         ran += 1
         if once:
             return ran
-        time.sleep(0)
     return ran
+
+
+def _run_claimed(sessions, study_id: int, owner: store.Owner, settings: Settings, backend, stop) -> None:
+    with Lease(sessions, study_id, owner, settings.lease_s) as lease:
+        try:
+            with sessions() as s:
+                spec = StudySpec.model_validate(s.get(store.Study, study_id).spec)
+            dispatcher = make_dispatcher(spec, backend)
+            status = StudyRunner(sessions, study_id, dispatcher, settings.work_dir, lease,
+                                 should_yield=stop.is_set).run()  # fmt: skip
+            log.info("study %d: %s", study_id, status.value)
+        except Exception as e:  # a broken study must not take the worker down
+            log.error("study %d failed: %s", study_id, traceback.format_exc())
+            try:
+                with sessions.begin() as s:
+                    store.finish(s, study_id, owner, StudyStatus.FAILED, f"{type(e).__name__}: {e}"[:2000])
+            except OperationalError:
+                pass  # the lease expires; the next worker resumes the study
+
+
+def run_in_allocation(study_id: int, *, margin_s: float | None = None) -> StudyStatus:
+    """Inside a Slurm allocation: run the study with an SrunDispatcher until it ends, or hand it
+    back `margin_s` before the allocation ends."""
+    from tuner.dispatch.allocation import SrunDispatcher, allocation_end
+
+    settings = Settings.from_env()
+    sessions = connect(settings.database_url)
+    with sessions() as s:
+        study = store.get_study(s, study_id)
+        if study is None:
+            raise SystemExit(f"no study with id {study_id}")
+        spec = StudySpec.model_validate(study.spec)
+    margin_s = margin_s if margin_s is not None else spec.slurm.allocation_margin_s
+    job = os.environ.get("SLURM_JOB_ID")
+    end = allocation_end(job) if job else None
+    dispatcher = SrunDispatcher(
+        nodes=int(os.environ.get("SLURM_JOB_NUM_NODES", "1")), devices_per_node=spec.cluster.gpus_per_node,
+        gpu=spec.device == "cuda", end=end, margin_s=margin_s, env={**spec.slurm.env}, python=sys.executable,
+    )  # fmt: skip
+    return run_study(sessions, study_id, dispatcher, settings.work_dir, owner=store.Owner.this_process("alloc"),
+                     lease_s=settings.lease_s, poll_s=0.5,
+                     should_yield=lambda: dispatcher.time_left() < margin_s)  # fmt: skip
+
+
+MAX_ALLOCATIONS = 20
+
+
+def follow_allocations(
+    sessions: sessionmaker, study_id: int, spec: StudySpec, settings: Settings, *,
+    on_finished: Callable[[int], None] = lambda n: None, should_stop: Callable[[], bool] = lambda: False,
+    say: Callable[[str], None] = print,
+) -> StudyStatus:  # fmt: skip
+    """Allocation mode: submit an allocation that runs the study, follow the study in the
+    database and the allocation through the Slurm dispatcher, and submit the next allocation
+    when one ends with the study unfinished (handed back). Ctrl-C cancels the study (its runner
+    stops its steps)."""
+    from tuner.dispatch.allocation import submit_allocation
+    from tuner.dispatch.sbatch import SiteSettings
+    from tuner.dispatch.slurm import SlurmDispatcher
+
+    env = {"TUNER_DATABASE_URL": settings.database_url, "TUNER_WORK_DIR": str(settings.work_dir.resolve())}
+    site, watcher, job, submitted = SiteSettings.from_env(), SlurmDispatcher(), None, 0
+    while True:
+        with sessions() as s:
+            study = s.get(store.Study, study_id, populate_existing=True)
+            status = store.status_of(study)
+            on_finished(sum(t.state in ("COMPLETE", "FAIL") for t in study.trials))
+        if status.is_final:
+            return status
+        if should_stop():
+            with sessions.begin() as s:
+                say(store.cancel(s, study_id, "cancelled from the CLI (Ctrl-C)").message)
+            should_stop = lambda: False  # noqa: E731
+        if job is None or watcher.poll(job).done:
+            if submitted >= MAX_ALLOCATIONS:
+                return status
+            try:
+                job = submit_allocation(study_id, spec, settings.work_dir, site=site, env=env)
+            except DispatchError as e:
+                say(f"  allocation not submitted ({e}); trying again in 30 s")
+                job = None
+                time.sleep(30)
+                continue
+            submitted += 1
+            say(f"  allocation {job.id} submitted ({spec.slurm.allocation_minutes} min)")
+        time.sleep(2)

@@ -15,10 +15,12 @@ import yaml
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from tests import records
+from tests.records import record_trial
 from trainer.config import ParallelConfig
 from tuner import store
 from tuner.db import connect
-from tuner.outcome import FailureKind, Outcome, TrialState
+from tuner.outcome import FailureKind, Outcome
 from tuner.settings import Settings
 from tuner.spec import parse_spec
 
@@ -64,12 +66,8 @@ def _finish_with_trials(settings: Settings, study_id: int) -> None:
             (ParallelConfig(dp_replicate=2, micro_batch_size=2, num_microbatches=2),
              Outcome.failed(FailureKind.OOM, "over the cap")),
         ]:  # fmt: skip
-            t = store.add_trial(
-                s, study, cfg, {"tokens_per_s": 1000.0, "memory_bytes": 1e4}, TrialState.WAITING
-            )
-            store.start_trial(t, f"1@/tmp/{t.number}", "/tmp/log")
-            store.finish_trial(t, outcome)
-        store.finish_study(s, study, "COMPLETE")
+            record_trial(s, study, cfg, outcome, {"tokens_per_s": 1000.0, "memory_bytes": 1e4})
+        records.finish(s, study_id)
 
 
 def test_submit_json_and_yaml_then_read_back(client: TestClient) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, ParallelConfig
-from tuner.dispatch.slurm import ROOT, SiteSettings, render_script, sbatch_args, time_limit_minutes
+from tuner.dispatch.sbatch import ROOT, SiteSettings, SlurmResources, render_script, time_limit_minutes
 from tuner.spec import SlurmSpec, SpecError, parse_spec, slug
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -36,12 +36,22 @@ def test_job_script_matches_golden_file() -> None:
     _golden("trial.sbatch", script)
 
 
+def _resources() -> SlurmResources:
+    return SlurmResources.for_trial(CFG, name="study-1-3", timeout_s=900, spec=SPEC, site=SITE, gpus_per_node=8,
+                                    output=str(WORK / "log.txt"), chdir=WORK)  # fmt: skip
+
+
 def test_sbatch_argv_matches_golden_file() -> None:
-    args = sbatch_args(CFG, name="study-1-3", work_dir=WORK, timeout_s=900, spec=SPEC, site=SITE,
-                       gpus_per_node=8, gpu=True)  # fmt: skip
+    args = _resources().argv(WORK / "job.sbatch")
     _golden("trial.args.json", json.dumps(args, indent=1) + "\n")
     # 16 ranks on 8-GPU nodes: 2 nodes x 8 tasks, 15 minutes
     assert "--nodes=2" in args and "--ntasks-per-node=8" in args and "--time=15" in args
+    assert "--gpus-per-node=8" in args and "--account=abc123" in args and "--qos=debug" in args
+
+
+def test_argv_and_sbatch_lines_are_one_description() -> None:
+    resources = _resources()
+    assert [f"#SBATCH {o}" for o in resources.argv(WORK / "job.sbatch")[2:-1]] == resources.sbatch_lines()
 
 
 def test_time_limit_is_whole_minutes_of_the_trial_timeout() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import BenchmarkConfig, ParallelConfig
-from tuner.dispatch.slurm import ROOT, SiteSettings
+from tuner.dispatch.sbatch import ROOT, SiteSettings
 from tuner.export import FORMATS, export_layout
 from tuner.spec import StudySpec, parse_spec, slug
 

@@ -11,6 +11,9 @@ from tuner.samplers import SAMPLERS, make_sampler
 from tuner.space import SearchSpace
 from tuner.spec import ClusterSpec, SpaceSpec, cluster_preset
 
+# optuna's GP sampler refits its Gaussian process on every ask (~20 s for a small space here).
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "gp" else n for n in SAMPLERS]
+
 MODEL = GPTConfig(num_layers=8, hidden_size=256, num_heads=8, vocab_size=1024, seq_len=128)
 CLUSTER = ClusterSpec(**{**cluster_preset("a100-80gb"), "device_memory_gb": 0.4, "num_nodes": 1})
 SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2], micro_batch_size=[1, 2, 4], zero_stage=[0, 2, 3],
@@ -57,19 +60,19 @@ def test_space_is_big_enough_to_mean_something() -> None:
     assert len(CANDIDATES) > 100 and 6 <= len(SMALL) <= 20
 
 
-@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("name", NAMES)
 def test_valid_and_never_repeated(name: str) -> None:
     proposed = drive(make(name), 25)
     assert len(proposed) == 25 and len(set(proposed)) == 25
     assert all(c in CANDIDATES for c in proposed)
 
 
-@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("name", NAMES)
 def test_deterministic_per_seed(name: str) -> None:
     assert drive(make(name, seed=3), 12) == drive(make(name, seed=3), 12)
 
 
-@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("name", NAMES)
 def test_exhausts_a_small_space_exactly(name: str) -> None:
     sampler = make(name, SMALL)
     proposed = drive(sampler, len(SMALL) + 5)
@@ -77,7 +80,7 @@ def test_exhausts_a_small_space_exactly(name: str) -> None:
     assert sampler.ask() is None
 
 
-@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("name", NAMES)
 def test_replayed_oom_layouts_are_never_proposed_again(name: str) -> None:
     """A sampler rebuilt from the database after a restart: finished trials (OOMs included) and
     pending ones are never proposed again."""

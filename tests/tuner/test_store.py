@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.exc import IntegrityError
 
+from tests.records import record_trial
 from trainer.config import ParallelConfig
 from tuner import store
 from tuner.db import DatabaseError, connect
-from tuner.outcome import FailureKind, Outcome, TrialState
+from tuner.outcome import FailureKind, Feedback, Outcome, TrialState, feedback
 from tuner.perfmodel import ModelConstants
 from tuner.spec import parse_spec
 
@@ -27,27 +28,38 @@ def test_study_and_trials_round_trip(database_url: str) -> None:
     sessions = connect(database_url)
     with sessions.begin() as s:
         study = store.create_study(s, SPEC)
-        t0 = store.add_trial(s, study, A, {"tokens_per_s": 100.0, "memory_bytes": 5.0}, TrialState.WAITING)
-        store.start_trial(t0, "123@/tmp/x", "/tmp/x/log.txt")
+        t0 = record_trial(
+            s, study, A, None, {"tokens_per_s": 100.0, "memory_bytes": 5.0}, job="slurm:123@/tmp/x"
+        )
         t1 = store.add_trial(s, study, B, None, TrialState.WAITING)
         assert (t0.number, t1.number) == (0, 1)
     with sessions.begin() as s:
         study = store.get_study(s, "s1")
         t0, t1 = store.trials(s, study)
-        assert t0.state == "RUNNING" and t0.attempts == 1 and t0.predicted_tokens_per_s == 100.0
-        store.finish_trial(t0, ok(250.0))
-        store.finish_trial(t1, Outcome.failed(FailureKind.OOM, "CUDA out of memory"))
+        assert (t0.state, t0.attempts, t0.job_id, t0.predicted_tokens_per_s) == (
+            "RUNNING",
+            1,
+            "slurm:123@/tmp/x",
+            100.0,
+        )
+        assert store.end_attempt(s, t0, ok(250.0), requeue=False, told=Feedback.SCORE)
+        assert store.begin_attempt(s, t1) and store.attach_job(s, t1, "slurm:124@/tmp/y", None)
+        oom = Outcome.failed(FailureKind.OOM, "CUDA out of memory")
+        assert store.end_attempt(s, t1, oom, requeue=False, told=feedback(oom))
     with sessions() as s:
         study = store.get_study(s, "s1")
         t0, t1 = store.trials(s, study)
-        assert (t0.state, t0.tokens_per_s, t0.step_time_min_s, t0.step_time_max_s) == (
-            "COMPLETE",
-            250.0,
-            0.4,
-            0.6,
+        assert (t0.state, t0.tokens_per_s, t0.step_time_min_s, t0.step_time_max_s, t0.told) == (
+            "COMPLETE", 250.0, 0.4, 0.6, "score",
+        )  # fmt: skip
+        assert (t1.state, t1.failure_kind, t1.told) == ("FAIL", "oom", "infeasible")
+        assert [e["kind"] for e in t1.attempt_log] == ["oom"] and t1.attempt_log[0][
+            "job"
+        ] == "slurm:124@/tmp/y"
+        assert (
+            feedback(store.outcome_of(t1)) is Feedback.INFEASIBLE
+            and store.outcome_of(t0).tokens_per_s == 250.0
         )
-        assert (t1.state, t1.failure_kind) == ("FAIL", "oom")
-        assert store.outcome_of(t1).infeasible and store.outcome_of(t0).tokens_per_s == 250.0
         assert store.config_of(t0) == A
         assert store.best_trial(s, study).number == 0
         (best,) = store.best_configs(s, model="gpt-tiny")
@@ -71,12 +83,17 @@ def test_study_names_are_unique(database_url: str) -> None:
 
 
 def test_finished_trials_are_immutable(database_url: str) -> None:
+    """A second end of the same attempt (a runner that lost its lease racing the new holder)
+    does not take: compare-and-set on the trial's state and job."""
     sessions = connect(database_url)
     with sessions.begin() as s:
-        trial = store.add_trial(s, store.create_study(s, SPEC), A, None, TrialState.WAITING)
-        store.finish_trial(trial, ok(1.0))
-        with pytest.raises(AssertionError, match="already COMPLETE"):
-            store.finish_trial(trial, ok(2.0))
+        trial = record_trial(s, store.create_study(s, SPEC), A, ok(1.0))
+        assert not store.end_attempt(s, trial, ok(2.0), requeue=False, told=Feedback.SCORE)
+        assert not store.end_attempt(s, trial, ok(2.0), requeue=True)
+        assert not store.begin_attempt(s, trial)
+    with sessions() as s:
+        (trial,) = store.trials(s, store.get_study(s, "s1"))
+        assert (trial.state, trial.tokens_per_s, len(trial.attempt_log)) == ("COMPLETE", 1.0, 1)
 
 
 def test_best_per_model_size_across_studies(database_url: str) -> None:
@@ -84,8 +101,8 @@ def test_best_per_model_size_across_studies(database_url: str) -> None:
     with sessions.begin() as s:
         for name, tps in (("s1", 100.0), ("s2", 300.0)):
             study = store.create_study(s, SPEC.model_copy(update={"name": name}))
-            store.finish_trial(store.add_trial(s, study, A, None, TrialState.WAITING), ok(tps))
-            store.finish_trial(store.add_trial(s, study, B, None, TrialState.WAITING), ok(tps / 2))
+            record_trial(s, study, A, ok(tps))
+            record_trial(s, study, B, ok(tps / 2))
     with sessions() as s:
         (best,) = store.best_configs(s)
         assert (best.study, best.tokens_per_s) == ("s2", 300.0)
@@ -127,10 +144,7 @@ def test_best_per_model_size_follows_finished_trials_and_deletes(database_url: s
             (b, A, 200.0),
             (b, ParallelConfig(micro_batch_size=8), 50.0),
         ]:
-            t = store.add_trial(s, study, cfg, None, TrialState.WAITING)
-            store.start_trial(t, "1@/x", "/x/log")
-            s.flush()
-            store.finish_trial(t, ok(tps))
+            record_trial(s, study, cfg, ok(tps))
     with sessions() as s:
         best = {(r["gpus"], r["study"], r["tokens_per_s"]) for r in store.best_rows(s)}
         assert best == {(2, "s1", 300.0), (1, "s2", 50.0)}  # per device count: 2 GPUs and 1

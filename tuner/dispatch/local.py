@@ -1,52 +1,42 @@
-"""Trials as local process groups: torchrun --standalone per trial (trainer/launch.py).
+"""Trials as local process groups: a supervisor per trial (trainer/launch.py) runs torchrun,
+enforces the trial's time limit itself and, on a timeout or a cancel, kills every process that
+carries the trial's tag, so nothing outlives a trial even when the worker that started it died.
 
 Devices are partitioned between concurrent trials: CPU slots (one per core) here, GPU ids through
-CUDA_VISIBLE_DEVICES on a GPU host. A job id is "<pid>@<work dir>": a restarted worker re-attaches
-to a trial whose process group is still alive, or reads the result it left behind."""
+CUDA_VISIBLE_DEVICES on a GPU host. A handle is `local:<host>/<supervisor pid>@<work dir>`; a
+restarted worker on the same host re-attaches through the trial's launch.json (pid and start
+time, so a reused pid is never mistaken for the trial)."""
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
+import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import BenchmarkConfig, BenchmarkResult
-from trainer.launch import RESULT_FILE, LocalRun, start_local
+from trainer.config import BenchmarkConfig
+from trainer.launch import CONFIG_FILE, LAUNCH_FILE, LocalRun, start_local
+from tuner.dispatch.base import DispatchError, JobHandle, JobReport
+from tuner.dispatch.slurm import read_result
 from tuner.outcome import FailureKind, Outcome, classify
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (our own exited child not yet reaped) counts as dead.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return True
-
-
-@dataclass
-class _Adopted:
-    """A job started by a previous worker process: we can watch it but not wait() on it."""
-
-    pid: int
-    work_dir: Path
-    deadline: float
+# A trial on another host (a worker there died; its work dir is shared): its supervisor ends it
+# by its own limit, so it is given up only this long after that limit.
+FOREIGN_GRACE_S = 120.0
 
 
 class LocalDispatcher:
+    kind = "local"
+
     def __init__(self, num_devices: int | None = None, gpu: bool = False, env: dict[str, str] | None = None):
         self.num_devices = num_devices or os.cpu_count() or 1
         self.gpu, self.env = gpu, env or {}
-        self.runs: dict[str, LocalRun] = {}
-        self.adopted: dict[str, _Adopted] = {}
-        self.devices: dict[str, list[int]] = {}  # job -> device ids it holds
+        self.host = socket.gethostname()
+        self.runs: dict[JobHandle, LocalRun] = {}
+        self.devices: dict[JobHandle, list[int]] = {}  # job -> device ids it holds
+        self.final: dict[JobHandle, JobReport] = {}
+        self.adopted: set[JobHandle] = set()
 
     def _free(self) -> list[int]:
         held = {d for ds in self.devices.values() for d in ds}
@@ -54,56 +44,110 @@ class LocalDispatcher:
 
     def can_start(self, cfg: BenchmarkConfig) -> bool:
         need = cfg.parallel.world_size
-        free = self._free()
         # A trial larger than the machine may still run alone (CPU ranks oversubscribe cores).
-        return len(free) >= need or (not self.devices and not self.gpu)
+        return len(self._free()) >= need or (not self.devices and not self.gpu)
 
-    def submit(self, cfg: BenchmarkConfig, *, name: str, work_dir: Path, timeout_s: float) -> str:
-        free = self._free()
-        ids = free[: cfg.parallel.world_size]
+    def _command(self, cfg: BenchmarkConfig, work_dir: Path, name: str) -> list[str] | None:
+        return None  # torchrun (trainer/launch.py)
+
+    def _job_id(self, run: LocalRun) -> str:
+        return f"{self.host}/{run.pid}"
+
+    def submit(self, cfg: BenchmarkConfig, *, name: str, work_dir: Path, timeout_s: float) -> JobHandle:
+        ids = self._free()[: cfg.parallel.world_size]
         env = dict(self.env)
         if self.gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
-        run = start_local(cfg, work_dir, timeout_s=timeout_s, env=env)
-        job = f"{run.process.pid}@{work_dir}"
+        try:
+            run = start_local(cfg, work_dir, timeout_s=timeout_s, env=env, tag=name,
+                              command=self._command(cfg, work_dir, name))  # fmt: skip
+        except OSError as e:
+            raise DispatchError(f"cannot start the trial's launcher: {e}") from None
+        job = JobHandle(self.kind, self._job_id(run), work_dir)  # type: ignore[arg-type]
         self.runs[job], self.devices[job] = run, ids
         return job
 
-    def poll(self, job_id: str) -> Outcome | None:
-        if job_id in self.runs:
-            result = self.runs[job_id].poll()
-            if result is None:
-                return None
-            self._release(job_id)
-            return classify(result)
-        return self._poll_adopted(job_id)
+    def poll(self, job: JobHandle) -> JobReport:
+        if job in self.final:
+            return self.final[job]
+        run = self.runs.get(job) or self._adopt(job)
+        if run is None:
+            return self._unattached(job)
+        result = run.poll()
+        if result is None:
+            return JobReport("RUNNING")
+        supervisor_ended = "exit_code" in (_launch_info(job.work_dir) or {})
+        if job in self.adopted and read_result(job.work_dir) is None and not supervisor_ended:
+            # A supervisor ends by writing its exit code; one we adopted that is gone without it
+            # (and without a result) was killed with its worker or its host.
+            return self._end(job, JobReport("LOST", Outcome.failed(
+                FailureKind.INFRA, f"trial supervisor {job.id} ended without a result")))  # fmt: skip
+        return self._end(job, JobReport("ENDED", classify(result)))
 
-    def _poll_adopted(self, job_id: str) -> Outcome | None:
-        if job_id not in self.adopted:
-            pid, _, path = job_id.partition("@")
-            self.adopted[job_id] = _Adopted(int(pid), Path(path), time.monotonic() + 3600)
-        job = self.adopted[job_id]
-        result_path = job.work_dir / RESULT_FILE
-        if _alive(job.pid) and time.monotonic() < job.deadline:
-            return None
-        self.adopted.pop(job_id)
+    def cancel(self, job: JobHandle) -> None:
+        run = self.runs.get(job) or self._adopt(job)
+        if run is not None:
+            run.cancel()  # returns when no process of the trial is left
+        self._end(
+            job, JobReport("CANCELLED", Outcome.failed(FailureKind.CANCELLED, "cancelled by the tuner"))
+        )
+
+    def find(self, name: str, work_dir: Path) -> JobHandle | None:
         try:
-            return classify(BenchmarkResult.from_json(result_path.read_text()))
-        except (OSError, ValueError):
-            return Outcome.failed(
-                FailureKind.INFRA, f"trial process {job.pid} ended without a result (worker restart)"
-            )
+            run = LocalRun.attach(work_dir)
+        except ValueError:  # launched on another host: not ours to find
+            return None
+        if run is None or run.tag != name:
+            return None
+        return JobHandle(self.kind, self._job_id(run), work_dir)  # type: ignore[arg-type]
 
-    def cancel(self, job_id: str) -> None:
-        if job_id in self.runs:
-            self.runs[job_id].cancel()
-            self._release(job_id)
-        else:
-            pid = int(job_id.partition("@")[0])
-            if _alive(pid):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, 9)
+    # --- internals ---
 
-    def _release(self, job_id: str) -> None:
-        self.runs.pop(job_id, None)
-        self.devices.pop(job_id, None)
+    def _end(self, job: JobHandle, report: JobReport) -> JobReport:
+        self.runs.pop(job, None)
+        self.devices.pop(job, None)
+        self.final[job] = report
+        return report
+
+    def _adopt(self, job: JobHandle) -> LocalRun | None:
+        """A trial an earlier worker on this host started: watch it through its launch.json."""
+        if job.host != self.host:
+            return None
+        try:
+            run = LocalRun.attach(job.work_dir)
+        except ValueError:  # the work dir holds a later attempt from another host
+            return None
+        if run is None or run.pid != job.pid:
+            return None
+        self.adopted.add(job)
+        self.runs[job] = run
+        self.devices[job] = self._free()[: _world_size(job.work_dir)]
+        return run
+
+    def _unattached(self, job: JobHandle) -> JobReport:
+        """A trial we cannot watch: its supervisor is gone (another attempt's launch.json in its
+        place), or it runs on another host."""
+        result = read_result(job.work_dir)
+        launch = _launch_info(job.work_dir)
+        if job.host != self.host and (launch or {}).get("pid") == job.pid:
+            if result is not None:
+                return self._end(job, JobReport("ENDED", classify(result)))
+            deadline = launch.get("started_at", 0) + launch.get("timeout_s", 0) + FOREIGN_GRACE_S
+            if time.time() < deadline:
+                return JobReport(f"RUNNING on {job.host}")
+        return self._end(job, JobReport("LOST", Outcome.failed(
+            FailureKind.INFRA, f"trial supervisor {job.id} is gone without a result")))  # fmt: skip
+
+
+def _launch_info(work_dir: Path) -> dict | None:
+    try:
+        return json.loads((work_dir / LAUNCH_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _world_size(work_dir: Path) -> int:
+    try:
+        return BenchmarkConfig.from_json((work_dir / CONFIG_FILE).read_text()).parallel.world_size
+    except (OSError, ValueError):
+        return 1

@@ -1,5 +1,7 @@
 """The sampler seam: ask() a layout, tell() its outcome. Samplers are caches of the database:
-`replay()` rebuilds one from a study's trials after a restart."""
+`replay()` rebuilds one from a study's trials after a restart. What a sampler learns from an
+outcome is decided in one place, tuner/outcome.py: feedback() -> a score, an infeasible layout,
+or nothing (infrastructure failures and cancellations are never held against a layout)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from trainer.config import ParallelConfig
-from tuner.outcome import Outcome
+from tuner.outcome import Feedback, Outcome, feedback
 
 
 class Sampler(Protocol):
@@ -18,7 +20,7 @@ class Sampler(Protocol):
         """The next layout to run; None when every valid layout has been proposed."""
 
     def tell(self, config: ParallelConfig, outcome: Outcome) -> None:
-        """What running `config` gave (an infeasible outcome is a constraint, not a score)."""
+        """How the trial of `config` ended; the sampler acts on feedback(outcome)."""
 
     def replay(self, config: ParallelConfig, outcome: Outcome | None) -> None:
         """A trial from the database: finished (outcome) or still pending (None)."""
@@ -52,8 +54,10 @@ class BaseSampler:
 
     def tell(self, config: ParallelConfig, outcome: Outcome) -> None:
         self.seen.add(config)
-        self.history.append((config, outcome))
-        self._observe(config, outcome)
+        told = feedback(outcome)
+        if told is not Feedback.NOTHING:
+            self.history.append((config, outcome))
+        self._observe(config, outcome, told)
 
     def replay(self, config: ParallelConfig, outcome: Outcome | None) -> None:
         self.seen.add(config)
@@ -63,8 +67,9 @@ class BaseSampler:
     def _propose(self) -> ParallelConfig | None:
         raise NotImplementedError
 
-    def _observe(self, config: ParallelConfig, outcome: Outcome) -> None:
-        pass
+    def _observe(self, config: ParallelConfig, outcome: Outcome, told: Feedback) -> None:
+        """Learn from a trial: its score, or that it is infeasible; NOTHING: only forget any
+        pending state kept for it (the layout is never proposed again either way)."""
 
 
 class GridSampler(BaseSampler):

@@ -4,9 +4,11 @@ Both see the layout as categorical knobs (tp, pp, micro-batch, zero stage, check
 parallelism, schedule); dp and the micro-batch count follow from them. A suggestion that is not a
 valid layout, or one already run, is told back to them (invalid: as infeasible) and they are asked
 again; after MAX_RETRIES the base class takes a random unseen layout. Layouts that ran out of
-memory are constraints (optuna) or "F" failures (deephyper), never plain FAILs, so neither
-proposes them again. Warm start: both are first told the model's best-predicted layout to try
-(docs/samplers.md)."""
+memory (and every other infeasible outcome: tuner/outcome.py feedback()) are constraints (optuna)
+or "F" failures (deephyper), never plain FAILs, so neither proposes them again; an outcome that
+tells nothing (infrastructure, cancelled) ends optuna's trial as FAIL (ignored by its samplers)
+and is not told to deephyper at all. Warm start: both are first told the model's best-predicted
+layout to try (docs/samplers.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainer.config import ParallelConfig
-from tuner.outcome import Outcome
+from tuner.outcome import Feedback, Outcome
 from tuner.samplers.base import BaseSampler
 
 KNOBS = (
@@ -92,26 +94,37 @@ class OptunaSampler(_Categorical):
         self.study.tell(trial, value)
 
     def _propose(self) -> ParallelConfig | None:
+        import optuna
+
         for _ in range(MAX_RETRIES):
             trial = self.study.ask()
             config = self._lookup(self._suggest(trial))
             if config is None:
                 self._finish(trial, 0.0, feasible=False)  # not a valid layout
-            elif config in self.seen:
+            elif config in self.seen:  # a repeat: tell it what that layout gave
                 known = next((o for c, o in self.history if c == config), None)
-                self._finish(trial, _value(known) if known else 0.0, feasible=bool(known and known.ok))
+                if known is None:  # still running, or it told nothing: ignore the repeat
+                    self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                else:
+                    self._finish(trial, _value(known), feasible=known.ok)
             else:
                 self.pending[config] = trial
                 return config
         return None
 
-    def _observe(self, config: ParallelConfig, outcome: Outcome) -> None:
+    def _observe(self, config: ParallelConfig, outcome: Outcome, told: Feedback) -> None:
+        import optuna
+
         trial = self.pending.pop(config, None)
+        if told is Feedback.NOTHING:
+            if trial is not None:
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return
         if trial is None:  # replayed from the database: enqueue its params, ask, tell
             self.study.enqueue_trial(self._params(config))
             trial = self.study.ask()
             self._suggest(trial)
-        self._finish(trial, _value(outcome), feasible=outcome.ok)
+        self._finish(trial, _value(outcome), feasible=told is Feedback.SCORE)
 
 
 class CBOSampler(_Categorical):
@@ -172,15 +185,8 @@ class CBOSampler(_Categorical):
                 return chosen
         return None
 
-    def _observe(self, config: ParallelConfig, outcome: Outcome) -> None:
+    def _observe(self, config: ParallelConfig, outcome: Outcome, told: Feedback) -> None:
         params = self.pending.pop(config, None) or {k: str(v) for k, v in _knobs(config).items()}
-        self.search.tell(
-            [
-                (
-                    params,
-                    outcome.tokens_per_s
-                    if outcome.ok
-                    else f"F_{outcome.failure.value if outcome.failure else 'fail'}",
-                )
-            ]
-        )
+        if told is Feedback.NOTHING:
+            return
+        self.search.tell([(params, outcome.tokens_per_s if told is Feedback.SCORE else "F_infeasible")])

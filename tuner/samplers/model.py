@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 
 from trainer.config import GPTConfig, ParallelConfig
-from tuner.outcome import FailureKind, Outcome
+from tuner.outcome import FailureKind, Feedback, Outcome
 from tuner.perfmodel import Measurement, ModelConstants, calibrate, estimate
 from tuner.samplers.base import BaseSampler
 from tuner.spec import ClusterSpec
@@ -67,11 +67,11 @@ class ModelSampler(BaseSampler):
 
         return max(pool, key=score)  # ties: the earlier candidate (max keeps the first)
 
-    def _observe(self, config: ParallelConfig, outcome: Outcome) -> None:
-        if outcome.failure is FailureKind.OOM:
+    def _observe(self, config: ParallelConfig, outcome: Outcome, told: Feedback) -> None:
+        if told is Feedback.INFEASIBLE and outcome.failure is FailureKind.OOM:  # measured, not predicted
             self.memory_wall = min(self.memory_wall, self.memory[config])
             return
-        if not outcome.ok or outcome.step_time_s <= 0:
+        if told is not Feedback.SCORE or outcome.step_time_s <= 0:
             return
         self.families.add((config.tp, config.pp, config.dp))
         self.measured.append(

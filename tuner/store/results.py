@@ -1,0 +1,162 @@
+"""Results: the best layouts (per study, per model size), calibrations, and the service's
+aggregate queries (the API's /metrics)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
+
+from trainer.config import ParallelConfig
+from tuner.db import Calibration, Study, StudyBest, Trial
+from tuner.perfmodel import ModelConstants
+
+# Rebuilds study_bests from the trials (the migration that adds it; bulk loaders). Ties: lowest id.
+REBUILD_BESTS_SQL = """
+DELETE FROM study_bests;
+INSERT INTO study_bests (study_id, world_size, trial_id, tokens_per_s)
+SELECT study_id, world, id, tokens_per_s FROM (
+    SELECT id, study_id, tp * pp * dp AS world, tokens_per_s,
+           ROW_NUMBER() OVER (PARTITION BY study_id, tp * pp * dp ORDER BY tokens_per_s DESC, id) AS r
+    FROM trials WHERE state = 'COMPLETE' AND tokens_per_s IS NOT NULL
+) ranked WHERE r = 1
+"""
+
+
+def rebuild_bests(session: Session) -> None:
+    for statement in REBUILD_BESTS_SQL.strip().split(";"):
+        session.execute(text(statement))
+
+
+@dataclass(frozen=True)
+class Best:
+    study: str
+    model_key: str
+    num_params: int
+    cluster_key: str
+    num_gpus: int
+    trial_number: int
+    config: dict[str, Any]
+    tokens_per_s: float
+    tflops_per_device: float | None
+    mfu: float | None
+    peak_memory_bytes: int | None
+    predicted_tokens_per_s: float | None
+    global_batch_size: int
+    seq_len: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def best_trial(session: Session, study: Study) -> Trial | None:
+    """The study's fastest completed trial (from study_bests: its best per device count)."""
+    q = (
+        select(Trial).join(StudyBest, StudyBest.trial_id == Trial.id).where(StudyBest.study_id == study.id)
+        .order_by(StudyBest.tokens_per_s.desc(), Trial.number).limit(1)
+    )  # fmt: skip
+    return session.scalars(q).first()
+
+
+def best_configs(
+    session: Session, *, model: str | None = None, cluster: str | None = None, num_gpus: int | None = None
+) -> list[Best]:
+    """The fastest measured layout per (model, cluster, devices) across studies, from study_bests
+    (a row per study and device count, kept as trials finish): a few rows, however many trials."""
+    q = select(StudyBest, Study).join(Study, Study.id == StudyBest.study_id)
+    if model:
+        q = q.where(Study.model_key == model)
+    if cluster:
+        q = q.where(Study.cluster_key == cluster)
+    if num_gpus:
+        q = q.where(StudyBest.world_size == num_gpus)
+    winners: dict[tuple, tuple[StudyBest, Study]] = {}
+    for row, study in session.execute(q.order_by(StudyBest.tokens_per_s.desc(), StudyBest.trial_id)):
+        winners.setdefault((study.model_key, study.cluster_key, row.world_size), (row, study))
+    trials_ = {
+        t.id: t
+        for t in session.scalars(select(Trial).where(Trial.id.in_([r.trial_id for r, _ in winners.values()])))
+    }
+    best = []
+    for row, study in winners.values():
+        trial, spec = trials_[row.trial_id], study.spec
+        best.append(Best(
+            study=study.name, model_key=study.model_key, num_params=study.num_params,
+            cluster_key=study.cluster_key, num_gpus=row.world_size, trial_number=trial.number,
+            config=trial.config, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device,
+            mfu=trial.mfu, peak_memory_bytes=trial.peak_memory_bytes,
+            predicted_tokens_per_s=trial.predicted_tokens_per_s,
+            global_batch_size=spec["training"]["global_batch_size"],
+            seq_len=spec["training"].get("seq_len") or spec["model"]["seq_len"],
+        ))  # fmt: skip
+    return sorted(best, key=lambda b: (b.num_params, b.cluster_key, b.num_gpus))
+
+
+# --- calibrations ------------------------------------------------------------------------------
+
+
+def save_calibration(
+    session: Session, cluster_key: str, constants: ModelConstants, num_points: int,
+    rms_log_error: float, study: Study | None = None,
+) -> Calibration:  # fmt: skip
+    row = Calibration(
+        cluster_key=cluster_key, constants=constants.to_dict(), num_points=num_points,
+        rms_log_error=rms_log_error, study_id=study.id if study else None,
+    )  # fmt: skip
+    session.add(row)
+    session.flush()
+    return row
+
+
+def latest_constants(session: Session, cluster_key: str) -> ModelConstants | None:
+    """The constants last fitted on this cluster, or None."""
+    q = (
+        select(Calibration).where(Calibration.cluster_key == cluster_key)
+        .order_by(Calibration.created_at.desc(), Calibration.id.desc()).limit(1)
+    )  # fmt: skip
+    row = session.scalars(q).first()
+    if row is None:
+        return None
+    known = {f.name for f in dataclasses.fields(ModelConstants)}
+    return ModelConstants(**{k: v for k, v in row.constants.items() if k in known})
+
+
+# --- queries for the API -----------------------------------------------------------------------
+
+
+def state_counts(session: Session) -> tuple[dict[str, int], dict[str, int]]:
+    """({study status: n}, {trial state: n}) for /metrics."""
+    studies = dict(session.execute(select(Study.status, func.count()).group_by(Study.status)).all())
+    trials_ = dict(session.execute(select(Trial.state, func.count()).group_by(Trial.state)).all())
+    return studies, trials_
+
+
+def finished_durations(session: Session, limit: int = 100_000) -> list[float]:
+    """Seconds from start to end of finished trials (the latest `limit`), for /metrics."""
+    q = (
+        select(Trial.started_at, Trial.finished_at)
+        .where(Trial.started_at.is_not(None), Trial.finished_at.is_not(None))
+        .order_by(Trial.id.desc()).limit(limit)
+    )  # fmt: skip
+    return [(b - a).total_seconds() for a, b in session.execute(q)]
+
+
+def best_rows(
+    session: Session, *, model: str | None = None, cluster: str | None = None, num_gpus: int | None = None
+) -> list[dict[str, Any]]:
+    """best_configs() as the API and `tuner best --json` show it (one shape for both)."""
+    rows = best_configs(session, model=model, cluster=cluster, num_gpus=num_gpus)
+    ids = dict(
+        session.execute(select(Study.name, Study.id).where(Study.name.in_([b.study for b in rows]))).all()
+    )
+    return [
+        {"study_id": ids[b.study], "study": b.study, "model": b.model_key, "num_params": b.num_params,
+         "cluster": b.cluster_key, "gpus": b.num_gpus, "trial_number": b.trial_number,
+         "layout": ParallelConfig.from_dict(b.config).describe(), "config": b.config,
+         "tokens_per_s": b.tokens_per_s, "tflops_per_device": b.tflops_per_device, "mfu": b.mfu,
+         "peak_memory_bytes": b.peak_memory_bytes, "predicted_tokens_per_s": b.predicted_tokens_per_s}
+        for b in rows
+    ]  # fmt: skip
