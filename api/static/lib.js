@@ -85,7 +85,8 @@ export function loadPlotly() {
   return plotly;
 }
 
-export const STUDY_STATES = ["pending", "running", "done", "cancelled", "failed"];
-export const isLive = (status) => status === "pending" || status === "running";
+export const STUDY_STATES = ["pending", "running", "cancelling", "done", "cancelled", "failed"];
+// Still changing: polled while the page is open (a cancelling study ends once its worker stopped its trials).
+export const isLive = (status) => status === "pending" || status === "running" || status === "cancelling";
 export const statusBadge = (status) => el("span", { class: `badge ${status}` }, status);
 export const fact = (label, value, cls) => el("div", { class: cls }, el("dt", {}, label), el("dd", {}, value));

@@ -52,7 +52,7 @@ export async function showStudy(current, id, ctx) {
   // --- header: figures, cancel, export ---
   function renderHead() {
     const best = study.best;
-    const cancel = isLive(study.status)
+    const cancel = study.status === "pending" || study.status === "running"
       ? el("button", { type: "button", class: "danger", onclick: cancelStudy }, cancelArmed ? "Really cancel? Click again" : "Cancel study")
       : null;
     const exports = best
@@ -70,7 +70,9 @@ export async function showStudy(current, id, ctx) {
         fact("best layout", best ? `#${best.number} ${best.layout}` : "–", "wide"),
         fact("device memory", `${study.spec.cluster?.device_memory_gb ?? "–"} GB`),
         fact("created", fmt.date(study.created_at)), fact("finished", fmt.date(study.finished_at)),
-        study.error ? fact("error", study.error) : null),
+        study.lease ? fact("held by", `${study.lease.owner} (lease ${study.lease.expires_in_s >= 0
+          ? `renewed ${Math.round(study.lease.renewed_s_ago)} s ago` : `expired ${Math.round(-study.lease.expires_in_s)} s ago`})`, "wide") : null,
+        study.reason ? fact(study.status === "failed" ? "error" : "reason", study.reason, "wide") : null),
       el("div", { class: "actions" }, cancel, exports));
   }
 

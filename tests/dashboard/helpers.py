@@ -20,10 +20,12 @@ from pathlib import Path
 import httpx
 from sqlalchemy import insert, select
 
+from tests import records
+from tests.records import record_trial
 from trainer.config import ParallelConfig
 from tuner import store
 from tuner.db import Study, Trial, connect, utcnow
-from tuner.outcome import FailureKind, Outcome, TrialState
+from tuner.outcome import FailureKind, Outcome, StudyStatus
 from tuner.space import SearchSpace
 from tuner.spec import parse_spec
 
@@ -161,22 +163,17 @@ def add_trials(
         layouts = [c for c in valid_layouts(study.name) if store.layout_key(c) not in taken]
         for c in rng.sample(layouts, num_trials):
             outcome, predicted = figures(c, rng)
-            t = store.add_trial(s, study, c, predicted, TrialState.WAITING)
-            store.start_trial(t, f"{4000 + t.number}@runs/{study.name}/{t.number}", f"runs/{t.number}/log")
-            s.flush()
-            if finish:
-                store.finish_trial(t, outcome)
+            t = record_trial(s, study, c, outcome if finish else None, predicted)
             numbers.append(t.number)
     return numbers
 
 
 def set_status(server: Server, study_id: int, status: str) -> None:
     with connect(server.database_url).begin() as s:
-        study = s.get(Study, study_id)
         if status == "RUNNING":
-            store.claim_study(s, study)
+            records.hold(s, study_id)
         else:
-            store.finish_study(s, study, status)
+            records.finish(s, study_id, StudyStatus(status))
 
 
 def counts(server: Server, study_id: int) -> dict[str, int]:
@@ -211,9 +208,9 @@ def bulk_trials(server: Server, study_id: int, num_trials: int) -> None:
                 "tokens_per_s": outcome.tokens_per_s if ok else None, "tflops_per_device": outcome.tflops_per_device if ok else None,
                 "mfu": outcome.mfu if ok else None, "peak_memory_bytes": outcome.peak_memory_bytes if ok else None,
                 "failure_kind": None if ok else (outcome.failure or FailureKind.CRASH).value,
-                "failure_message": None if ok else outcome.message or "crash", "job_id": f"{number}@bulk",
+                "failure_message": None if ok else outcome.message or "crash", "job_id": f"fake:{number}@bulk",
                 "attempts": 1, "created_at": now, "started_at": now, "finished_at": now,
             })  # fmt: skip
         s.execute(insert(Trial), rows)
-        store.rebuild_bests(s)  # bulk inserts bypass finish_trial, which keeps study_bests
-        store.finish_study(s, study, "COMPLETE")
+        store.rebuild_bests(s)  # bulk inserts bypass end_attempt, which keeps study_bests
+        records.finish(s, study_id)

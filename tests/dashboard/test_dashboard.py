@@ -19,6 +19,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 from sqlalchemy import func, select
 
+from tests import records
 from tests.dashboard.helpers import (
     CHARTS,
     CHROMIUM,
@@ -34,7 +35,7 @@ from tests.dashboard.helpers import (
 )
 from tuner import store
 from tuner.db import Trial, connect
-from tuner.outcome import Outcome
+from tuner.outcome import Outcome, StudyStatus, feedback
 
 pytestmark = pytest.mark.browser
 
@@ -159,7 +160,9 @@ def test_study_page_charts_table_detail_and_export(tab: Tab, server: Server, stu
     detail = page.locator("aside.detail")
     detail.wait_for(state="visible")
     text = detail.inner_text()
-    assert f"Trial #{number}" in text and "out of memory" in text and f"{4000 + int(number)}@runs/" in text
+    assert (
+        f"Trial #{number}" in text and "out of memory" in text and f"@/tmp/trial-{number}" in text
+    )  # job handle
     assert '"failure_kind": "oom"' in text and "micro_batch_size" in text
     tab.shot("study-detail")
     page.click("aside.detail .close")
@@ -197,8 +200,9 @@ def test_new_trials_appear_live_and_cancel_needs_the_token(
     assert page.locator(f'table.trials tr[data-number="{running}"] td').nth(1).inner_text() == "RUNNING"
     with connect(server.database_url).begin() as s:
         trial = s.scalars(select(Trial).where(Trial.study_id == study_id, Trial.number == running)).one()
-        store.finish_trial(trial, Outcome(ok=True, tokens_per_s=1.5e5, tflops_per_device=150, mfu=0.5,
-                                          peak_memory_bytes=30 * 10**9, step_time_s=3.5))  # fmt: skip
+        outcome = Outcome(ok=True, tokens_per_s=1.5e5, tflops_per_device=150, mfu=0.5, peak_memory_bytes=30 * 10**9,
+                          step_time_s=3.5)  # fmt: skip
+        assert store.end_attempt(s, trial, outcome, requeue=False, told=feedback(outcome))
     page.wait_for_function(f"""document.querySelector('table.trials tr[data-number="{running}"] td:nth-child(2)')
                                .textContent === 'COMPLETE'""", timeout=5000)  # fmt: skip
     expected = counts(server, study_id)
@@ -215,8 +219,15 @@ def test_new_trials_appear_live_and_cancel_needs_the_token(
     page.click("#token-form button[type=submit]")
     page.click("button:has-text('Cancel study')")
     page.click("button:has-text('Really cancel')")
+    # Its (test) worker holds it: cancelling until the worker has stopped its trials.
+    page.wait_for_selector(".study-head .badge.cancelling")
+    detail = server.http.get(f"/api/studies/{study_id}").json()
+    assert (detail["status"], detail["reason"]) == ("cancelling", "cancelled through the API")
+    assert "test-worker@host" in page.inner_text(".study-head")  # who holds it, and the reason
+    with connect(server.database_url).begin() as s:  # the worker ends it
+        assert store.finish(s, study_id, records.OWNER, StudyStatus.CANCELLED)
     page.wait_for_selector(".study-head .badge.cancelled")
-    assert server.http.get(f"/api/studies/{study_id}").json()["status"] == "cancelled"
+    assert page.locator("button:has-text('Cancel study')").count() == 0
     assert page.evaluate("sessionStorage.getItem('tuner.token')") == TOKEN
     assert page.evaluate("localStorage.length") == 0
     tab.shot("study-cancelled")

@@ -22,7 +22,7 @@ from sqlalchemy.orm import sessionmaker
 from tests.slurm_cluster import SlurmCluster
 from tuner import store
 from tuner.db import connect, make_engine
-from tuner.dispatch import make_dispatcher
+from tuner.dispatch import JobHandle, make_dispatcher
 from tuner.loop import run_study
 from tuner.spec import parse_spec, slug
 
@@ -103,7 +103,7 @@ def _running_job(tmp_path: Path, name: str) -> str | None:
             study = store.get_study(s, name)
             for t in store.trials(s, study) if study else []:
                 if t.job_state == "RUNNING" and t.job_id:
-                    return t.job_id.partition("@")[0]
+                    return JobHandle.parse(t.job_id).id
     except OperationalError:  # the schema is still being created
         pass
     return None
@@ -122,11 +122,11 @@ def test_study_of_world_sizes_1_2_4_runs_one_job_per_trial(slurm_env: SlurmClust
     assert [(t.tokens_per_s > 0, t.job_state in ENDED, t.attempts) for t in trials] == [
         (True, True, 1)
     ] * 6, [(t.number, t.job_state, t.attempts) for t in trials]
-    jobs = {t.job_id.partition("@")[0] for t in trials}
+    jobs = {JobHandle.parse(t.job_id).id for t in trials}
     assert len(jobs) == 6 and all(j.isdigit() for j in jobs)
     for t in trials:  # Slurm ran the layout's world size: one task per rank
         ntasks = slurm_env.run(
-            "sacct", "-X", "-n", "-P", "-j", t.job_id.partition("@")[0], "--format=NTasks,AllocCPUS"
+            "sacct", "-X", "-n", "-P", "-j", JobHandle.parse(t.job_id).id, "--format=NTasks,AllocCPUS"
         )
         assert ntasks.split("|")[1].strip() == str(t.tp * t.pp * t.dp)
 
@@ -214,7 +214,8 @@ def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
         2,
         True,
     )
-    assert trial.job_id.partition("@")[0] != downed[0]
+    assert JobHandle.parse(trial.job_id).id != downed[0]
+    assert [e["kind"] for e in trial.attempt_log] == ["infra", "ok"] and trial.told == "score"
 
 
 def _db_trials(db: str, name: str) -> list[tuple[int, str, int, str | None, str]]:
@@ -248,7 +249,7 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
             os.killpg(worker.pid, signal.SIGKILL)
     # The jobs live on without the worker; a new worker re-attaches to them.
     for _, _, _, job_id, _ in running:
-        slurm_id = job_id.partition("@")[0]
+        slurm_id = JobHandle.parse(job_id).id
         queued = subprocess.run(["squeue", "-h", "-j", slurm_id, "-o", "%T"], env=slurm_env.env,
                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
         assert (queued or slurm_env.wait_final_state(slurm_id)) in (
@@ -278,9 +279,11 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
     table = subprocess.run(
         [TUNER, "trials", "sigkill"], env={**env, "COLUMNS": "250"}, capture_output=True, text=True
     )
-    assert all(t[3].partition("@")[0] in table.stdout for t in final) and stored[0][1] in table.stdout
+    assert all(JobHandle.parse(t[3]).id in table.stdout for t in final) and stored[0][1] in table.stdout
+    with connect(db)() as s:
+        prefix = f"pt{store.get_study(s, 'sigkill').id}-t"
     submitted = slurm_env.run("sacct", "-X", "-n", "-P", "--format=JobName", "-S", "now-1hour").split()
-    assert sum(name.startswith("sigkill-") for name in submitted) == 4  # one job per trial, none twice
+    assert sum(name.startswith(prefix) for name in submitted) == 4  # one job per trial, none twice
 
 
 HOSTILE = "x; rm -rf $(pwd) \"q\" 's' ../../etc `id` "
@@ -297,9 +300,9 @@ def test_hostile_names_reach_sbatch_and_paths_only_sanitised(slurm_env: SlurmClu
     assert trial_dir.parent == runs / slug(HOSTILE) and trial_dir.is_relative_to(runs)
     assert set(slug(HOSTILE)) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
     assert not canary.exists()
-    job = trial.job_id.partition("@")[0]
+    job = JobHandle.parse(trial.job_id).id
     name = slurm_env.run("sacct", "-X", "-n", "-P", "-j", job, "--format=JobName").strip()
-    assert name == f"{slug(HOSTILE)}-0"[: len(name)]
+    assert name == store.job_name(trial.study_id, 0, 1)  # the job's name is ours, never the user's
     script = (trial_dir / "job.sbatch").read_text()
     assert "$(touch" in script and f"export TUNER_NOTE='$(touch {canary})" in script
 
@@ -328,20 +331,21 @@ def test_allocation_mode_runs_the_study_as_steps_of_one_allocation(
         (t.number, t.failure_kind, t.failure_message) for t in trials
     ]
     assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 1, 2, 2, 4, 4]
-    allocations = {t.job_id.split(":")[1] for t in trials}
+    allocations = {JobHandle.parse(t.job_id).id.split("/")[0] for t in trials}
     assert len(allocations) == 1 and all(t.job_id.startswith("step:") for t in trials)
     (allocation,) = allocations
     assert slurm_env.job_state(allocation) == "COMPLETED"
     # srun steps of that one allocation, several side by side (1 + 2 + 4 ranks fit its 8 CPUs)
     steps = slurm_env.run("sacct", "-n", "-P", "-j", allocation, "--format=JobID,JobName").split()
-    assert sum(line.startswith(f"{allocation}.") and "alloc-" in line for line in steps) == 6
+    prefix = f"pt{trials[0].study_id}-t"
+    assert sum(line.startswith(f"{allocation}.") and f"|{prefix}" in line for line in steps) == 6
     spans = sorted((t.started_at, t.finished_at) for t in trials)
     assert any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
 
 def test_trials_cut_off_by_the_allocations_end_are_requeued(slurm_env: SlurmCluster, tmp_path: Path) -> None:
     from tuner.dispatch.allocation import submit_allocation
-    from tuner.dispatch.slurm import SiteSettings
+    from tuner.dispatch.sbatch import SiteSettings
 
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     spec = _spec("cutoff", slurm={**BASE["slurm"], "mode": "allocation", "allocation_minutes": 1,
@@ -352,11 +356,17 @@ def test_trials_cut_off_by_the_allocations_end_are_requeued(slurm_env: SlurmClus
         study_id = store.create_study(s, spec).id
     env = {"TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp_path / "runs")}
     job = submit_allocation(study_id, spec, tmp_path / "runs", site=SiteSettings(), env=env)
-    assert slurm_env.wait_final_state(job, timeout_s=150) == "COMPLETED"  # the runner left in time
+    assert slurm_env.wait_final_state(job.id, timeout_s=150) == "COMPLETED"  # the runner left in time
     with sessions() as s:
         study = s.get(store.Study, study_id)
         (trial,) = store.trials(s, study)
         assert study.status == "PENDING"  # handed back for the next allocation
-        assert (trial.state, trial.attempts, trial.failure_kind) == ("WAITING", 1, None)
+        # re-queued, not failed: the attempt is logged as handed back, no retry used
+        assert (trial.state, trial.attempts, [e["kind"] for e in trial.attempt_log]) == (
+            "WAITING",
+            1,
+            ["cancelled"],
+        )
+        assert "handed back" in trial.failure_message
     log = next((tmp_path / "runs" / "cutoff").glob("allocation-*.log")).read_text()
     assert "PENDING" in log

@@ -14,9 +14,13 @@ import pytest
 import yaml
 from sqlalchemy import select
 
+from trainer.config import BenchmarkConfig
+from trainer.launch import trial_processes
 from tuner import store
 from tuner.db import Calibration, connect
+from tuner.dispatch import JobHandle
 from tuner.dispatch.local import LocalDispatcher
+from tuner.export import export_layout
 from tuner.loop import run_study
 from tuner.perfmodel import Measurement, ModelConstants, rms_log_error
 from tuner.spec import parse_spec
@@ -66,6 +70,19 @@ def test_failed_trials_are_recorded_and_the_study_completes(tmp_path: Path) -> N
     assert kinds.pop("tp2 pp1 mbs8x1") == ("FAIL", "crash")
     assert kinds.pop("tp1 pp1 dpr2 mbs4x1 ac=full") == ("FAIL", "timeout")
     assert set(kinds.values()) == {("COMPLETE", None)}
+    by_layout = {store.config_of(t).describe(): t for t in trials}
+    crashed = by_layout["tp2 pp1 mbs8x1"]  # a crash is retried once; repeated, it is the layout's
+    assert ([e["kind"] for e in crashed.attempt_log], crashed.told) == (["crash", "crash"], "infeasible")
+    # No process of any attempt is left, the hung one included (killed by its supervisor's limit).
+    for t in trials:
+        for attempt in range(1, t.attempts + 1):
+            assert trial_processes(store.job_name(t.study_id, t.number, attempt)) == []
+    # The exported sbatch holds exactly the config the best trial ran with.
+    with sessions() as s:
+        best = store.best_trial(s, store.get_study(s, "faults"))
+    ran = BenchmarkConfig.from_json((JobHandle.parse(best.job_id).work_dir / "config.json").read_text())
+    exported = export_layout("sbatch", spec, store.config_of(best)).split("<<'CONFIG_JSON'\n")[1]
+    assert BenchmarkConfig.from_json(exported.split("\nCONFIG_JSON")[0]) == ran
     # The study's 3 measurements calibrated the model: the cluster's prior for its next study.
     with sessions() as s:
         (row,) = s.scalars(select(Calibration)).all()
