@@ -44,3 +44,13 @@ def slurm_cluster():
 
     with slurm_cluster() as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster_4():
+    """Four nodes of 2 CPUs, each its own network namespace and hostname, links between nodes
+    shaped to 200 Mbit/s (scripts/slurm-local.sh --nodes 4), for tests marked `multinode`."""
+    from tests.slurm_cluster import slurm_cluster
+
+    with slurm_cluster(nodes=4, inter_node_mbit=200) as cluster:
+        yield cluster

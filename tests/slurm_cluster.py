@@ -1,5 +1,7 @@
-"""A real single-node Slurm cluster for the tests: `scripts/slurm-local.sh` in a temp dir, with
-accounting (slurmdbd + MariaDB), so `sacct` reports job states as on a production cluster."""
+"""A real Slurm cluster for the tests: `scripts/slurm-local.sh` in a temp dir, with accounting
+(slurmdbd + MariaDB), so `sacct` reports job states as on a production cluster. One node by
+default; with `nodes=N` each node is a network + UTS namespace of its own on one bridge, and the
+script's fault commands (daemon restarts, a killed slurmd, a cut link) act on it."""
 
 from __future__ import annotations
 
@@ -20,20 +22,31 @@ BINARIES = ("slurmctld", "slurmd", "slurmdbd", "sbatch", "sacct", "munged", "mar
 # sacct states of a job that will not change any more (everything but PENDING, RUNNING, ...).
 FINAL_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
                 "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"}  # fmt: skip
+# sinfo states of a node that takes jobs.
+UP_STATES = {"idle", "mixed", "allocated"}
 
 
 @dataclasses.dataclass(frozen=True)
 class SlurmCluster:
     state_dir: Path
-    node: str
+    node: str  # the first node: the only one of a single-node cluster
     env: dict[str, str]  # the caller's environment with SLURM_CONF, for every Slurm client
+    port: int = 0  # slurmctld's; slurmd +1, slurmdbd +2; a multi-node cluster's names derive from it
+    nodes: list[str] = dataclasses.field(default_factory=list)
+    node_addrs: dict[str, str] = dataclasses.field(default_factory=dict)  # NodeAddr by node name
 
-    def run(self, *args: str, timeout_s: float = 60) -> str:
-        """Runs a Slurm client command; returns its stdout, raises with its stderr."""
+    def run(self, *args: str, timeout_s: float = 60, check: bool = True) -> str:
+        """Runs a Slurm client command; returns its stdout, raises with its stderr (unless
+        `check=False`)."""
         done = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=timeout_s)
-        if done.returncode != 0:
+        if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
         return done.stdout
+
+    def fault(self, command: str, *args: str, timeout_s: float = 120) -> str:
+        """`slurm-local.sh COMMAND ARGS... STATE_DIR`: restart slurmctld|slurmdbd, kill-slurmd NODE,
+        start-slurmd NODE, link NODE down|up, drain NODE, resume NODE, status."""
+        return _script(command, *args, self.state_dir, env=self.env, timeout_s=timeout_s)
 
     def job_state(self, job_id: str) -> str:
         """The allocation's state in sacct ("" before slurmdbd has the record), first word only:
@@ -51,6 +64,25 @@ class SlurmCluster:
                 return state
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} still {state or 'unknown to sacct'} after {timeout_s} s")
+
+    def wait_running(self, job_id: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (state := self.run("squeue", "-h", "-j", job_id, "-o", "%T").strip()) != "RUNNING":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not running after {timeout_s} s: {state!r}")
+            time.sleep(0.2)
+
+    def node_state(self, node: str) -> str:
+        """sinfo's state: "idle", "down*" (* = not responding), "drained", ..."""
+        return self.run("sinfo", "-h", "-N", "-n", node, "-o", "%T").strip()
+
+    def wait_node_state(self, node: str, states: set[str], timeout_s: float = 60) -> str:
+        deadline = time.monotonic() + timeout_s
+        while (state := self.node_state(node)) not in states:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node} {state}, not {sorted(states)}, after {timeout_s} s")
+            time.sleep(0.5)
+        return state
 
 
 def missing_binaries() -> list[str]:
@@ -71,7 +103,8 @@ def _ports_free(base: int, num_ports: int) -> bool:
 
 def _free_port_base(num_ports: int = 3) -> int:
     """slurmctld, slurmd and slurmdbd take base, base+1, base+2; a random base keeps two test
-    sessions on one machine apart."""
+    sessions on one machine apart (and with it a multi-node cluster's bridge, namespaces, node
+    names and subnet, which the script derives from the port)."""
     for _ in range(100):
         base = random.randrange(20000, 30000)
         if _ports_free(base, num_ports):
@@ -79,13 +112,21 @@ def _free_port_base(num_ports: int = 3) -> int:
     raise RuntimeError(f"no {num_ports} consecutive free ports in 20000-30000 on 127.0.0.1")
 
 
+def _script(*args: str | Path, env: dict[str, str], timeout_s: float = 300) -> str:
+    done = subprocess.run(["bash", str(SCRIPT), *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=timeout_s)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"slurm-local.sh {' '.join(map(str, args))} exited {done.returncode}:\n{done.stderr.strip()}"
+        )
+    return done.stdout
+
+
 def _client_env(state_dir: Path) -> dict[str, str]:
     """The caller's environment without the SLURM_* variables of an outer allocation (they would
     point srun at a job id our cluster never had), plus what `slurm-local.sh env` exports."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    exports = subprocess.run(["bash", str(SCRIPT), "env", str(state_dir)], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
-    for line in exports.splitlines():
+    for line in _script("env", state_dir, env=env).splitlines():
         key, _, value = line.removeprefix("export ").partition("=")
         env[key] = value
     env["PATH"] = f"{env.get('PATH', '/usr/bin:/bin')}:/usr/sbin:/sbin"
@@ -93,9 +134,16 @@ def _client_env(state_dir: Path) -> dict[str, str]:
 
 
 @contextmanager
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """Starts a fresh cluster in a temp dir, yields it, stops it and removes the dir. As root the
-    script installs missing packages itself; anyone else gets an error naming them."""
+def slurm_cluster(
+    nodes: int = 1,
+    inter_node_mbit: int | None = None,
+    inter_node_latency_ms: int | None = None,
+    cpus_per_node: int | None = None,
+) -> Iterator[SlurmCluster]:
+    """Starts a fresh cluster in a temp dir, yields it, stops it and removes the dir. One node
+    (the machine's hostname, 8 CPUs) by default; `nodes=N` gives N namespaced nodes of 2 CPUs,
+    their links shaped to `inter_node_mbit`. As root the script installs missing packages
+    itself; anyone else gets an error naming them."""
     if os.geteuid() != 0:
         missing = missing_binaries()
         install = (f"Slurm binaries missing ({', '.join(missing)}): as root, `make system-deps` installs "
@@ -105,18 +153,21 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     # and pytest's are 0700.
     state_dir = Path(tempfile.mkdtemp(prefix="tuner-slurm-"))
     state_dir.chmod(0o755)
-    env = {**os.environ, "SLURM_LOCAL_PORT": str(_free_port_base())}
-    script = lambda *args: subprocess.run(["bash", str(SCRIPT), *args, str(state_dir)], env=env,  # noqa: E731
-                                          capture_output=True, text=True)  # fmt: skip
+    port = _free_port_base()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_LOCAL_")}
+    env["SLURM_LOCAL_PORT"] = str(port)
+    options = [f"--nodes={nodes}"]
+    for option, value in (("--inter-node-mbit", inter_node_mbit),
+                          ("--inter-node-latency-ms", inter_node_latency_ms),
+                          ("--cpus-per-node", cpus_per_node)):  # fmt: skip
+        if value is not None:
+            options.append(f"{option}={value}")
     try:
-        started = script("start")
-        if started.returncode != 0:
-            raise RuntimeError(
-                f"slurm-local.sh start failed ({started.returncode}):\n{started.stderr.strip()}"
-            )
-        cluster = SlurmCluster(state_dir, node="", env=_client_env(state_dir))
-        node = cluster.run("sinfo", "--noheader", "--Node", "--format=%N").strip()
-        yield dataclasses.replace(cluster, node=node)
+        _script("start", *options, state_dir, env=env)
+        cluster = SlurmCluster(state_dir, node="", env=_client_env(state_dir), port=port)
+        rows = [line.split() for line in cluster.run("sinfo", "-h", "-N", "-o", "%N %o").splitlines()]
+        yield dataclasses.replace(cluster, node=rows[0][0], nodes=[name for name, _ in rows],
+                                  node_addrs=dict(rows))  # fmt: skip
     finally:
-        script("stop")
+        subprocess.run(["bash", str(SCRIPT), "stop", str(state_dir)], env=env, capture_output=True)
         shutil.rmtree(state_dir, ignore_errors=True)
