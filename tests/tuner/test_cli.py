@@ -166,3 +166,64 @@ def test_unreachable_database_is_one_line() -> None:
     assert (
         proc.returncode == 2 and proc.stderr.count("\n") == 1 and "cannot reach the database" in proc.stderr
     )
+
+
+def _held_study(tmp_path: Path, owner, expires_in_s: float) -> dict[str, str]:
+    """A tiny study in a fresh database, RUNNING under `owner`'s lease."""
+    import datetime as dt
+
+    import yaml
+
+    from tuner import store
+    from tuner.db import connect, utcnow
+    from tuner.spec import load_spec
+
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "studies" / "tiny-cpu.yaml").read_text())
+    spec.update(name="held", budget={"max_trials": 1})
+    (tmp_path / "held.yaml").write_text(yaml.safe_dump(spec))
+    sessions = connect(db)
+    with sessions.begin() as s:
+        study_id = store.create_study(s, load_spec(tmp_path / "held.yaml")).id
+        now = utcnow() - dt.timedelta(seconds=store.DEFAULT_LEASE_S - expires_in_s)
+        store.claim(s, study_id, owner, now=now)
+    return {**os.environ, "TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp_path / "runs")}
+
+
+def test_run_refuses_a_study_a_live_worker_holds_and_studies_shows_the_holder(tmp_path: Path) -> None:
+    from tuner import store
+
+    env = _held_study(tmp_path, store.Owner("worker@gpu-node-7:4242:c0ffee", "gpu-node-7", 4242), 45)
+    proc = subprocess.run(
+        [TUNER, "run", str(tmp_path / "held.yaml")], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert "worker@gpu-node-7:4242:c0ffee" in line and "expires in" in line
+    shown = subprocess.run([TUNER, "studies", "--json"], capture_output=True, text=True, env=env)
+    (row,) = json.loads(shown.stdout)
+    assert row["status"] == "running" and row["owner"] == "worker@gpu-node-7:4242:c0ffee"
+    assert "renewed" in row["lease"] and "expires in" in row["lease"]
+    table = subprocess.run([TUNER, "studies"], capture_output=True, text=True, env={**env, "COLUMNS": "250"})
+    assert "worker@gpu-node-7:4242:c0ffee" in table.stdout
+
+
+def test_run_takes_over_an_expired_lease_only_with_the_flag(tmp_path: Path) -> None:
+    from tuner import store
+
+    env = _held_study(tmp_path, store.Owner("worker@gpu-node-7:4242:c0ffee", "gpu-node-7", 4242), -5)
+    proc = subprocess.run(
+        [TUNER, "run", str(tmp_path / "held.yaml")], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 2 and "expired" in proc.stderr and "--takeover" in proc.stderr
+
+
+@pytest.mark.distributed
+def test_run_with_takeover_finishes_a_study_whose_worker_vanished(tmp_path: Path) -> None:
+    from tuner import store
+
+    env = _held_study(tmp_path, store.Owner("worker@gpu-node-7:4242:c0ffee", "gpu-node-7", 4242), -5)
+    proc = subprocess.run([TUNER, "run", str(tmp_path / "held.yaml"), "--takeover"], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resuming study 'held' (RUNNING)" in proc.stdout and "COMPLETE" in proc.stdout
