@@ -37,16 +37,17 @@ CPUS=${SLURM_LOCAL_CPUS:-}
 MBIT=${SLURM_LOCAL_INTER_NODE_MBIT:-}
 LATENCY_MS=${SLURM_LOCAL_INTER_NODE_LATENCY_MS:-}
 ARGS=()
+OPTIONS=0
 while [ $# -gt 0 ]; do
   case $1 in
     --nodes | --cpus-per-node | --inter-node-mbit | --inter-node-latency-ms)
       [ $# -ge 2 ] || die "$1 needs a value"
       set -- "$1=$2" "${@:3}"
       ;;
-    --nodes=*) NUM_NODES=${1#*=}; shift ;;
-    --cpus-per-node=*) CPUS=${1#*=}; shift ;;
-    --inter-node-mbit=*) MBIT=${1#*=}; shift ;;
-    --inter-node-latency-ms=*) LATENCY_MS=${1#*=}; shift ;;
+    --nodes=*) NUM_NODES=${1#*=}; OPTIONS=1; shift ;;
+    --cpus-per-node=*) CPUS=${1#*=}; OPTIONS=1; shift ;;
+    --inter-node-mbit=*) MBIT=${1#*=}; OPTIONS=1; shift ;;
+    --inter-node-latency-ms=*) LATENCY_MS=${1#*=}; OPTIONS=1; shift ;;
     -h | --help) usage ;;
     -*) die "unknown option $1" ;;
     *) ARGS+=("$1"); shift ;;
@@ -58,6 +59,7 @@ case "$CMD" in  # how many positional arguments come before the optional STATE_D
   install | start | stop | status | env) NUM_ARGS=0 ;;
   *) usage ;;
 esac
+[ "$OPTIONS" = 0 ] || [ "$CMD" = start ] || die "options are for start; $CMD takes the cluster's own"
 if [ ${#ARGS[@]} -lt "$NUM_ARGS" ] || [ ${#ARGS[@]} -gt $((NUM_ARGS + 1)) ]; then usage; fi
 DIR=${ARGS[NUM_ARGS]:-${SLURM_LOCAL_DIR:-${TMPDIR:-/tmp}/parallel-tuner-slurm}}
 [[ $DIR == /* ]] || DIR=$PWD/$DIR  # slurm.conf needs absolute paths
@@ -607,11 +609,20 @@ do_kill_slurmd() {  # a crashed slurmd: no goodbye to slurmctld, its job steps k
   stop_daemon "$name" KILL
 }
 
+slurmd_registered() {  # slurmd_registered NODE SINCE: its slurmd registered at SINCE or later
+  local started
+  node_ready "$1" || return 1
+  started=$(scontrol -o show node "$1" | grep -o 'SlurmdStartTime=[^ ]*' | cut -d= -f2)
+  [ "$(date -d "$started" +%s 2>/dev/null || echo 0)" -ge "$2" ]
+}
+
 do_start_slurmd() {
   need_cluster
-  local k; k=$(node_index "$1")
-  running "$(slurmd_name "$1")" || launch_slurmd "$k"
-  wait_until "$(slurmd_name "$1")" "node $1 back" node_ready "$1"
+  local k since; k=$(node_index "$1")
+  running "$(slurmd_name "$1")" && return 0
+  since=$(date +%s)
+  launch_slurmd "$k"
+  wait_until "$(slurmd_name "$1")" "node $1 back" slurmd_registered "$1" "$since"
 }
 
 do_link() {
