@@ -22,6 +22,12 @@ app = typer.Typer(
 @app.callback()
 def main() -> None:
     """parallel-tuner command line."""
+    from tuner.settings import Settings
+
+    try:
+        Settings.from_env()  # a bad TUNER_* setting: one line, before any command runs
+    except ValueError as e:
+        _fail(str(e))
 
 
 @app.command()

@@ -9,6 +9,17 @@ from pathlib import Path
 MAX_BODY_BYTES = 1 << 20  # the API refuses larger request bodies (413)
 
 
+def _seconds(env, name: str, default: float) -> float:
+    raw = env.get(name)
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
 def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -44,5 +55,5 @@ class Settings:
             cors_origins=tuple(o.strip() for o in env.get("TUNER_CORS_ORIGINS", "").split(",") if o.strip()),
             allow_anonymous_writes=_flag(env.get("TUNER_ALLOW_ANONYMOUS_WRITES")),
             url=env.get("TUNER_URL") or None,
-            lease_s=float(env.get("TUNER_LEASE_S", 60.0)),
+            lease_s=_seconds(env, "TUNER_LEASE_S", 60.0),
         )

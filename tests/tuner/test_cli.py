@@ -227,3 +227,12 @@ def test_run_with_takeover_finishes_a_study_whose_worker_vanished(tmp_path: Path
                           env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resuming study 'held' (RUNNING)" in proc.stdout and "COMPLETE" in proc.stdout
+
+
+def test_a_bad_setting_is_one_line_naming_it() -> None:
+    proc = subprocess.run([TUNER, "studies"], capture_output=True, text=True,
+                          env={**os.environ, "TUNER_LEASE_S": "soon"})  # fmt: skip
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == "TUNER_LEASE_S must be a number of seconds > 0, got 'soon'"
+    )

@@ -476,3 +476,11 @@ def test_the_exported_sbatch_reproduces_exactly_what_was_measured(tmp_path: Path
     exported = script.split("<<'CONFIG_JSON'\n")[1].split("\nCONFIG_JSON")[0]
     assert BenchmarkConfig.from_dict(json.loads(exported)) == measured
     assert (measured.device, measured.dtype) == ("cpu", "fp32")
+
+
+def test_dispatchers_never_import_the_runner_the_store_or_the_database() -> None:
+    """Dispatchers report job states; the runner is the one writer (docs/samplers.md)."""
+    root = Path(__file__).resolve().parents[2] / "tuner" / "dispatch"
+    imports = re.compile(r"^\s*(from|import)\s+(tuner\.(store|loop|db|worker|lease)|sqlalchemy)\b", re.M)
+    found = {p.name: imports.findall(p.read_text()) for p in root.glob("*.py")}
+    assert {name: hits for name, hits in found.items() if hits} == {}
