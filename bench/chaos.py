@@ -345,7 +345,9 @@ def check(svc: Services, name: str, calm: str, trials: int) -> dict:
     told_wrongly = [
         t.number for t in rows if t.failure_kind in ("infra", "cancelled") and t.told != "nothing"
     ]
-    infra_retried = sum(e["kind"] == "infra" for t in rows for e in (t.attempt_log or [])[:-1])  # not the last: re-run
+    infra_retried = sum(
+        e["kind"] == "infra" for t in rows for e in (t.attempt_log or [])[:-1]
+    )  # not the last: re-run
     # The best layout against the calm run's measurements of the same layouts. Noise: the median
     # run-to-run difference |log(chaos / calm)| of the layouts both runs measured.
     both = [(t, calm_rows[t.layout_key]) for t in rows

@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
@@ -19,11 +20,6 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from sqlalchemy.engine import make_url
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # alembic depends on tomli below 3.11
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -307,7 +303,6 @@ def test_base_images_are_pinned() -> None:
 
 def test_the_commands_the_images_run_exist() -> None:
     import subprocess
-    import sys
 
     tuner = str(Path(sys.executable).parent / "tuner")
     serve = subprocess.run(

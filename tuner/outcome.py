@@ -20,7 +20,7 @@ from typing import Any
 from trainer.config import BenchmarkResult
 
 
-class StudyStatus(str, enum.Enum):
+class StudyStatus(enum.StrEnum):
     PENDING = "PENDING"  # waiting for a worker (new, handed back, or paused until resume_after)
     RUNNING = "RUNNING"  # held by a worker's lease
     CANCELLING = "CANCELLING"  # cancel asked: the lease holder stops its trials, then CANCELLED
@@ -68,7 +68,7 @@ def allowed_from(to: StudyStatus) -> frozenset[StudyStatus]:
     return frozenset(s for s, targets in STUDY_TRANSITIONS.items() if to in targets)
 
 
-class TrialState(str, enum.Enum):
+class TrialState(enum.StrEnum):
     WAITING = "WAITING"  # new, or re-queued after a retryable failure
     SUBMITTING = "SUBMITTING"  # handed to the dispatcher; its job id not stored yet
     RUNNING = "RUNNING"
@@ -83,7 +83,7 @@ class TrialState(str, enum.Enum):
 ACTIVE_TRIAL = (TrialState.SUBMITTING, TrialState.RUNNING)
 
 
-class FailureKind(str, enum.Enum):
+class FailureKind(enum.StrEnum):
     """Why an attempt failed. Whose fault it is, and what follows, is `retry()` and `feedback()`."""
 
     OOM = "oom"  # measured: the layout needs more memory than the device has
@@ -140,7 +140,7 @@ def classify(result: BenchmarkResult) -> Outcome:
 # --- the failure policy ---------------------------------------------------------------------------
 
 
-class Feedback(str, enum.Enum):
+class Feedback(enum.StrEnum):
     """What a sampler hears about a finished trial."""
 
     SCORE = "score"  # tokens/s

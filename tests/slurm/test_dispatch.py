@@ -186,7 +186,8 @@ def test_scancel_from_outside_is_a_cancelled_trial(slurm_env: SlurmCluster, tmp_
 def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
     slurm_env: SlurmCluster, tmp_path: Path
 ) -> None:
-    spec = _spec("node-down", trial={**BASE["trial"], "measure_steps": 400})
+    # ~20 s of steps on an idle 2-core machine: long enough to be caught running, short enough to retry.
+    spec = _spec("node-down", trial={**BASE["trial"], "measure_steps": 3000})
     downed: list[str] = []
 
     def down_then_resume() -> None:
@@ -213,7 +214,7 @@ def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
         "COMPLETE",
         2,
         True,
-    )
+    ), trial.attempt_log
     assert JobHandle.parse(trial.job_id).id != downed[0]
     assert [e["kind"] for e in trial.attempt_log] == ["infra", "ok"] and trial.told == "score"
 
@@ -236,6 +237,7 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(spec))
     env = {**slurm_env.env, "TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp_path / "runs")}
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
     worker = subprocess.Popen([TUNER, "run", str(path)], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
@@ -282,7 +284,8 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
     assert all(JobHandle.parse(t[3]).id in table.stdout for t in final) and stored[0][1] in table.stdout
     with connect(db)() as s:
         prefix = f"pt{store.get_study(s, 'sigkill').id}-t"
-    submitted = slurm_env.run("sacct", "-X", "-n", "-P", "--format=JobName", "-S", "now-1hour").split()
+    # This test's jobs only (each test's database numbers its study 1): submitted since it started.
+    submitted = slurm_env.run("sacct", "-X", "-n", "-P", "--format=JobName", "-S", since).split()
     assert sum(name.startswith(prefix) for name in submitted) == 4  # one job per trial, none twice
 
 

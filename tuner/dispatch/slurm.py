@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import BenchmarkConfig, BenchmarkResult
-from trainer.launch import CONFIG_FILE, LOG_FILE, RESULT_FILE
+from trainer.launch import CONFIG_FILE, LOG_FILE, RESULT_FILE, TAG_VAR
 from tuner.dispatch.base import DispatchError, JobHandle, JobReport
 from tuner.dispatch.sbatch import SiteSettings, SlurmResources, job_name, render_script
 from tuner.outcome import FailureKind, Outcome, classify
@@ -76,8 +76,10 @@ class SlurmDispatcher:
         work_dir.mkdir(parents=True, exist_ok=True)
         (work_dir / CONFIG_FILE).write_text(cfg.to_json())
         (work_dir / RESULT_FILE).unlink(missing_ok=True)
+        # Every process of the trial carries its tag, as local trials do (trainer/launch.py).
+        env = {**self.env, TAG_VAR: name}
         (work_dir / SCRIPT_FILE).write_text(render_script(cfg, work_dir=work_dir, spec=self.spec,
-                                                          site=self.site, env=self.env))  # fmt: skip
+                                                          site=self.site, env=env))  # fmt: skip
         resources = SlurmResources.for_trial(cfg, name=name, timeout_s=timeout_s, spec=self.spec, site=self.site,
                                              gpus_per_node=self.gpus_per_node, output=str(work_dir / LOG_FILE),
                                              chdir=work_dir)  # fmt: skip
