@@ -77,7 +77,7 @@ def study_spec(name: str, trials: int, seed: int) -> dict:
                   "zero_stage": [0, 3], "activation_checkpoint": ["none", "full"], "sequence_parallel": [False],
                   "pp_schedule": ["1f1b"]},
         "budget": {"max_trials": trials, "trials_in_flight": 2, "max_device_hours": 2.0},
-        "trial": {"warmup_steps": 1, "measure_steps": 3, "timeout_s": 240, "device": "cpu", "max_retries": 3,
+        "trial": {"warmup_steps": 2, "measure_steps": 30, "timeout_s": 240, "device": "cpu", "max_retries": 3,
                   "dispatch_backoff_s": 1.0, "max_dispatch_failures": 6, "dispatch_pause_s": 10},
         "sampler": "grid", "prune_predicted_oom": False, "backend": "slurm", "seed": seed,
         "slurm": {"partition": "debug", "env": {"GLOO_SOCKET_IFNAME": "lo"}},
@@ -159,7 +159,7 @@ def _running_jobs(sessions, name: str) -> list[JobHandle]:
 
 @dataclass
 class Chaos:
-    """The fault driver: every 6-14 s one fault whose precondition holds, kinds in a seeded
+    """The fault driver: every 4-10 s one fault whose precondition holds, kinds in a seeded
     order so that each kind comes early."""
 
     svc: Services
@@ -174,7 +174,7 @@ class Chaos:
         sessions = _sessions(self.svc.pg.url)
         order = list(KINDS)
         self.rng.shuffle(order)
-        while not self.stop.wait(self.rng.uniform(6, 14)):
+        while not self.stop.wait(self.rng.uniform(4, 10)):
             kinds = order or [self.rng.choice(KINDS) for _ in range(3)]
             for kind in list(kinds):
                 try:

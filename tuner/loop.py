@@ -76,10 +76,8 @@ class StudyRunner:
             dispatcher,
             work_dir,
         )
-        self.lease, self.owner = lease, lease.owner
-        self.poll_s, self.on_progress, self.should_yield, self.should_stop = (
-            poll_s, on_progress, should_yield, should_stop)  # fmt: skip
-        self.clock, self.sleep = clock, sleep
+        self.lease, self.owner, self.poll_s, self.on_progress = lease, lease.owner, poll_s, on_progress
+        self.should_yield, self.should_stop, self.clock, self.sleep = should_yield, should_stop, clock, sleep
         self.not_before: dict[int, dt.datetime] = {}  # trial id -> no new submission before
         self.exhausted = False
         self.progress = Progress()
@@ -126,10 +124,8 @@ class StudyRunner:
         for config, outcome in history:
             self.sampler.replay(config, outcome)
             if outcome is not None and outcome.ok and outcome.tokens_per_s > self.progress.best_tokens_per_s:
-                self.progress.best_tokens_per_s, self.progress.best_layout = (
-                    outcome.tokens_per_s,
-                    config.describe(),
-                )
+                self.progress.best_tokens_per_s = outcome.tokens_per_s
+                self.progress.best_layout = config.describe()
         self.progress.budget = self.spec.budget.max_trials
         return None
 

@@ -27,7 +27,7 @@ def test_a_short_chaos_run_loses_nothing_and_runs_nothing_twice(tmp_path: Path) 
     assert summary == {"study_status": "COMPLETE", "trials": 8, "lost": 0, "duplicated": 0, "orphan_jobs": 0,
                        "told_wrongly": []}, figures  # fmt: skip
     assert figures["within_budget"] and done.returncode == 0, figures
-    assert figures["faults"] >= 6 and len(figures["faults_injected"]) >= 4, figures["events"]
+    assert len(figures["faults_injected"]) >= 4, figures["events"]  # kinds
     # Every failed attempt was of a kind the faults cause, and re-run where the policy says so.
     assert set(figures["attempt_kinds"]) <= {"ok", "infra", "crash", "cancelled", "dispatch_error"}, figures
     assert figures["attempt_kinds"].get("infra", 0) == figures["infra_attempts_retried"], figures
