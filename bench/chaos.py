@@ -57,6 +57,8 @@ from tuner.spec import parse_spec  # noqa: E402
 TUNER = shutil.which("tuner", path=str(Path(sys.executable).parent)) or "tuner"
 KINDS = ("worker_kill", "sbatch_fail", "scancel", "slurmctld_restart", "postgres_restart", "rank_kill",
          "node_fail")  # fmt: skip
+# On a cluster of several nodes (--nodes N): a node's slurmd killed, its network cut, a node drained.
+NODE_KINDS = ("slurmd_kill", "link_cut", "drain")
 SBATCH_WRAPPER = """#!/bin/bash
 # bench/chaos.py: while the flag file exists, ~30 % of submissions fail as a busy controller's do
 if [ -e {flag} ] && [ $((RANDOM % 100)) -lt 30 ]; then
@@ -68,19 +70,24 @@ exec {sbatch} "$@"
 """
 
 
-def study_spec(name: str, trials: int, seed: int) -> dict:
+def study_spec(name: str, trials: int, seed: int, nodes: int = 1) -> dict:
+    """One node of 8 CPU "devices", or `nodes` of 2 (a 4-rank trial then spans two nodes)."""
     return {
         "name": name, "model": "gpt-tiny", "num_gpus": 4,
-        "cluster": {"preset": "cpu-local", "gpus_per_node": 8, "num_nodes": 1},
+        # A cluster name per study: each starts from the same (uncalibrated) prior, so `grid` asks
+        # for the same layouts in the same order in the calm run and in the chaos run.
+        "cluster": {"preset": "cpu-local", "name": f"cpu-{name}", "gpus_per_node": 8 if nodes == 1 else 2,
+                    "num_nodes": nodes},
         "training": {"global_batch_size": 8, "precision": "fp32"},
         "space": {"num_gpus": [1, 2, 4], "tp": [1, 2, 4], "pp": [1, 2], "micro_batch_size": [2, 4, 8],
                   "zero_stage": [0, 3], "activation_checkpoint": ["none", "full"], "sequence_parallel": [False],
                   "pp_schedule": ["1f1b"]},
-        "budget": {"max_trials": trials, "trials_in_flight": 2, "max_device_hours": 2.0},
+        # One trial at a time: on 2 cores a neighbour's ranks would decide a trial's speed.
+        "budget": {"max_trials": trials, "trials_in_flight": 1, "max_device_hours": 2.0},
         "trial": {"warmup_steps": 2, "measure_steps": 30, "timeout_s": 240, "device": "cpu", "max_retries": 3,
                   "dispatch_backoff_s": 1.0, "max_dispatch_failures": 6, "dispatch_pause_s": 10},
         "sampler": "grid", "prune_predicted_oom": False, "backend": "slurm", "seed": seed,
-        "slurm": {"partition": "debug", "env": {"GLOO_SOCKET_IFNAME": "lo"}},
+        "slurm": {"partition": "debug", "env": {"GLOO_SOCKET_IFNAME": "lo" if nodes == 1 else "eth0"}},
     }  # fmt: skip
 
 
@@ -95,10 +102,12 @@ class Services:
 
 
 @contextlib.contextmanager
-def services(keep: Path | None = None):
-    """Slurm (one node, 8 CPUs), PostgreSQL, and an sbatch wrapper first on the workers' PATH."""
+def services(keep: Path | None = None, nodes: int = 1):
+    """Slurm (one node of 8 CPUs, or `nodes` of 2 with links shaped to 200 Mbit/s), PostgreSQL,
+    and an sbatch wrapper first on the workers' PATH."""
     work = Path(tempfile.mkdtemp(prefix="tuner-chaos-", dir=keep))
-    with slurm_cluster() as cluster, postgres_instance() as pg:
+    shaped = {"inter_node_mbit": 200} if nodes > 1 else {}
+    with slurm_cluster(nodes=nodes, **shaped) as cluster, postgres_instance() as pg:
         wrapper_dir = work / "bin"
         wrapper_dir.mkdir()
         flag, fail_log = work / "sbatch-fail", work / "sbatch-failures.log"
@@ -172,10 +181,11 @@ class Chaos:
 
     def run(self) -> None:
         sessions = _sessions(self.svc.pg.url)
-        order = list(KINDS)
+        order = list(KINDS) + (list(NODE_KINDS) if len(self.svc.cluster.nodes) > 1 else [])
         self.rng.shuffle(order)
         while not self.stop.wait(self.rng.uniform(4, 10)):
-            kinds = order or [self.rng.choice(KINDS) for _ in range(3)]
+            known = KINDS + (NODE_KINDS if len(self.svc.cluster.nodes) > 1 else ())
+            kinds = order or [self.rng.choice(known) for _ in range(3)]
             for kind in list(kinds):
                 try:
                     done = getattr(self, kind)(sessions)
@@ -235,10 +245,53 @@ class Chaos:
             os.kill(pid, signal.SIGKILL)
         return f"SIGKILL rank pid {pid}"
 
-    def node_fail(self, sessions):
-        if not _running_jobs(sessions, self.name):
+    def _busy_node(self, sessions) -> str | None:
+        """A node that runs one of the study's jobs now."""
+        jobs = [j.id for j in _running_jobs(sessions, self.name) if j.kind == "slurm"]
+        if not jobs:
+            return None
+        nodelist = self.svc.cluster.run("squeue", "-h", "-t", "R", "-j", ",".join(jobs), "-o", "%N").split()
+        nodes = sorted(
+            {n for nl in nodelist for n in self.svc.cluster.run("scontrol", "show", "hostnames", nl).split()}
+        )
+        return self.rng.choice(nodes) if nodes else None
+
+    def slurmd_kill(self, sessions):
+        node = self._busy_node(sessions)
+        if node is None:
             return False
-        node = self.svc.cluster.node
+        self.svc.cluster.fault("kill-slurmd", node)
+        later = self.rng.uniform(40, 60)
+        threading.Timer(
+            later, lambda: (self.svc.cluster.fault("start-slurmd", node), self._resume(node))
+        ).start()
+        return f"slurmd of {node} SIGKILLed under a running job; started again in {later:.0f} s"
+
+    def link_cut(self, sessions):
+        node = self._busy_node(sessions)
+        if node is None:
+            return False
+        self.svc.cluster.fault("link", node, "down")
+        later = self.rng.uniform(40, 60)
+        threading.Timer(
+            later, lambda: (self.svc.cluster.fault("link", node, "up"), self._resume(node))
+        ).start()
+        return f"network of {node} cut under a running job; restored in {later:.0f} s"
+
+    def drain(self, sessions):
+        node = self.rng.choice(self.svc.cluster.nodes)
+        self.svc.cluster.fault("drain", node)
+        later = self.rng.uniform(30, 60)
+        threading.Timer(later, lambda: self._resume(node)).start()
+        return f"{node} drained for {later:.0f} s"
+
+    def _resume(self, node: str) -> None:
+        self.svc.cluster.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+
+    def node_fail(self, sessions):
+        node = self._busy_node(sessions) if len(self.svc.cluster.nodes) > 1 else self.svc.cluster.node
+        if node is None or not _running_jobs(sessions, self.name):
+            return False
         self.svc.cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=chaos")
 
         def resume() -> None:
@@ -286,7 +339,7 @@ def run_study(svc: Services, name: str, trials: int, seed: int, *, chaos: bool,
               timeout_s: float) -> tuple[str, float, Chaos | None]:  # fmt: skip
     sessions = connect(svc.pg.url)
     with sessions.begin() as s:
-        store.create_study(s, parse_spec(study_spec(name, trials, seed)))
+        store.create_study(s, parse_spec(study_spec(name, trials, seed, len(svc.cluster.nodes))))
     started = time.monotonic()
     workers = Workers(svc, 2)
     driver = Chaos(svc, workers, name, random.Random(seed)) if chaos else None
@@ -301,9 +354,9 @@ def run_study(svc: Services, name: str, trials: int, seed: int, *, chaos: bool,
             thread.join()
             svc.flag.unlink(missing_ok=True)
             time.sleep(16)  # a worker restart scheduled by the last fault
+            for node in svc.cluster.nodes:  # and nodes a fault left down or drained
+                svc.cluster.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
         workers.stop()
-        with contextlib.suppress(Exception):  # a node left down by the last fault
-            svc.cluster.run("scontrol", "update", f"nodename={svc.cluster.node}", "state=resume", check=False)
     return status, time.monotonic() - started, driver
 
 
@@ -390,10 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--timeout-s", type=float, default=3600, help="per study")
     ap.add_argument("--keep", type=Path, help="keep the work dir (logs, trial dirs) under this dir")
+    ap.add_argument("--nodes", type=int, default=1, help="Slurm nodes (>1: node faults too; 2 CPUs each)")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("the chaos run starts a Slurm cluster: run it as root")
-    with services(args.keep) as svc:
+    with services(args.keep, args.nodes) as svc:
         calm_status, calm_wall, _ = run_study(
             svc, "calm", args.trials, args.seed, chaos=False, timeout_s=args.timeout_s
         )
@@ -404,8 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         failures = len(svc.fail_log.read_text().splitlines()) if svc.fail_log.exists() else 0
     figures |= {"faults_injected": dict(driver.injected), "faults": sum(driver.injected.values()),
                 "sbatch_calls_failed": failures, "events": driver.events, "wall_s": round(wall, 1),
-                "calm_wall_s": round(calm_wall, 1), "calm_status": calm_status, "seed": args.seed}  # fmt: skip
-    budget = study_spec("chaos", args.trials, args.seed)["budget"]["max_device_hours"]
+                "calm_wall_s": round(calm_wall, 1), "calm_status": calm_status, "seed": args.seed,
+                "nodes": args.nodes}  # fmt: skip
+    budget = study_spec("chaos", args.trials, args.seed, args.nodes)["budget"]["max_device_hours"]
     figures["within_budget"] = (figures["trials"] == args.trials
                                 and figures["device_hours"] <= budget + figures["max_trial_device_hours"])  # fmt: skip
     ok = (figures["study_status"] == "COMPLETE" and figures["within_budget"]

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -30,6 +31,7 @@ from trainer.model import GPT, cross_entropy_loss, init_param_
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import data_parallel_modules, parallelize_gpt
 from trainer.pipeline import build_schedule, local_stage_ids, split_model
+from trainer.topology import placement
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -226,6 +228,8 @@ def train(
     dtype = _dtype(cfg, device)
     peak = peak_tflops(device, dtype)
     trainer = Trainer(cfg, world_size, device)
+    # Where the ranks landed, checked against the placement rule the planner assumes.
+    placed = placement(cfg.parallel, _hostnames(world_size))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -297,8 +301,18 @@ def train(
         losses=loss_values,
         grad_norms=[float(n) for n in norms],
         dtype=str(dtype).removeprefix("torch."),
+        placement=placed,
         **base,
     )
+
+
+def _hostnames(world_size: int) -> list[str]:
+    """Every rank's host, by rank."""
+    if world_size == 1 or not dist.is_initialized():
+        return [socket.gethostname()]
+    hosts: list[str] = [""] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
 
 
 def inject_fault(rank: int, step: int) -> None:

@@ -395,6 +395,9 @@ class BenchmarkResult:
     flops_per_token: int = 0
     tokens_per_step: int = 0
     wall_time_s: float = 0.0
+    # Where the ranks ran: hosts, and the nodes each parallel group spanned against the placement
+    # rule (trainer/topology.py: placement).
+    placement: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

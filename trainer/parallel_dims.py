@@ -8,9 +8,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.config import ParallelConfig
 
-# Outer to inner: tp innermost so that its ranks are neighbours (same node, fastest links),
-# pp outermost because it sends the least (torchtitan's order).
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+# Mesh axes outer to inner: tp innermost so that its ranks are neighbours (same node, fastest
+# links), pp outermost because it sends the least (torchtitan's order). The placement rule the
+# planner shares: trainer/topology.py.
+from trainer.topology import MESH_AXES
 
 
 @dataclass(frozen=True)

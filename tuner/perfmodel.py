@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import GPTConfig, ParallelConfig
+from trainer.topology import members_per_node
 from tuner.spec import ClusterSpec
 
 
@@ -96,11 +97,12 @@ def _ring_allreduce_s(nbytes: float, n: int, gbps: float, latency_us: float, c: 
 
 
 def _group_link(cluster: ClusterSpec, size: int, stride: int) -> tuple[float, float]:
-    """(GB/s per member, latency us) of a group of `size` ranks `stride` apart (mesh order pp,
-    dp, tp: tp ranks are neighbours). Within a node: the intra-node link. Across nodes: the
-    node's network shared by the groups that cross it at the same time, never above intra."""
+    """(GB/s per member, latency us) of a group of `size` ranks `stride` apart, placed as the
+    trainer places them (trainer/topology.py: mesh order pp, dp, tp; ranks in blocks per node).
+    Within a node: the intra-node link. Across nodes: the node's network shared by the groups
+    that cross it at the same time, never above intra."""
     g = cluster.gpus_per_node
-    per_node = max(1, min(size, g // stride)) if stride < g else 1
+    per_node = members_per_node(size, stride, g)
     if size <= per_node:
         return cluster.intra_node_gbps, cluster.intra_node_latency_us
     share = cluster.inter_node_gbps * per_node / g

@@ -98,7 +98,7 @@ def _run_claimed(sessions, study_id: int, owner: store.Owner, settings: Settings
 def run_in_allocation(study_id: int, *, margin_s: float | None = None) -> StudyStatus:
     """Inside a Slurm allocation: run the study with an SrunDispatcher until it ends, or hand it
     back `margin_s` before the allocation ends."""
-    from tuner.dispatch.allocation import SrunDispatcher, allocation_end
+    from tuner.dispatch.allocation import SrunDispatcher, allocation_end, allocation_nodes
 
     settings = Settings.from_env()
     sessions = connect(settings.database_url)
@@ -111,7 +111,7 @@ def run_in_allocation(study_id: int, *, margin_s: float | None = None) -> StudyS
     job = os.environ.get("SLURM_JOB_ID")
     end = allocation_end(job) if job else None
     dispatcher = SrunDispatcher(
-        nodes=int(os.environ.get("SLURM_JOB_NUM_NODES", "1")), devices_per_node=spec.cluster.gpus_per_node,
+        nodes=allocation_nodes(), devices_per_node=spec.cluster.gpus_per_node,
         gpu=spec.device == "cuda", end=end, margin_s=margin_s, env={**spec.slurm.env}, python=sys.executable,
     )  # fmt: skip
     return run_study(sessions, study_id, dispatcher, settings.work_dir, owner=store.Owner.this_process("alloc"),

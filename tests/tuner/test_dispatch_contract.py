@@ -88,7 +88,7 @@ def _step(cluster, allocation: str) -> Kind:
     from tuner.dispatch.allocation import SrunDispatcher
 
     def make(env):
-        return SrunDispatcher(nodes=1, devices_per_node=4, gpu=False, end=None, allocation=allocation,
+        return SrunDispatcher(nodes=[cluster.node], devices_per_node=4, gpu=False, end=None, allocation=allocation,
                               env={"GLOO_SOCKET_IFNAME": "lo", **env})  # fmt: skip
 
     def bad(tmp: Path):

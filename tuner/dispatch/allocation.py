@@ -12,6 +12,7 @@ runs the study with an `SrunDispatcher`. This module only submits and runs jobs 
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import shlex
 import subprocess
@@ -27,7 +28,6 @@ from tuner.dispatch.sbatch import (
     SiteSettings,
     SlurmResources,
     job_name,
-    layout_resources,
     preamble,
     site_options,
 )
@@ -48,41 +48,72 @@ def allocation_end(job_id: str) -> float | None:
 
 
 class SrunDispatcher(LocalDispatcher):
-    """Trials as `srun` steps of the allocation this process runs in (or of SLURM_JOB_ID in
-    `env`). Devices: the allocation's nodes x devices per node, handed out to steps like local
-    device slots. Each step runs under a trial supervisor (trainer/launch.py), as local trials do."""
+    """Trials as `srun` steps of the allocation this process runs in (or of `allocation`). Slots:
+    each node's devices. A trial that fits on one node is packed onto the fullest node it fits on;
+    a larger one takes whole free nodes, so its tensor-parallel groups stay inside nodes
+    (trainer/topology.py). Each step names its nodes (`--nodelist`), so placement is decided
+    here, not by chance; it runs under a trial supervisor (trainer/launch.py) like a local trial."""
 
     kind = "step"
 
-    def __init__(self, *, nodes: int, devices_per_node: int, gpu: bool, end: float | None,
+    def __init__(self, *, nodes: list[str], devices_per_node: int, gpu: bool, end: float | None,
                  margin_s: float = 60.0, env: dict[str, str] | None = None,
                  python: str = sys.executable, allocation: str | None = None):  # fmt: skip
-        super().__init__(num_devices=nodes * devices_per_node, gpu=gpu, env=env)
-        self.devices_per_node, self.end, self.margin_s, self.python = devices_per_node, end, margin_s, python
+        if not nodes:
+            raise ValueError("an srun dispatcher needs the allocation's node names (allocation_nodes())")
+        super().__init__(num_devices=len(nodes) * devices_per_node, gpu=gpu, env=env)
+        self.node_names, self.devices_per_node = list(nodes), devices_per_node
+        self.end, self.margin_s, self.python = end, margin_s, python
         self.allocation = allocation or os.environ.get("SLURM_JOB_ID", "none")
 
     def time_left(self) -> float:
         return float("inf") if self.end is None else self.end - time.time()
 
     def can_start(self, cfg: BenchmarkConfig) -> bool:
-        if self.time_left() < 2 * self.margin_s:
-            return False
-        return len(self._free()) >= cfg.parallel.world_size
+        return self.time_left() >= 2 * self.margin_s and super().can_start(cfg)
+
+    def _pick(self, world: int) -> list[int] | None:
+        per, free = self.devices_per_node, set(self._free())
+        free_on = {
+            n: [n * per + i for i in range(per) if n * per + i in free] for n in range(len(self.node_names))
+        }
+        if world <= per:  # best fit: the node with the fewest free slots that still holds it
+            fits = sorted((len(slots), n) for n, slots in free_on.items() if len(slots) >= world)
+            return free_on[fits[0][1]][:world] if fits else None
+        whole = [n for n, slots in free_on.items() if len(slots) == per][: math.ceil(world / per)]
+        if len(whole) * per < world:
+            return None
+        return [slot for n in whole for slot in free_on[n]][:world]
 
     def _job_id(self, run) -> str:
         return f"{self.allocation}/{self.host}/{run.pid}"
 
-    def _command(self, cfg: BenchmarkConfig, work_dir: Path, name: str) -> list[str]:
-        nodes, per_node = layout_resources(cfg, self.devices_per_node)
+    def _command(self, cfg: BenchmarkConfig, work_dir: Path, name: str, slots: list[int]) -> list[str]:
+        nodes = sorted({s // self.devices_per_node for s in slots})
+        per_node = min(cfg.parallel.world_size, self.devices_per_node)
         step = [
-            "srun", f"--jobid={self.allocation}", f"--job-name={job_name(name)}", f"--nodes={nodes}",
-            f"--ntasks={cfg.parallel.world_size}", f"--ntasks-per-node={per_node}", "--cpus-per-task=1", "--exact",
-            "--kill-on-bad-exit=1",
+            "srun", f"--jobid={self.allocation}", f"--job-name={job_name(name)}",
+            f"--nodelist={','.join(self.node_names[n] for n in nodes)}", f"--nodes={len(nodes)}",
+            f"--ntasks={cfg.parallel.world_size}", f"--ntasks-per-node={per_node}", "--distribution=block",
+            "--cpus-per-task=1", "--exact", "--kill-on-bad-exit=1",
         ]  # fmt: skip
         if self.gpu:
             step.append("--gpus-per-task=1")
         return [*step, self.python, "-m", "trainer.benchmark", "--config", str(work_dir / CONFIG_FILE),
                 "--out", str(work_dir / RESULT_FILE)]  # fmt: skip
+
+
+def allocation_nodes() -> list[str]:
+    """The allocation's node names, in Slurm's order (`scontrol show hostnames`)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return []
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             check=True, timeout=60).stdout  # fmt: skip
+    except (subprocess.SubprocessError, OSError):
+        return []
+    return out.split()
 
 
 def render_allocation_script(study_id: int, spec: StudySpec, site: SiteSettings, env: dict[str, str]) -> str:

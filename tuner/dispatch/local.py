@@ -42,25 +42,33 @@ class LocalDispatcher:
         held = {d for ds in self.devices.values() for d in ds}
         return [d for d in range(self.num_devices) if d not in held]
 
-    def can_start(self, cfg: BenchmarkConfig) -> bool:
-        need = cfg.parallel.world_size
-        # A trial larger than the machine may still run alone (CPU ranks oversubscribe cores).
-        return len(self._free()) >= need or (not self.devices and not self.gpu)
+    def _pick(self, world: int) -> list[int] | None:
+        """Device slots for a trial of `world` ranks, or None while they are taken. A trial larger
+        than the machine may still run alone (CPU ranks oversubscribe cores)."""
+        free = self._free()
+        if len(free) >= world or (not self.devices and not self.gpu):
+            return free[:world]
+        return None
 
-    def _command(self, cfg: BenchmarkConfig, work_dir: Path, name: str) -> list[str] | None:
+    def can_start(self, cfg: BenchmarkConfig) -> bool:
+        return self._pick(cfg.parallel.world_size) is not None
+
+    def _command(self, cfg: BenchmarkConfig, work_dir: Path, name: str, slots: list[int]) -> list[str] | None:
         return None  # torchrun (trainer/launch.py)
 
     def _job_id(self, run: LocalRun) -> str:
         return f"{self.host}/{run.pid}"
 
     def submit(self, cfg: BenchmarkConfig, *, name: str, work_dir: Path, timeout_s: float) -> JobHandle:
-        ids = self._free()[: cfg.parallel.world_size]
+        ids = self._pick(cfg.parallel.world_size)
+        if ids is None:
+            raise DispatchError(f"no {cfg.parallel.world_size} free device slots (ask can_start first)")
         env = dict(self.env)
         if self.gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
         try:
             run = start_local(cfg, work_dir, timeout_s=timeout_s, env=env, tag=name,
-                              command=self._command(cfg, work_dir, name))  # fmt: skip
+                              command=self._command(cfg, work_dir, name, ids))  # fmt: skip
         except OSError as e:
             raise DispatchError(f"cannot start the trial's launcher: {e}") from None
         job = JobHandle(self.kind, self._job_id(run), work_dir)  # type: ignore[arg-type]

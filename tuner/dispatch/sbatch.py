@@ -35,6 +35,16 @@ class SiteSettings:
     constraint: str | None = None
     setup: tuple[str, ...] = ()
     python: str = sys.executable  # the interpreter on the compute nodes (same path on a shared FS)
+    # The network interface the ranks talk over (GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in every
+    # job): the high-speed one on a real cluster (e.g. hsn0 on Frontier/Perlmutter), eth0 on the
+    # local multi-node cluster. None: the libraries' own choice.
+    socket_ifname: str | None = None
+
+    @property
+    def exports(self) -> dict[str, str]:
+        if not self.socket_ifname:
+            return {}
+        return {"GLOO_SOCKET_IFNAME": self.socket_ifname, "NCCL_SOCKET_IFNAME": self.socket_ifname}
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> SiteSettings:
@@ -46,8 +56,13 @@ class SiteSettings:
             account=env.get("TUNER_SLURM_ACCOUNT") or None, partition=env.get("TUNER_SLURM_PARTITION") or None,
             qos=env.get("TUNER_SLURM_QOS") or None, constraint=env.get("TUNER_SLURM_CONSTRAINT") or None,
         )  # fmt: skip
+        ifname = env.get("TUNER_SLURM_SOCKET_IFNAME") or None
+        if ifname is not None and not re.fullmatch(r"[A-Za-z0-9_.:^,-]+", ifname):
+            raise ValueError(
+                f"TUNER_SLURM_SOCKET_IFNAME {ifname!r} is not an interface name (e.g. hsn0, eth0, ^lo)"
+            )
         return cls(names.account, names.partition, names.qos, names.constraint, setup,
-                   env.get("TUNER_SLURM_PYTHON") or sys.executable)  # fmt: skip
+                   env.get("TUNER_SLURM_PYTHON") or sys.executable, ifname)  # fmt: skip
 
 
 def time_limit_minutes(timeout_s: float) -> int:
@@ -139,16 +154,16 @@ def preamble(spec: SlurmSpec, site: SiteSettings, env: dict[str, str]) -> list[s
     return [
         *site.setup, *[f"module load {q(m)}" for m in spec.modules],
         f"export PYTHONPATH={q(str(ROOT))}" + "${PYTHONPATH:+:$PYTHONPATH}",
-        *[f"export {k}={q(v)}" for k, v in sorted({**env, **spec.env}.items())],
+        *[f"export {k}={q(v)}" for k, v in sorted({**site.exports, **env, **spec.env}.items())],
     ]  # fmt: skip
 
 
 def trainer_command(python: str, config: str, out: str) -> str:
-    """The job's last line: every rank under srun; one rank failing ends the step."""
+    """The job's last line: every rank under srun, ranks in blocks per node (the placement rule of
+    trainer/topology.py), one rank failing ends the step."""
     q = shlex.quote
-    return (
-        f"exec srun --kill-on-bad-exit=1 {q(python)} -m trainer.benchmark --config {q(config)} --out {q(out)}"
-    )
+    return (f"exec srun --kill-on-bad-exit=1 --distribution=block {q(python)} -m trainer.benchmark "
+            f"--config {q(config)} --out {q(out)}")  # fmt: skip
 
 
 def render_script(cfg: BenchmarkConfig, *, work_dir: Path, spec: SlurmSpec, site: SiteSettings,

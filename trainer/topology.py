@@ -1,0 +1,108 @@
+"""Where a layout's ranks sit: the one rule the trainer's mesh follows and the planner assumes.
+
+Ranks are numbered in mesh order, `MESH_AXES` outermost first (pp, dp_replicate, dp_shard, tp:
+tp innermost, torchtitan's order), and placed on nodes in blocks: rank r runs on node
+r // ranks_per_node. That is Slurm's default task distribution (`--distribution=block`, which
+the job scripts and steps ask for explicitly) and torchrun's on one node. So a group of an axis
+is `size` ranks `stride` apart (stride = the product of the degrees inside it), and a tensor-
+parallel group sits inside one node whenever tp divides the ranks per node.
+
+The trainer checks the placement it got against this rule and records it in its result
+(trainer/benchmark.py); the performance model prices each group at the link of the tier it spans
+(tuner/perfmodel.py). Torch-free: the tuner imports it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from trainer.config import ParallelConfig
+
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # outer to inner
+
+
+def axis_sizes(p: ParallelConfig) -> dict[str, int]:
+    return {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
+
+
+def axis_strides(p: ParallelConfig) -> dict[str, int]:
+    """Rank distance between neighbours of each axis: tp 1, dp_shard tp, dp_replicate
+    tp x dp_shard, pp tp x dp. The data-parallel axes together are one group of dp at stride tp."""
+    sizes, strides, inner = axis_sizes(p), {}, 1
+    for axis in reversed(MESH_AXES):
+        strides[axis] = inner
+        inner *= sizes[axis]
+    return strides
+
+
+def members_per_node(size: int, stride: int, ranks_per_node: int) -> int:
+    """How many members of one group (`size` ranks `stride` apart, starting on a node's first
+    rank) share its busiest node."""
+    if stride >= ranks_per_node:
+        return 1
+    if ranks_per_node % stride == 0:
+        return min(size, ranks_per_node // stride)
+    counts: dict[int, int] = {}
+    for k in range(size):
+        node = k * stride // ranks_per_node
+        counts[node] = counts.get(node, 0) + 1
+    return max(counts.values())
+
+
+def nodes_spanned(size: int, stride: int, ranks_per_node: int) -> int:
+    """Nodes one group spans (1: inside a node)."""
+    return math.ceil(size / members_per_node(size, stride, ranks_per_node))
+
+
+def expected_spans(p: ParallelConfig, ranks_per_node: int) -> dict[str, int]:
+    """Nodes a group of each axis of degree > 1 spans, by the rule; the data-parallel axes also as
+    one group ("dp")."""
+    sizes, strides = axis_sizes(p), axis_strides(p)
+    spans = {a: nodes_spanned(sizes[a], strides[a], ranks_per_node) for a in MESH_AXES if sizes[a] > 1}
+    if p.dp > 1:
+        spans["dp"] = nodes_spanned(p.dp, p.tp, ranks_per_node)
+    return spans
+
+
+def groups(p: ParallelConfig, axis: str) -> list[list[int]]:
+    """The ranks of every group of `axis` (or "dp": both data-parallel axes), in mesh order."""
+    sizes, strides = axis_sizes(p), axis_strides(p)
+    size, stride = (p.dp, p.tp) if axis == "dp" else (sizes[axis], strides[axis])
+    span = size * stride
+    return [[block + offset + k * stride for k in range(size)]
+            for block in range(0, p.world_size, span) for offset in range(stride)]  # fmt: skip
+
+
+def placement(p: ParallelConfig, hosts: Sequence[str]) -> dict:
+    """What the trainer got, checked against the rule. `hosts[r]` is rank r's host name. Returns
+    {"hosts": {host: [ranks]}, "ranks_per_node", "axes": {axis: {"size", "stride", "nodes",
+    "expected_nodes"}}, "follows_rule", "tp_inside_node"}: `nodes` is the most nodes a group of
+    that axis spans in this run, `expected_nodes` what the rule says for block placement."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    per_node = max(len(r) for r in by_host.values())
+    expected = expected_spans(p, per_node)
+    sizes, strides = axis_sizes(p), axis_strides(p)
+    axes = {}
+    for axis, want in expected.items():
+        got = max(len({hosts[r] for r in g}) for g in groups(p, axis))
+        size, stride = (p.dp, p.tp) if axis == "dp" else (sizes[axis], strides[axis])
+        axes[axis] = {"size": size, "stride": stride, "nodes": got, "expected_nodes": want}
+    blocks = all(hosts[r] == hosts[(r // per_node) * per_node] for r in range(len(hosts)))
+    return {
+        "hosts": by_host, "ranks_per_node": per_node, "axes": axes,
+        "follows_rule": blocks and all(a["nodes"] == a["expected_nodes"] for a in axes.values()),
+        "tp_inside_node": axes.get("tp", {}).get("nodes", 1) == 1,
+    }  # fmt: skip
+
+
+def summary(placement_: Mapping) -> str:
+    """'2 nodes x 2 ranks; tp 1 node, pp 2 nodes' for logs and tables."""
+    axes = ", ".join(
+        f"{a} {v['nodes']} node{'s' if v['nodes'] > 1 else ''}" for a, v in placement_["axes"].items()
+    )
+    return f"{len(placement_['hosts'])} nodes x {placement_['ranks_per_node']} ranks" + (
+        f"; {axes}" if axes else ""
+    )
