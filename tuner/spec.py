@@ -149,8 +149,9 @@ class ClusterSpec(_Strict):
     intra_node_latency_us: NonNegativeFloat = 5.0
     inter_node_latency_us: NonNegativeFloat = 10.0
     # Set when a node's devices share fewer compute units than there are devices (CPU ranks on a
-    # few cores): the step then takes at least the node's total busy time over its cores.
-    cores_per_node: PositiveInt | None = None
+    # few cores): the step then takes at least the node's total busy time over its cores. May be a
+    # fraction: 4 emulated nodes on one 2-core machine have 0.5 cores each.
+    cores_per_node: PositiveFloat | None = None
 
     @property
     def total_devices(self) -> int:
