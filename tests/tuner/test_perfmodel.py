@@ -9,11 +9,11 @@ import random
 import pytest
 
 from trainer.config import MODEL_PRESETS, GPTConfig, ParallelConfig
+from tuner.memmodel import _activation_bytes_per_layer
 from tuner.perfmodel import (
     FITTED,
     Measurement,
     ModelConstants,
-    _activation_bytes_per_layer,
     calibrate,
     estimate,
     fit_memory_scale,
