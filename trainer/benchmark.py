@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -79,7 +80,10 @@ class Trainer:
     def __init__(self, cfg: BenchmarkConfig, world_size: int, device: torch.device):
         self.cfg, self.device, p = cfg, device, cfg.parallel
         self.dims = ParallelDims.from_config(p, world_size)
-        self.mesh = self.dims.build_mesh(device.type)
+        # The mesh's rank table is data, not a tensor to simulate: built for real even under the
+        # memory oracle's FakeTensorMode (trainer/memcheck.py); a no-op otherwise.
+        with unset_fake_temporarily():
+            self.mesh = self.dims.build_mesh(device.type)
         self.groups = [self.mesh.get_group(a) for a in self.dims.enabled_axes] if self.mesh else []
         set_timeouts(self.groups, cfg.init_timeout_s)
         self.low_precision = _dtype(cfg, device) == torch.bfloat16
@@ -101,7 +105,7 @@ class Trainer:
             parts = [(0, full)]
         del full
         for _, module in parts:
-            if init == "exact":
+            if init == "exact" and device.type != "cpu":  # already there (FakeTensor params cannot move)
                 module.to(device)
             parallelize_gpt(module, self.mesh, self.dims, p, param_dtype=param_dtype, compile=cfg.compile)
             if init == "fast":
@@ -234,7 +238,7 @@ def train(
         torch.cuda.reset_peak_memory_stats(device)
 
     num_steps = cfg.warmup_steps + cfg.measure_steps
-    track_step = cfg.warmup_steps - 1  # CPU peak: last warm-up step, optimizer state already live
+    track_step = memory_step(cfg)
     cpu_tracking = device.type == "cpu" and not cfg.compile
     losses, norms, times, cpu_peak = [], [], [], 0
     for step in range(num_steps):
@@ -243,9 +247,7 @@ def train(
         if step == cfg.warmup_steps and dist.is_initialized():
             dist.barrier()
         # torch.compile refuses a Python dispatch mode: a compiled CPU run reports no peak.
-        tracker = LiveBytesTracker() if cpu_tracking and step == track_step else None
-        if tracker is not None:
-            tracker.track_all([*trainer.params, *_optimizer_tensors(trainer.optimizer), x, y])
+        tracker = memory_tracker(trainer, x, y) if cpu_tracking and step == track_step else None
         _sync(device)
         t0 = time.perf_counter()
         with tracker or contextlib.nullcontext():
@@ -304,6 +306,22 @@ def train(
         placement=placed,
         **base,
     )
+
+
+def memory_step(cfg: BenchmarkConfig) -> int:
+    """The step whose CPU peak memory a trial reports: the last warm-up step, when the optimizer
+    state is already live."""
+    return cfg.warmup_steps - 1
+
+
+def memory_tracker(
+    trainer: Trainer, x: torch.Tensor, y: torch.Tensor, tracker: LiveBytesTracker | None = None
+) -> LiveBytesTracker:
+    """A tracker for one step that already counts what is live when it starts: parameters,
+    optimizer state and the batch. The memory oracle (trainer/memcheck.py) measures with it too."""
+    tracker = tracker or LiveBytesTracker()
+    tracker.track_all([*trainer.params, *_optimizer_tensors(trainer.optimizer), x, y])
+    return tracker
 
 
 def _hostnames(world_size: int) -> list[str]:
