@@ -10,12 +10,16 @@ with at least MIN_ROWS layouts that ran:
   table id, not by the measurements), then rho and the median absolute relative error of the
   predicted time over the table's OTHER layouts.
 Targets (issue 3): median rho >= 0.8 uncalibrated, >= 0.9 calibrated.
+Then the MFU trend across model sizes (issue 13) on Korthikanti table 5 and the BigScience
+BLOOM-prequel tables: predicted / measured MFU, uncalibrated, should not drift with size (target:
+every table within 10 % of its group's median ratio).
+The cold constants are tuner.perfmodel.default_constants of the table's device kind, with
+flash_attention off for public tables (bench/priors.py: cold).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import statistics
 import sys
@@ -27,22 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 from scipy.stats import spearmanr  # noqa: E402
 
-from bench.validation_data import Measurement, load_tables, megatron_padded_vocab  # noqa: E402
+from bench.priors import cold, inputs  # noqa: E402
+from bench.validation_data import Measurement, load_tables  # noqa: E402
 from tuner import perfmodel  # noqa: E402
-from tuner.spec import ClusterSpec  # noqa: E402
 
 MIN_ROWS = 4  # a rank correlation over fewer layouts says little
 NUM_CALIBRATION = 3
-
-
-def _inputs(row: Measurement) -> perfmodel.Measurement:
-    # Megatron pads the vocabulary to a multiple of 128 * tp; the measured runs had that vocab.
-    model = dataclasses.replace(
-        row.model, vocab_size=megatron_padded_vocab(row.model.vocab_size, row.parallel.tp)
-    )
-    return perfmodel.Measurement(
-        model, row.parallel, ClusterSpec(**row.cluster), row.iteration_time_s, row.precision
-    )
 
 
 def _predict(m: perfmodel.Measurement, constants: perfmodel.ModelConstants) -> float:
@@ -56,11 +50,11 @@ def _rho(predicted: list[float], measured: list[float]) -> float | None:
 
 
 def evaluate(table_id: str, rows: list[Measurement]) -> dict | None:
-    ok = [_inputs(r) for r in rows if r.status == "ok" and r.iteration_time_s]
+    ok = [inputs(r) for r in rows if r.status == "ok" and r.iteration_time_s]
     if len(ok) < MIN_ROWS:
         return None
     measured = [m.step_time_s for m in ok]
-    default = perfmodel.ModelConstants()
+    default = cold(rows[0])
     out = {
         "table": table_id,
         "rows": len(ok),
@@ -68,7 +62,7 @@ def evaluate(table_id: str, rows: list[Measurement]) -> dict | None:
     }
     rng = random.Random(zlib.crc32(table_id.encode()))
     chosen = set(rng.sample(range(len(ok)), NUM_CALIBRATION))
-    fitted = perfmodel.calibrate([ok[i] for i in chosen])
+    fitted = perfmodel.calibrate([ok[i] for i in chosen], default)
     held = [m for i, m in enumerate(ok) if i not in chosen]
     pred = [_predict(m, fitted) for m in held]
     out["rho_cal"] = _rho(pred, [m.step_time_s for m in held]) if len(held) >= 3 else None
@@ -78,6 +72,58 @@ def evaluate(table_id: str, rows: list[Measurement]) -> dict | None:
         abs(_predict(m, default) - m.step_time_s) / m.step_time_s for m in ok
     )
     return out
+
+
+# MFU across model sizes on the same hardware (issue 13): published per-GPU throughput rises with
+# model size. Per table, the measured MFU of each layout (PaLM's formula, the padded vocabulary)
+# against the uncalibrated prediction; the trend is right when prediction / measurement is the
+# same at every size, so each group reports ratio / (median ratio of the group) - 1.
+TREND_GROUPS = {
+    "Korthikanti table 5 (A100, TP8; selective recompute + SP)": ("korthikanti", "selective"),
+    "Korthikanti table 5 (A100, TP8; full recompute)": ("korthikanti", "full"),
+    "BigScience BLOOM prequel (A100, TP8, full recompute)": ("bigscience_bloomprequel", "full"),
+}
+TREND_TOLERANCE = 0.10
+
+
+def mfu_trend(tables: dict[str, list[Measurement]], prefix: str, checkpoint: str) -> list[dict]:
+    """One row per table: size, measured and predicted MFU (median over its layouts), their ratio."""
+    out = []
+    for tid, rows in sorted(tables.items()):
+        ok = [r for r in rows if tid.startswith(prefix) and r.status == "ok" and r.iteration_time_s
+              and r.parallel.activation_checkpoint == checkpoint]  # fmt: skip
+        if not ok:
+            continue
+        measured, predicted = [], []
+        for r in ok:
+            m = inputs(r)
+            est = perfmodel.estimate(m.model, m.parallel, m.cluster, m.precision, cold(r))
+            measured.append(est.mfu * est.step_time_s / m.step_time_s)  # same FLOPs, measured time
+            predicted.append(est.mfu)
+        size = perfmodel.padded_model(ok[0].model, ok[0].parallel.tp).num_params
+        out.append({"table": tid, "params": size, "mfu": statistics.median(measured),
+                    "mfu_pred": statistics.median(predicted),
+                    "ratio": statistics.median(p / q for p, q in zip(predicted, measured, strict=True))})  # fmt: skip
+    if out:
+        mid = statistics.median(r["ratio"] for r in out)
+        for r in out:
+            r["trend_error"] = r["ratio"] / mid - 1
+    return sorted(out, key=lambda r: r["params"])
+
+
+def print_trends(tables: dict[str, list[Measurement]]) -> None:
+    print("\nMFU across model sizes, uncalibrated (trend error = (predicted / measured) / its median "
+          f"over the group - 1; target within {TREND_TOLERANCE:.0%}):")  # fmt: skip
+    for title, (prefix, checkpoint) in TREND_GROUPS.items():
+        rows = mfu_trend(tables, prefix, checkpoint)
+        if not rows:
+            continue
+        worst = max(abs(r["trend_error"]) for r in rows)
+        print(f"\n{title}: worst trend error {worst:+.0%}\n\n| table | parameters | measured MFU | "
+              "predicted MFU | predicted / measured | trend error |\n| --- | --- | --- | --- | --- | --- |")  # fmt: skip
+        for r in rows:
+            print(f"| {r['table']} | {r['params'] / 1e9:.0f}B | {r['mfu']:.1%} | {r['mfu_pred']:.1%} | "
+                  f"{r['ratio']:.2f} | {r['trend_error']:+.0%} |")  # fmt: skip
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -98,6 +144,7 @@ def main() -> None:
     parser.add_argument("--details", action="store_true", help="one line per table")
     parser.add_argument("--only", help="score only tables whose id contains this text")
     parser.add_argument("--exclude", help="skip tables whose id contains this text")
+    parser.add_argument("--no-trends", action="store_true", help="leave out the MFU-across-sizes tables")
     args = parser.parse_args()
     tables = {
         tid: rows for tid, rows in load_tables().items()
@@ -123,6 +170,8 @@ def main() -> None:
         for r in results:
             print(f"| {r['table']} | {r['rows']} | {_fmt(r['rho_uncal'])} | {_fmt(r['rho_cal'])} | "
                   f"{_fmt(r['mape_uncal'], True)} | {_fmt(r['mape_cal'], True)} |")  # fmt: skip
+    if not args.no_trends:
+        print_trends(tables)
     skipped = [tid for tid, rows in tables.items() if evaluate(tid, rows) is None]
     print(
         f"\n{len(skipped)} tables with fewer than {MIN_ROWS} layouts that ran are not scored: {', '.join(sorted(skipped))}"

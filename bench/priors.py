@@ -1,40 +1,60 @@
 """Priors for the performance model in the benchmarks: what a cluster's database would hold.
 
 A study on a cluster starts from the constants its earlier studies fitted (tuner.store.
-latest_constants). The benchmarks replay one table at a time; `cold` starts from the defaults
-(nothing known about the cluster), `warm` from constants fitted to every OTHER table measured on
-the same cluster (same `gpu_type`), never to the table being judged.
+latest_constants). The benchmarks replay one table at a time; `cold` starts from the defaults of
+the table's device kind (tuner.perfmodel.default_constants: nothing known about the cluster),
+`warm` from constants fitted to every OTHER table measured on the same cluster (same `gpu_type`),
+never to the table being judged.
+
+Public tables were measured with frameworks that materialise the s x s attention scores
+(Megatron-LM 2021-22, Megatron-DeepSpeed, DeepSpeed, OneFlow: none ran flash attention), so their
+priors say `flash_attention=False`; our own trainer runs SDPA (no stored scores).
+
+    .venv/bin/python bench/priors.py --fit-cpu-defaults   # the CPU defaults in tuner/perfmodel.py
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
-from bench.validation_data import Measurement, load_csv, megatron_padded_vocab
-from tuner import perfmodel
-from tuner.spec import ClusterSpec
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.validation_data import Measurement, load_csv  # noqa: E402
+from tuner import perfmodel  # noqa: E402
+from tuner.spec import ClusterSpec  # noqa: E402
 
 PRIORS = ("cold", "warm")
+OWN_DATASET = "own_tables"  # bench/own_tables/: measured by this project's trainer
+# The tables the CPU defaults are fitted on; every other own table is held out from them.
+CPU_DEFAULT_TABLES = ("own_gpt-tiny_8rank_gbs16.csv", "own_gpt-small_8rank_gbs16.csv")
 
 
 def inputs(row: Measurement) -> perfmodel.Measurement:
-    """A table row as calibrate() input (Megatron pads the vocabulary to 128 * tp)."""
-    model = dataclasses.replace(
-        row.model, vocab_size=megatron_padded_vocab(row.model.vocab_size, row.parallel.tp)
-    )
+    """A table row as calibrate() input (estimate() pads the vocabulary as Megatron does)."""
     return perfmodel.Measurement(
-        model, row.parallel, ClusterSpec(**row.cluster), row.iteration_time_s or 0.0, row.precision
+        row.model, row.parallel, ClusterSpec(**row.cluster), row.iteration_time_s or 0.0, row.precision
     )
+
+
+def cold(row: Measurement) -> perfmodel.ModelConstants:
+    """The defaults of the row's device kind, as the framework that measured it ran attention."""
+    c = perfmodel.default_constants(ClusterSpec(**row.cluster))
+    return c if row.dataset == OWN_DATASET else dataclasses.replace(c, flash_attention=False)
 
 
 def prior(kind: str, path: Path, tables: list[Path]) -> perfmodel.ModelConstants:
     """The constants a study of the table at `path` would start from."""
+    rows = load_csv(path)
     if kind == "cold":
-        return perfmodel.ModelConstants()
+        return cold(rows[0])
     if kind != "warm":
         raise ValueError(f"unknown prior {kind!r}; valid: {list(PRIORS)}")
-    cluster = load_csv(path)[0].cluster
+    cluster = rows[0].cluster
     others = [
         inputs(r)
         for p in tables
@@ -42,4 +62,27 @@ def prior(kind: str, path: Path, tables: list[Path]) -> perfmodel.ModelConstants
         for r in load_csv(p)
         if r.status == "ok" and r.iteration_time_s and r.cluster == cluster
     ]
-    return perfmodel.calibrate(others) if others else perfmodel.ModelConstants()
+    return perfmodel.calibrate(others, cold(rows[0])) if others else cold(rows[0])
+
+
+def fit_cpu_defaults(own_tables: Path = ROOT / "bench" / "own_tables") -> perfmodel.ModelConstants:
+    """calibrate() on every layout that ran in the CPU_DEFAULT_TABLES, from the GPU defaults."""
+    rows = [r for name in CPU_DEFAULT_TABLES for r in load_csv(own_tables / name)]
+    points = [inputs(r) for r in rows if r.status == "ok" and r.iteration_time_s]
+    return perfmodel.calibrate(points, perfmodel.ModelConstants())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--fit-cpu-defaults", action="store_true", help="print the fitted CPU defaults")
+    args = parser.parse_args()
+    if args.fit_cpu_defaults:
+        fitted = fit_cpu_defaults()
+        for name in perfmodel.FITTED:
+            print(f"{name}={getattr(fitted, name):.4g}")
+
+
+if __name__ == "__main__":
+    main()

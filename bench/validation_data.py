@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import GPTConfig, ParallelConfig
+from tuner.spec import padded_vocab
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -161,9 +162,9 @@ class ValidationData:
 
 
 def megatron_padded_vocab(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's padding: up to a multiple of divisible_by * tp (50257 at tp 1 -> 50304)."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+    """Megatron's padding: up to a multiple of divisible_by * tp (50257 at tp 1 -> 50304). The
+    tuner's own rule (tuner.spec.padded_vocab); tuner.perfmodel.estimate applies it itself."""
+    return padded_vocab(vocab_size, tp, divisible_by)
 
 
 def load_tables(data_dir: Path = DATA_DIR) -> dict[str, list[Measurement]]:

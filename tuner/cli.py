@@ -151,11 +151,15 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
     typer.echo(f"{study.model.preset or 'model'}: {m.num_params / 1e9:.2f}B parameters, seq {m.seq_len}, global "
                f"batch {study.training.global_batch_size}, {study.devices} x {c.name} devices "
                f"({c.peak_tflops:g} TFLOP/s, {c.device_memory_gb:g} GB)")  # fmt: skip
+    vocab = result["vocab"]
+    padded = ", ".join(f"{v} at tp {t}" for t, v in vocab["padded_by_tp"].items())
+    typer.echo(f"vocabulary {vocab['vocab_size']}, padded to a multiple of {vocab['divisible_by']} x tp "
+               f"(Megatron-LM): {padded or '-'}")  # fmt: skip
     typer.echo(
         f"space {result['space_size']}, valid {result['num_valid']}, predicted to fit {result['num_fit']}\n"
     )
     head = (f"{'tp':>3} {'pp':>3} {'dp':>5} {'mbs':>3} {'nmb':>5} {'zero':>4} {'ckpt':>9} {'sp':>3} "
-            f"{'schedule':>18} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")  # fmt: skip
+            f"{'schedule':>18} {'vocab':>7} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")  # fmt: skip
     typer.echo(head)
     for cand in result["candidates"]:
         k, p = cand["config"], cand["predicted"]
@@ -168,7 +172,7 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
         typer.echo(
             f"{k['tp']:>3} {k['pp']:>3} {k['dp']:>5} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
             f"{k['zero_stage']:>4} {k['activation_checkpoint']:>9} {'y' if k['sequence_parallel'] else 'n':>3} "
-            f"{sched:>18} {p['memory_bytes'] / 2**30:>8.1f} {p['tflops_per_device']:>8.1f} {p['mfu']:>6.1%} "
+            f"{sched:>18} {cand['vocab_size']:>7} {p['memory_bytes'] / 2**30:>8.1f} {p['tflops_per_device']:>8.1f} {p['mfu']:>6.1%} "
             f"{p['tokens_per_s']:>11.0f}{flag}"
         )
     if result["rejected"]:

@@ -19,15 +19,23 @@ from pathlib import Path
 from trainer.config import GPTConfig, ParallelConfig
 from trainer.topology import members_per_node
 from tuner.memmodel import _layer_params, memory, model_state_bytes  # noqa: F401 (re-exported)
-from tuner.spec import ClusterSpec
+from tuner.spec import ClusterSpec, cluster_preset, padded_model
 
 
 @dataclass(frozen=True)
 class ModelConstants:
-    """Efficiencies the formulas cannot know; `calibrate` fits the first four to measurements."""
+    """Efficiencies the formulas cannot know; `calibrate` fits those in FITTED to measurements.
+    The class defaults are for GPUs; default_constants() gives CPU ranks their own."""
 
-    compute_efficiency: float = 0.55  # fraction of peak a large GEMM-bound layer reaches
-    compute_half_size: float = 2.0**18  # b*s*h/tp at which a layer reaches half of that
+    # A layer's GEMMs reach compute_efficiency x size / (size + compute_half_size) of peak,
+    # size = b*s*h/tp: small micro-batches or thin shards run slower. Between the GEMMs, the
+    # memory-bound work (norms, GeLU, dropout, residuals, a softmax over the scores without flash
+    # attention) costs elementwise_flops_per_byte peak FLOPs per byte it moves; relative to the
+    # GEMMs it shrinks as 1/h, which is why per-GPU throughput rises with model size
+    # (Korthikanti table 5: MFU 41.5 % at 22B, 56.3 % at 1T on the same A100s).
+    compute_efficiency: float = 0.85
+    compute_half_size: float = 2.0**17
+    elementwise_flops_per_byte: float = 500.0
     comm_efficiency: float = 0.7  # fraction of link bandwidth a ring collective reaches
     dp_overlap: float = 0.5  # fraction of data-parallel traffic hidden behind backward compute
     # Costs the roofline misses. Kernel launches and the framework's Python run on the CPU ahead
@@ -35,9 +43,10 @@ class ModelConstants:
     # layer_floor_s however little it computes (~100 kernels, plus Megatron/DeepSpeed hooks);
     # large layers hide it entirely. Each collective or send also pays a software and
     # synchronisation cost beyond the link latency, per peer it synchronises. Defaults: chosen
-    # on the vTrain h1024 tables only (bench/model_validation.py --only h1024), judged on the
-    # others (docs/benchmarks.md).
-    layer_floor_s: float = 2e-3
+    # on the vTrain h1024 tables (bench/model_validation.py --only h1024) together with the
+    # size trend of Korthikanti table 5 (elementwise_flops_per_byte), judged on the others
+    # (docs/benchmarks.md).
+    layer_floor_s: float = 3e-3
     microbatch_overhead_s: float = 1e-2  # per micro-batch per stage: data, loss, engine bookkeeping
     collective_overhead_s: float = 3e-5
     workspace_bytes: float = 2.0e9  # CUDA context, allocator fragmentation, library workspaces
@@ -67,6 +76,27 @@ FITTED = (
 )
 
 
+# CPU ranks (gloo over loopback, ranks sharing a few cores): nothing like a GPU. For now the GPU
+# defaults; bench/priors.py --fit-cpu-defaults fits them on our own CPU tables.
+CPU_CONSTANTS = ModelConstants()
+
+
+def device_kind(cluster: ClusterSpec | str) -> str:
+    """'cpu' or 'gpu'. By name: a cluster preset's kind, else 'cpu' for names starting 'cpu-' (our
+    own CPU clusters: cpu-local, cpu-4node-*), else 'gpu'."""
+    if isinstance(cluster, ClusterSpec):
+        return cluster.device_kind
+    try:
+        return ClusterSpec(**cluster_preset(cluster)).device_kind
+    except ValueError:
+        return "cpu" if cluster.startswith("cpu-") else "gpu"
+
+
+def default_constants(cluster: ClusterSpec | str) -> ModelConstants:
+    """The constants a study starts from on a cluster nothing was measured on yet."""
+    return CPU_CONSTANTS if device_kind(cluster) == "cpu" else ModelConstants()
+
+
 @dataclass(frozen=True)
 class Estimate:
     memory_bytes: float
@@ -85,6 +115,7 @@ class Estimate:
     tflops_per_device: float
     mfu: float
     fits: bool
+    vocab_size: int = 0  # the padded vocabulary priced (tuner.spec.padded_vocab for the layout's tp)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -116,6 +147,26 @@ def _layer_fwd_flops_per_token(m: GPTConfig) -> float:
     return 2 * (4 * m.hidden_size**2 + 2 * m.hidden_size * m.ffn_size) + 4 * m.seq_len * m.hidden_size
 
 
+def _compute_efficiency(m: GPTConfig, p: ParallelConfig, c: ModelConstants) -> float:
+    """Fraction of peak a layer's GEMMs reach: small micro-batches or thin shards run slower."""
+    size = p.micro_batch_size * m.seq_len * m.hidden_size / p.tp
+    return c.compute_efficiency * size / (size + c.compute_half_size)
+
+
+def _elementwise_flops(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants) -> float:
+    """Peak-FLOP equivalent of the memory-bound work of one layer for one micro-batch: layer norms,
+    GeLU, dropout, residual adds and, without flash attention, the softmax over the s x s scores.
+    Its traffic is of the order of the activations the layer stores (Korthikanti table 2,
+    16-bit: sbh (10 + 24/t + 5as/(ht)), with sequence parallelism sbh/t (34 + 5as/h)), moved in
+    forward, twice in backward, and again by recompute."""
+    s, b, h, a, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp
+    scores = 0.0 if c.flash_attention else 5 * a * s / h
+    per_token = h / t * (34 + scores) if p.sequence_parallel else h * (10 + (24 + scores) / t)
+    passes = {"none": 3.0, "selective": 3.0 + scores / (34 + scores), "full": 4.0}[p.activation_checkpoint]
+    act_bytes = 1 if precision != "fp32" else 2  # table 2 counts 16-bit values as 2 bytes
+    return s * b * per_token * act_bytes * passes * c.elementwise_flops_per_byte
+
+
 def estimate(
     m: GPTConfig,
     p: ParallelConfig,
@@ -123,7 +174,8 @@ def estimate(
     precision: str = "bf16",
     constants: ModelConstants | None = None,
 ) -> Estimate:
-    c = constants or ModelConstants()
+    c = constants or default_constants(cluster)
+    m = padded_model(m, p.tp)  # the vocabulary the layout builds (Megatron's padding)
     mem = memory(m, p, precision, c)
     s, b, h, t, pp, v, mb, d = (m.seq_len, p.micro_batch_size, m.hidden_size, p.tp, p.pp, p.virtual_stages,
                                 p.num_microbatches, p.dp)  # fmt: skip
@@ -139,9 +191,9 @@ def estimate(
     ]
     head_fwd = 2 * m.vocab_size * h * tokens_mb / t
     flops_mb = layers * (3 * layer_fwd + recompute) + 3 * head_fwd
-    size = b * s * h / t  # a GEMM's work per weight: small micro-batches or thin shards run slower
-    efficiency = c.compute_efficiency * size / (size + c.compute_half_size)
-    compute_mb = flops_mb / (cluster.peak_tflops * 1e12 * efficiency)
+    compute_mb = (
+        flops_mb / _compute_efficiency(m, p, c) + layers * _elementwise_flops(m, p, precision, c)
+    ) / (cluster.peak_tflops * 1e12)
 
     act_bytes = 2 if precision != "fp32" else 4
     # Tensor parallelism: 2 all-reduces forward and 2 backward per layer (Megatron-3D sec. 3.2,
@@ -195,6 +247,7 @@ def estimate(
     tflops = m.flops_per_token * tokens_per_s / p.world_size / 1e12
     return Estimate(
         **mem,
+        vocab_size=m.vocab_size,
         step_time_s=step,
         compute_s=compute_total,
         tp_comm_s=mb * tp_mb,
@@ -248,9 +301,9 @@ def calibrate(
     constants they do not observe anywhere, and many measurements outweigh it."""
     from scipy.optimize import least_squares
 
-    base = initial or ModelConstants()
     if not measurements:
-        return base
+        return initial or ModelConstants()
+    base = initial or default_constants(measurements[0].cluster)
     x0 = _to_free(base)
 
     def residuals(x):
@@ -309,13 +362,19 @@ def constants_path() -> Path:
 # when the database has none for the cluster.
 
 
-def load_constants(cluster_name: str, path: Path | None = None) -> ModelConstants:
+def load_constants(cluster: ClusterSpec | str, path: Path | None = None) -> ModelConstants:
+    """The constants saved for the cluster (by name), else its kind's defaults (default_constants)."""
     path = path or constants_path()
+    name = cluster.name if isinstance(cluster, ClusterSpec) else cluster
     try:
-        stored = json.loads(path.read_text()).get(cluster_name)
+        stored = json.loads(path.read_text()).get(name)
     except (OSError, ValueError):
         stored = None
-    return ModelConstants(**stored) if stored else ModelConstants()
+    base = default_constants(cluster)
+    if not stored:
+        return base
+    known = {f.name for f in dataclasses.fields(ModelConstants)}
+    return dataclasses.replace(base, **{k: v for k, v in stored.items() if k in known})
 
 
 def save_constants(cluster_name: str, constants: ModelConstants, path: Path | None = None) -> Path:

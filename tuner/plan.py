@@ -7,7 +7,7 @@ from typing import Any
 from trainer.config import ParallelConfig
 from tuner.perfmodel import Estimate, ModelConstants, estimate, load_constants
 from tuner.space import SearchSpace
-from tuner.spec import StudySpec, parse_spec
+from tuner.spec import VOCAB_DIVISIBLE_BY, StudySpec, padded_vocab, parse_spec
 
 # What --config may pin, and how each value is read.
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -64,7 +64,9 @@ def _agrees(config: ParallelConfig, pins: dict[str, Any]) -> bool:
 
 
 def candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
+    """One ranked layout: its knobs, what the model predicts, and the padded vocabulary it builds."""
     return {
+        "vocab_size": est.vocab_size,
         "config": {
             "tp": config.tp, "pp": config.pp, "dp": config.dp, "micro_batch_size": config.micro_batch_size,
             "num_microbatches": config.num_microbatches, "zero_stage": config.zero_stage,
@@ -90,7 +92,7 @@ def plan(
     pins = pins or {}
     if pins:
         spec = _pinned_spec(spec, pins)
-    constants = constants or load_constants(spec.cluster.name)
+    constants = constants or load_constants(spec.cluster)
     enum = SearchSpace.from_spec(spec).enumerate()
     valid = [c for c in enum.valid if _agrees(c, pins)]
     if pins and not valid:
@@ -111,5 +113,15 @@ def plan(
         "num_valid": len(valid),
         "num_fit": num_fit,
         "rejected": dict(enum.rejected.most_common()),
+        "vocab": vocab_dict(model.vocab_size, sorted({c.tp for c in valid})),
         "candidates": [candidate_dict(c, e) for c, e in shown[:top]],
+    }
+
+
+def vocab_dict(vocab_size: int, tps: list[int]) -> dict[str, Any]:
+    """The tokenizer's vocabulary and what each tp pads it to (Megatron-LM's rule, tuner.spec)."""
+    return {
+        "vocab_size": vocab_size,
+        "divisible_by": VOCAB_DIVISIBLE_BY,
+        "padded_by_tp": {str(t): padded_vocab(vocab_size, t) for t in tps},
     }

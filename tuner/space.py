@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from trainer.config import GPTConfig, ParallelConfig
-from tuner.spec import SpaceSpec, StudySpec
+from tuner.spec import SpaceSpec, StudySpec, padded_model
 
 RULE_GPUS = "tp * pp must divide the GPU count"
 RULE_BATCH = "global batch must be divisible by dp * micro_batch_size"
@@ -106,7 +106,9 @@ class SearchSpace:
                 "sharding); stage 2 moves the same bytes",
             ))  # fmt: skip
             config = ParallelConfig(**{**config.to_dict(), "zero_stage": 2})
-        return out + config.violations(self.model)
+        # The trainer builds the vocabulary padded for the layout's tp (tuner.spec.padded_model),
+        # so an unpadded tokenizer vocabulary (GPT-2's 50257) never rules a tp out.
+        return out + config.violations(padded_model(self.model, config.tp))
 
     def explain(self, config: ParallelConfig) -> list[str]:
         """Every reason `config` is not a valid layout of this study; empty when it is."""

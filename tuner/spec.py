@@ -3,6 +3,7 @@ studies/, JSON bodies, CLI flags); the tuner works on trainer.config's frozen da
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -71,6 +72,25 @@ CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 CLUSTER_PRESET_NAMES = ("cpu-local", *CLUSTER_PRESETS)
 
+# Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by (default 128)
+# times tp (megatron/training/tokenizer: _vocab_size_with_padding), so that the embedding and the
+# head split evenly over the tensor-parallel ranks and their GEMMs stay aligned.
+VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """The vocabulary a layout with tensor parallelism `tp` builds: `vocab_size` rounded up to a
+    multiple of divisible_by * tp (50257 -> 50304 at tp 1, 51200 at tp 8; 51200 stays 51200)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def padded_model(model: GPTConfig, tp: int) -> GPTConfig:
+    """`model` with the vocabulary padded for tensor parallelism `tp`: what the trainer builds and
+    what the performance model prices. `model.vocab_size` is the tokenizer's, as the user gave it."""
+    vocab = padded_vocab(model.vocab_size, tp)
+    return model if vocab == model.vocab_size else dataclasses.replace(model, vocab_size=vocab)
+
 
 def slug(name: str) -> str:
     """A file-system and job-name safe form of a user's name: [A-Za-z0-9_.-] only, never '..' or a
@@ -118,6 +138,8 @@ class ModelSpec(_Strict):
     num_layers: PositiveInt
     hidden_size: PositiveInt
     num_heads: PositiveInt
+    # The tokenizer's vocabulary (GPT-2: 50257). Each layout pads it as Megatron-LM does
+    # (padded_vocab: to a multiple of 128 x tp); trials, predictions and plans carry the padded size.
     vocab_size: PositiveInt = 50304
     seq_len: PositiveInt = 2048
     ffn_hidden_size: PositiveInt | None = None
@@ -154,6 +176,12 @@ class ClusterSpec(_Strict):
     cores_per_node: PositiveFloat | None = None
 
     @property
+    def device_kind(self) -> Literal["cpu", "gpu"]:
+        """'cpu' for ranks sharing CPU cores (cores_per_node set, as on cpu-local), else 'gpu'. It
+        picks the performance model's default constants (tuner.perfmodel.default_constants)."""
+        return "cpu" if self.cores_per_node is not None else "gpu"
+
+    @property
     def total_devices(self) -> int:
         return self.gpus_per_node * self.num_nodes
 
@@ -182,7 +210,9 @@ class SpaceSpec(_Strict):
     num_gpus: list[PositiveInt] | None = Field(
         None, description="device counts to try (a scaling study); default: the study's num_gpus"
     )
-    allow_cross_node_tp: bool = False  # Megatron-LM (Narayanan et al. 2021, sec. 3.2): keep TP in a node
+    # tp larger than a node runs (Megatron-LM does, slowly: Narayanan et al. 2021 fig. 13) and is
+    # priced over the inter-node link; false excludes it from the study.
+    allow_cross_node_tp: bool = True
 
     @field_validator("pp_schedule", mode="before")
     @classmethod
@@ -348,11 +378,12 @@ def benchmark_config(spec: StudySpec, config: ParallelConfig) -> BenchmarkConfig
     """What the trainer runs for `config` in this study: the one derivation used by the runner,
     the allocation runner and the exports. Device `auto` is the CPU on cluster cpu-local and a GPU
     anywhere else; CPU ranks run fp32, GPUs bf16 mixed precision (fp16 studies too: the trainer
-    has no fp16 loss scaling); the trainer reports OOM above the cluster's device memory."""
+    has no fp16 loss scaling); the trainer reports OOM above the cluster's device memory. The model
+    has the vocabulary padded for the layout's tp (padded_model), as Megatron-LM pads it."""
     t, device = spec.trial, spec.device
     dtype = "fp32" if spec.training.precision == "fp32" or device == "cpu" else "bf16"
     return BenchmarkConfig(
-        model=spec.gpt(), parallel=config, warmup_steps=t.warmup_steps, measure_steps=t.measure_steps,
+        model=padded_model(spec.gpt(), config.tp), parallel=config, warmup_steps=t.warmup_steps, measure_steps=t.measure_steps,
         seed=spec.seed, device=device, dtype=dtype, max_memory_bytes=int(spec.cluster.device_memory_bytes),
     )  # fmt: skip
 

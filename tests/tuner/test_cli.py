@@ -73,7 +73,9 @@ def test_plan_json_has_the_documented_shape_and_valid_candidates() -> None:
     proc = tuner(*ACCEPTANCE, "--json", "--top", "20")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert set(doc) == {"space_size", "num_valid", "num_fit", "rejected", "candidates"}
+    assert set(doc) == {"space_size", "num_valid", "num_fit", "rejected", "vocab", "candidates"}
+    assert doc["vocab"] == {"vocab_size": 50304, "divisible_by": 128,
+                            "padded_by_tp": {"1": 50304, "2": 50432, "4": 50688, "8": 51200}}  # fmt: skip
     assert doc["space_size"] >= doc["num_valid"] >= doc["num_fit"] >= len(doc["candidates"]) == 20
     assert all(isinstance(k, str) and v > 0 for k, v in doc["rejected"].items())
     space = SearchSpace(MODEL_PRESETS["gpt-175b"], 1024, 8, 640, SpaceSpec())
@@ -90,8 +92,33 @@ def test_plan_json_has_the_documented_shape_and_valid_candidates() -> None:
             "fits",
         }
         assert cand["predicted"]["fits"] is True and cand["predicted"]["memory_bytes"] <= 64e9
+        assert cand["vocab_size"] == int(doc["vocab"]["padded_by_tp"][str(k["tp"])])
         config = layout(k.pop("tp"), k.pop("pp"), k.pop("dp"), **k)
         assert space.explain(config) == [], (cand, space.explain(config))
+
+
+GPT2_VOCAB = ["plan", "--model", "gpt-175b", "--vocab", "50257", "--cluster", "a100-80gb", "--gpus", "512",
+              "--global-batch", "1536"]  # fmt: skip
+
+
+def test_plan_pads_the_gpt2_vocabulary_and_prices_tp_across_nodes() -> None:
+    """Issue 13: the real GPT-2 vocabulary gives candidates at every tp up to 8, each with its
+    padded vocabulary stated; a pinned tp=16 (two nodes) is valid and predicted slower than tp=8."""
+    proc = tuner(*GPT2_VOCAB, "--json", "--top", "2000")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert not any("vocab" in rule for rule in doc["rejected"])
+    assert doc["vocab"]["padded_by_tp"] == {"1": 50304, "2": 50432, "4": 50688, "8": 51200}
+    best = {}
+    for cand in doc["candidates"]:
+        best.setdefault(cand["config"]["tp"], cand["predicted"]["tokens_per_s"])
+    assert set(best) == {1, 2, 4, 8}
+    pinned = json.loads(tuner(*GPT2_VOCAB, "--json", "--config", "tp=16").stdout)
+    assert pinned["candidates"] and pinned["vocab"]["padded_by_tp"] == {"16": 51200}
+    assert pinned["candidates"][0]["predicted"]["tokens_per_s"] < best[8]
+    text = tuner(*GPT2_VOCAB, "--top", "3").stdout
+    assert "vocabulary 50257, padded to a multiple of 128 x tp (Megatron-LM): 50304 at tp 1" in text
+    assert "51200 at tp 8" in text
 
 
 def test_plan_pins_narrow_the_candidates() -> None:

@@ -13,7 +13,7 @@ import pytest
 from trainer.config import BenchmarkConfig, ParallelConfig
 from tuner.dispatch.sbatch import ROOT, SiteSettings
 from tuner.export import FORMATS, export_layout
-from tuner.spec import StudySpec, parse_spec, slug
+from tuner.spec import StudySpec, padded_model, parse_spec, slug
 
 GOLDEN = Path(__file__).parent / "golden"
 SITE = SiteSettings(account="abc123", partition="batch", setup=("source /opt/site/env.sh",),
@@ -234,7 +234,7 @@ def test_sbatch_is_valid_bash_with_directives_first_and_the_config_inline(case: 
         f"#SBATCH --job-name={slug(spec.name)}" in lines and f"#SBATCH --ntasks={config.world_size}" in lines
     )
     cfg = _heredoc_config(script)
-    assert (cfg.parallel, cfg.model) == (config, spec.gpt())
+    assert (cfg.parallel, cfg.model) == (config, padded_model(spec.gpt(), config.tp))
     assert lines[-1].endswith("-m trainer.benchmark --config config.json --out result.json")
 
 

@@ -121,11 +121,22 @@ def test_every_named_rule_is_really_broken(space: SearchSpace, c: ParallelConfig
         assert _obeys_every_rule(space, c)
 
 
-def test_tp_beyond_a_node_is_rejected_unless_allowed() -> None:
+def test_tp_beyond_a_node_is_valid_unless_the_study_excludes_it() -> None:
+    """Megatron-LM runs tp across nodes (slowly; Narayanan et al. 2021 fig. 13): a valid layout,
+    priced over the inter-node link, that a study may still leave out."""
     model = GPTConfig(num_layers=8, hidden_size=1024, num_heads=16)
     layout = ParallelConfig(tp=16, micro_batch_size=1, num_microbatches=4)
-    assert any("gpus_per_node (8)" in r for r in SearchSpace(model, 16, 8, 4).explain(layout))
-    assert SearchSpace(model, 16, 8, 4, SpaceSpec(allow_cross_node_tp=True)).explain(layout) == []
+    assert SearchSpace(model, 16, 8, 4).explain(layout) == []
+    excluded = SearchSpace(model, 16, 8, 4, SpaceSpec(allow_cross_node_tp=False)).explain(layout)
+    assert any("gpus_per_node (8)" in r for r in excluded)
+
+
+def test_an_unpadded_vocabulary_is_padded_not_rejected() -> None:
+    """GPT-2's 50257 tokens: Megatron pads to a multiple of 128 x tp, so every tp is a layout."""
+    model = GPTConfig(num_layers=8, hidden_size=1024, num_heads=16, vocab_size=50257)
+    result = SearchSpace(model, 8, 8, 8, SpaceSpec(tp=[1, 2, 4, 8])).enumerate()
+    assert {c.tp for c in result.valid} == {1, 2, 4, 8}
+    assert not any("vocab" in rule for rule in result.rejected)
 
 
 def test_pinned_pp_outside_the_defaults() -> None:

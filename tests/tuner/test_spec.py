@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from tuner.spec import CLUSTER_PRESET_NAMES, SpecError, load_spec, parse_spec
+from tuner.space import layout
+from tuner.spec import (
+    CLUSTER_PRESET_NAMES,
+    ClusterSpec,
+    SpecError,
+    benchmark_config,
+    cluster_preset,
+    load_spec,
+    padded_vocab,
+    parse_spec,
+)
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
 BASE = {
@@ -84,3 +94,23 @@ def test_example_studies_load(path: Path) -> None:
 def test_the_example_studies_exist() -> None:
     names = {p.stem for p in STUDIES.glob("*.yaml")}
     assert {"tiny-cpu", "frontier-22b", "frontier-175b", "frontier-1t"} <= names
+
+
+def test_vocabulary_padding_follows_megatron() -> None:
+    """--make-vocab-size-divisible-by 128, times tp; an already padded size stays."""
+    assert [padded_vocab(50257, t) for t in (1, 2, 4, 8, 16)] == [50304, 50432, 50688, 51200, 51200]
+    assert padded_vocab(51200, 8) == 51200 and padded_vocab(250880, 8) == 250880
+
+
+def test_the_trainer_gets_the_padded_vocabulary() -> None:
+    spec = parse_spec({"model": {"preset": "gpt-350m", "vocab_size": 50257}, "cluster": "a100-80gb",
+                       "training": {"global_batch_size": 8}})  # fmt: skip
+    assert spec.model.vocab_size == 50257  # stored as the user gave it
+    for tp in (1, 8):
+        cfg = benchmark_config(spec, layout(tp, 1, 8 // tp, micro_batch_size=1, num_microbatches=tp))
+        assert cfg.model.vocab_size == padded_vocab(50257, tp) and cfg.parallel.problems(cfg.model) == []
+
+
+def test_device_kind_picks_cpu_for_ranks_sharing_cores() -> None:
+    assert ClusterSpec(**cluster_preset("cpu-local")).device_kind == "cpu"
+    assert ClusterSpec(**cluster_preset("a100-80gb")).device_kind == "gpu"
