@@ -25,7 +25,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 
 from tuner import store
-from tuner.db import connect
+from tuner.db import DatabaseError, connect
 from tuner.dispatch import DispatchError, make_dispatcher
 from tuner.lease import Lease
 from tuner.loop import StudyRunner, run_study
@@ -47,9 +47,12 @@ def run_worker(
     on_claim: Callable[[int, str], None] | None = None,
     sessions: sessionmaker | None = None,
 ) -> int:
-    """Run studies until stopped (or idle, or one study with `once`); returns how many ran."""
+    """Run studies until stopped (or idle, or one study with `once`); returns how many ran. A
+    database that does not answer (yet, or any more) is waited for, never a reason to exit."""
     stop = stop or threading.Event()
-    sessions = sessions or connect(settings.database_url)
+    sessions = sessions or _connect(settings.database_url, stop, poll_s)
+    if sessions is None:
+        return 0
     owner = store.Owner.this_process("worker")
     ran = 0
     while not stop.is_set():
@@ -75,6 +78,22 @@ def run_worker(
         if once:
             return ran
     return ran
+
+
+def _connect(url: str, stop: threading.Event, poll_s: float) -> sessionmaker | None:
+    """Connect (and migrate), retrying with back-off up to 30 s between tries while the database
+    is unreachable; None if told to stop first. A malformed URL is still an error at once."""
+    delay = min(poll_s, 1.0) or 1.0
+    while not stop.is_set():
+        try:
+            return connect(url)
+        except DatabaseError as e:
+            if "cannot reach" not in str(e):
+                raise
+            log.warning("%s; retrying in %.0f s", e, delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 30.0)
+    return None
 
 
 def _run_claimed(sessions, study_id: int, owner: store.Owner, settings: Settings, backend, stop) -> None:

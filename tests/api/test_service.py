@@ -155,3 +155,25 @@ def test_two_workers_on_postgresql_run_each_study_exactly_once(postgres_url: str
             assert [(t.state, t.attempts) for t in trials] == [("COMPLETE", 1)]
         workers_seen = {st.lease_owner for st in studies}  # the last holder stays on a finished study
     assert len(workers_seen) == 2  # both took part
+
+
+def test_a_worker_started_while_the_database_is_down_waits_for_it(tmp_path: Path) -> None:
+    """A database restart must not take workers down (bench/chaos.py found workers that exited
+    because PostgreSQL was down as they started)."""
+    from tests.postgres import postgres_instance
+
+    with postgres_instance() as pg:
+        pg.stop()
+        env = {**os.environ, "TUNER_DATABASE_URL": pg.url, "TUNER_WORK_DIR": str(tmp_path)}
+        worker = subprocess.Popen([TUNER, "worker", "--exit-when-idle", "--poll-s", "0.2"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        try:
+            time.sleep(3)
+            assert worker.poll() is None  # still waiting, not exited
+            pg.start()
+            out, _ = worker.communicate(timeout=60)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    assert worker.returncode == 0 and "retrying" in out and "cannot reach the database" in out, out
