@@ -114,7 +114,14 @@ def test_compose_has_the_services(compose: dict) -> None:
 
 
 def test_tuner_variables_are_ones_the_code_reads(compose: dict) -> None:
-    read = {
+    from tuner.settings import Settings, SlurmSettings
+
+    # What tuner/settings.py reads (pydantic-settings: TUNER_ + the field name), and any name the
+    # code spells out (the environment of jobs and allocations).
+    read = {f"TUNER_{f.upper()}" for f in Settings.model_fields} | {
+        f"TUNER_SLURM_{f.upper()}" for f in SlurmSettings.model_fields
+    }
+    read |= {
         name
         for package in ("tuner", "api")
         for path in (ROOT / package).rglob("*.py")

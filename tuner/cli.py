@@ -20,12 +20,12 @@ app = typer.Typer(
 
 
 @app.callback()
-def main() -> None:
+def main(ctx: typer.Context) -> None:
     """parallel-tuner command line."""
     from tuner.settings import Settings
 
     try:
-        Settings.from_env()  # a bad TUNER_* setting: one line, before any command runs
+        ctx.obj = Settings.from_env()  # read once, passed to every command; a bad TUNER_* is one line
     except ValueError as e:
         _fail(str(e))
 
@@ -181,9 +181,20 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
             typer.echo(f"{count:>7}  {reason}")
 
 
-from tuner.cli_study import register  # noqa: E402  (commands that use the database)
+def _register_plugins() -> None:
+    """Commands other packages of the distribution add through the `parallel_tuner.cli` entry
+    point group: `tuner serve` comes from api/cli.py, so this package never imports the API."""
+    from importlib.metadata import entry_points
 
-register(app)
+    for ep in entry_points(group="parallel_tuner.cli"):
+        ep.load()(app)
+
+
+from tuner import cli_results, cli_study  # noqa: E402  (commands that use the database or a server)
+
+cli_study.register(app)
+cli_results.register(app)
+_register_plugins()
 
 if __name__ == "__main__":
     app()

@@ -388,15 +388,23 @@ def benchmark_config(spec: StudySpec, config: ParallelConfig) -> BenchmarkConfig
     )  # fmt: skip
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """One line per problem: 'field.path: message (got value)'."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+def validation_problems(errors) -> list[dict[str, str]]:
+    """pydantic errors (ValidationError.errors(), or a request's) -> [{"field", "message"}]: the one
+    formatter of bad input for spec files, the CLI, HTTP bodies and settings."""
+    problems = []
+    for e in errors:
+        field = ".".join(str(p) for p in e["loc"])
         msg = re.sub(r"^(Value|Assertion) error, ", "", e["msg"])
         got = f" (got {e['input']!r})" if e["type"] not in ("value_error", "missing") and "input" in e else ""
-        lines.append(f"{loc}: {msg}{got}" if loc else msg)  # a cross-field rule names its fields
-    return "\n".join(lines)
+        problems.append({"field": field, "message": msg + got})
+    return problems
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line per problem: 'field.path: message (got value)'; a cross-field rule names its
+    fields in its message."""
+    return "\n".join(f"{p['field']}: {p['message']}" if p["field"] else p["message"]
+                     for p in validation_problems(err.errors()))  # fmt: skip
 
 
 class SpecError(ValueError):

@@ -101,7 +101,7 @@ def _run_claimed(sessions, study_id: int, owner: store.Owner, settings: Settings
         try:
             with sessions() as s:
                 spec = StudySpec.model_validate(s.get(store.Study, study_id).spec)
-            dispatcher = make_dispatcher(spec, backend)
+            dispatcher = make_dispatcher(spec, backend, site=settings.slurm.site())
             status = StudyRunner(sessions, study_id, dispatcher, settings.work_dir, lease,
                                  should_yield=stop.is_set).run()  # fmt: skip
             log.info("study %d: %s", study_id, status.value)
@@ -151,11 +151,10 @@ def follow_allocations(
     when one ends with the study unfinished (handed back). Ctrl-C cancels the study (its runner
     stops its steps)."""
     from tuner.dispatch.allocation import submit_allocation
-    from tuner.dispatch.sbatch import SiteSettings
     from tuner.dispatch.slurm import SlurmDispatcher
 
     env = {"TUNER_DATABASE_URL": settings.database_url, "TUNER_WORK_DIR": str(settings.work_dir.resolve())}
-    site, watcher, job, submitted = SiteSettings.from_env(), SlurmDispatcher(), None, 0
+    site, watcher, job, submitted = settings.slurm.site(), SlurmDispatcher(), None, 0
     while True:
         with sessions() as s:
             study = s.get(store.Study, study_id, populate_existing=True)

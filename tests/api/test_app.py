@@ -14,7 +14,7 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from api.app import create_app
+from api.main import create_app
 from tests import records
 from tests.records import record_trial
 from trainer.config import ParallelConfig

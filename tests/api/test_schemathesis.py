@@ -9,7 +9,7 @@ from pathlib import Path
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from api.app import create_app
+from api.main import create_app
 from tuner.settings import Settings
 
 TOKEN = "fuzz-token"

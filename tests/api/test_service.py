@@ -96,7 +96,7 @@ def test_submit_over_http_worker_runs_it_best_matches_database(tmp_path: Path) -
         # the client's other verbs against the server
         listed = json.loads(subprocess.run([TUNER, "studies", "--url", url, "--json"], capture_output=True,
                                            text=True).stdout)  # fmt: skip
-        assert [(r["id"], r["status"], r["trials"]) for r in listed] == [(study_id, "done", 3)]
+        assert [(r["id"], r["status"], r["progress"]["finished"]) for r in listed] == [(study_id, "done", 3)]
 
         csv = subprocess.run(
             [TUNER, "trials", str(study_id), "--url", url, "--csv"], capture_output=True, text=True

@@ -79,13 +79,20 @@ def test_module_and_env_names_are_checked_and_values_quoted() -> None:
     assert "export X='a'\"'\"'b $(c)'" in script and "cd '/w d/x'" in script
 
 
-def test_site_settings_from_the_environment_are_validated(tmp_path: Path) -> None:
+def test_site_settings_from_the_environment_are_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tuner.settings import Settings, SettingsError
+
     setup = tmp_path / "setup.sh"
     setup.write_text("module purge\nsource /opt/env.sh\n")
-    site = SiteSettings.from_env({"TUNER_SLURM_ACCOUNT": "abc", "TUNER_SLURM_SETUP": str(setup)})
-    assert (site.account, site.setup) == ("abc", ("module purge", "source /opt/env.sh"))
-    with pytest.raises(ValueError, match="partition"):
-        SiteSettings.from_env({"TUNER_SLURM_PARTITION": "a;b"})
+    monkeypatch.setenv("TUNER_SLURM_ACCOUNT", "abc")
+    monkeypatch.setenv("TUNER_SLURM_SETUP", str(setup))
+    monkeypatch.setenv("TUNER_SLURM_SOCKET_IFNAME", "hsn0")
+    site = Settings.from_env().slurm.site()
+    assert (site.account, site.setup, site.socket_ifname) == ("abc", ("module purge", "source /opt/env.sh"), "hsn0")
+    assert site.exports == {"GLOO_SOCKET_IFNAME": "hsn0", "NCCL_SOCKET_IFNAME": "hsn0"}
+    monkeypatch.setenv("TUNER_SLURM_PARTITION", "a;b")
+    with pytest.raises(SettingsError, match="^TUNER_SLURM_PARTITION: String should match pattern"):
+        Settings.from_env()
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,11 @@ __all__ = ["BACKENDS", "DispatchError", "Dispatcher", "JobHandle", "JobReport", 
 BACKENDS = ("local", "slurm")
 
 
-def make_dispatcher(spec, backend: str | None = None, env: dict[str, str] | None = None) -> Dispatcher:
-    """The dispatcher a study runs on: `backend` (the CLI's --backend) or the spec's."""
+def make_dispatcher(
+    spec, backend: str | None = None, env: dict[str, str] | None = None, site=None
+) -> Dispatcher:
+    """The dispatcher a study runs on: `backend` (the CLI's --backend) or the spec's. `site`:
+    the Slurm site's defaults (tuner.settings: Settings.slurm.site()); none when absent."""
     backend = backend or spec.backend
     if backend == "local":
         from tuner.dispatch.local import LocalDispatcher
@@ -22,6 +25,6 @@ def make_dispatcher(spec, backend: str | None = None, env: dict[str, str] | None
         from tuner.dispatch.sbatch import SiteSettings
         from tuner.dispatch.slurm import SlurmDispatcher
 
-        return SlurmDispatcher(spec=spec.slurm, site=SiteSettings.from_env(),
+        return SlurmDispatcher(spec=spec.slurm, site=site or SiteSettings(),
                                gpus_per_node=spec.cluster.gpus_per_node, env=env or {})  # fmt: skip
     raise ValueError(f"unknown backend {backend!r}; valid: {list(BACKENDS)}")

@@ -9,7 +9,6 @@ one argv element of `sbatch` (no shell); job scripts quote every value with shle
 from __future__ import annotations
 
 import math
-import os
 import re
 import shlex
 import sys
@@ -25,7 +24,8 @@ SITE_OPTIONS = ("account", "partition", "qos", "constraint")
 
 @dataclass(frozen=True)
 class SiteSettings:
-    """A site's Slurm defaults (settings, TUNER_SLURM_*); the study's SlurmSpec overrides them.
+    """A site's Slurm defaults (read by tuner.settings: SlurmSettings, TUNER_SLURM_*); the study's
+    SlurmSpec overrides them.
     `setup` is shell code run at the top of every job (e.g. `source /opt/site/env.sh`): an
     administrator's setting, never taken from a submitted spec."""
 
@@ -45,24 +45,6 @@ class SiteSettings:
         if not self.socket_ifname:
             return {}
         return {"GLOO_SOCKET_IFNAME": self.socket_ifname, "NCCL_SOCKET_IFNAME": self.socket_ifname}
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> SiteSettings:
-        env = os.environ if environ is None else environ
-        setup_file = env.get("TUNER_SLURM_SETUP")
-        setup = tuple(Path(setup_file).read_text().splitlines()) if setup_file else ()
-        # The names go through the same checks as a spec's.
-        names = SlurmSpec(
-            account=env.get("TUNER_SLURM_ACCOUNT") or None, partition=env.get("TUNER_SLURM_PARTITION") or None,
-            qos=env.get("TUNER_SLURM_QOS") or None, constraint=env.get("TUNER_SLURM_CONSTRAINT") or None,
-        )  # fmt: skip
-        ifname = env.get("TUNER_SLURM_SOCKET_IFNAME") or None
-        if ifname is not None and not re.fullmatch(r"[A-Za-z0-9_.:^,-]+", ifname):
-            raise ValueError(
-                f"TUNER_SLURM_SOCKET_IFNAME {ifname!r} is not an interface name (e.g. hsn0, eth0, ^lo)"
-            )
-        return cls(names.account, names.partition, names.qos, names.constraint, setup,
-                   env.get("TUNER_SLURM_PYTHON") or sys.executable, ifname)  # fmt: skip
 
 
 def time_limit_minutes(timeout_s: float) -> int:

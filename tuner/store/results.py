@@ -7,11 +7,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import case, func, select, text
 from sqlalchemy.orm import Session
 
 from trainer.config import ParallelConfig
-from tuner.db import Calibration, Study, StudyBest, Trial
+from tuner.db import Calibration, Study, StudyBest, Trial, aware
 from tuner.perfmodel import ModelConstants
 
 # Rebuilds study_bests from the trials (the migration that adds it; bulk loaders). Ties: lowest id.
@@ -124,6 +124,36 @@ def latest_constants(session: Session, cluster_key: str) -> ModelConstants | Non
     return ModelConstants(**{k: v for k, v in row.constants.items() if k in known})
 
 
+def export_calibrations(session: Session) -> list[dict[str, Any]]:
+    """Every calibration, oldest first, as plain data (`tuner calibrate export`)."""
+    rows = session.scalars(select(Calibration).order_by(Calibration.created_at, Calibration.id))
+    return [{"cluster": r.cluster_key, "constants": r.constants, "num_points": r.num_points,
+             "rms_log_error": r.rms_log_error, "created_at": aware(r.created_at).isoformat()} for r in rows]  # fmt: skip
+
+
+def import_calibrations(session: Session, rows: Any) -> int:
+    """Add exported calibrations (their times kept, so the newest per cluster stays the prior);
+    ValueError names the first bad row. Returns how many were added."""
+    import datetime as dt
+
+    known = {f.name for f in dataclasses.fields(ModelConstants)}
+    if not isinstance(rows, list):
+        raise ValueError("expected a list of calibrations (the output of `tuner calibrate export`)")
+    for i, row in enumerate(rows):
+        try:
+            unknown = set(row["constants"]) - known
+            if unknown:
+                raise ValueError(f"unknown constants {sorted(unknown)}")
+            ModelConstants(**row["constants"])
+            session.add(Calibration(cluster_key=str(row["cluster"]), constants=dict(row["constants"]),
+                                    num_points=int(row["num_points"]), rms_log_error=float(row["rms_log_error"]),
+                                    created_at=dt.datetime.fromisoformat(row["created_at"])))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"calibration {i}: {e}") from None
+    session.flush()
+    return len(rows)
+
+
 # --- queries for the API -----------------------------------------------------------------------
 
 
@@ -134,14 +164,19 @@ def state_counts(session: Session) -> tuple[dict[str, int], dict[str, int]]:
     return studies, trials_
 
 
-def finished_durations(session: Session, limit: int = 100_000) -> list[float]:
-    """Seconds from start to end of finished trials (the latest `limit`), for /metrics."""
-    q = (
-        select(Trial.started_at, Trial.finished_at)
+def duration_histogram(session: Session, buckets: tuple[float, ...]) -> tuple[list[int], float, int]:
+    """(cumulative count of finished trials at or under each bucket's seconds, total seconds,
+    count) of the trials' last attempt, in one aggregate query (the API's /metrics)."""
+    if session.get_bind().dialect.name == "sqlite":
+        seconds = (func.julianday(Trial.finished_at) - func.julianday(Trial.started_at)) * 86400.0
+    else:
+        seconds = func.extract("epoch", Trial.finished_at - Trial.started_at)
+    columns = [func.coalesce(func.sum(case((seconds <= le, 1), else_=0)), 0) for le in buckets]
+    row = session.execute(
+        select(*columns, func.coalesce(func.sum(seconds), 0.0), func.count())
         .where(Trial.started_at.is_not(None), Trial.finished_at.is_not(None))
-        .order_by(Trial.id.desc()).limit(limit)
-    )  # fmt: skip
-    return [(b - a).total_seconds() for a, b in session.execute(q)]
+    ).one()  # fmt: skip
+    return [int(n) for n in row[: len(buckets)]], float(row[-2]), int(row[-1])
 
 
 def best_rows(

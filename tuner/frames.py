@@ -1,5 +1,4 @@
-"""Trials as one flat table (pandas): the API's CSV export and `tuner trials --csv`. No FastAPI here:
-the CLI imports it without the web stack."""
+"""Trials as one flat table (pandas): the API's CSV export and `tuner trials --csv`."""
 
 from __future__ import annotations
 
@@ -11,11 +10,12 @@ CSV_COLUMNS = ["number", "state", "layout", "tp", "pp", "dp", "micro_batch_size"
                "activation_checkpoint", "sequence_parallel", "pp_schedule", "virtual_stages", "tokens_per_s",
                "tflops_per_device", "mfu", "peak_memory_bytes", "step_time_median_s", "step_time_min_s",
                "step_time_max_s", "predicted_tokens_per_s", "predicted_memory_bytes", "failure_kind",
-               "failure_message", "job_id", "job_state", "attempts", "started_at", "finished_at"]  # fmt: skip
+               "failure_message", "job_id", "job_state", "attempts", "device_s", "told", "started_at",
+               "finished_at"]  # fmt: skip
 
 
 def trials_frame(trials) -> Any:
-    """Every trial as one flat pandas DataFrame (the CSV export and `tuner trials --csv`)."""
+    """Every trial as one flat pandas DataFrame."""
     import pandas as pd
 
     rows = []

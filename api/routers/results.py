@@ -1,0 +1,72 @@
+"""Results: the best layout per model size, plans from the performance model, launch configs."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, Field
+
+from api.deps import Read, SessionDep, SettingsDep, study_or_404
+from api.errors import ApiError, parse_spec
+from api.routers.studies import StudyId
+from tuner import store, views
+from tuner.plan import PlanError, parse_pins
+from tuner.plan import plan as run_plan
+from tuner.spec import StudySpec
+
+router = APIRouter(tags=["results"])
+
+
+class PlanRequest(BaseModel):
+    spec: dict[str, Any] = Field(description="a study spec, as in studies/*.yaml")
+    config: str | None = Field(None, description="pinned knobs, e.g. 'tp=8,pp=4'")
+    top: int = Field(10, ge=1, le=1000)
+    include_unfit: bool = False
+
+
+@router.get("/api/best", response_model=list[views.BestOut], dependencies=[Read])
+def best(
+    session: SessionDep,
+    model: Annotated[str | None, Query(max_length=200)] = None,
+    gpus: Annotated[int | None, Query(ge=1, le=10**7)] = None,
+    cluster: Annotated[str | None, Query(max_length=200)] = None,
+) -> list[views.BestOut]:
+    """The fastest measured layout per (model, cluster, GPUs) across studies."""
+    return views.best_rows(session, model=model, cluster=cluster, num_gpus=gpus)
+
+
+@router.post("/api/plan", dependencies=[Read])
+def plan(body: PlanRequest, session: SessionDep) -> dict[str, Any]:
+    """Rank every valid layout by the performance model, without running any (= `tuner plan --json`)."""
+    spec = parse_spec(body.spec)
+    try:
+        return run_plan(spec, pins=parse_pins(body.config), top=body.top, include_unfit=body.include_unfit,
+                        constants=store.latest_constants(session, spec.cluster.name))  # fmt: skip
+    except PlanError as e:
+        raise ApiError(422, "invalid_plan", str(e)) from None
+
+
+@router.get("/api/studies/{study_id}/export", dependencies=[Read], response_class=PlainTextResponse)
+def export(
+    study_id: StudyId,
+    session: SessionDep,
+    settings: SettingsDep,
+    format: Annotated[str, Query(pattern="^(torchtitan|megatron|sbatch)$")],
+) -> Response:
+    """The study's best layout as a launch config: torchtitan, Megatron-LM arguments, or an sbatch
+    script running the bundled trainer."""
+    from tuner.export import export_layout
+
+    study = study_or_404(session, study_id)
+    best = store.best_trial(session, study)
+    if best is None:
+        raise ApiError(409, "no_result", f"study {study_id} has no completed trial yet")
+    try:
+        text = export_layout(format, StudySpec.model_validate(study.spec), store.config_of(best),
+                             site=settings.slurm.site() if format == "sbatch" else None)  # fmt: skip
+    except ValueError as e:  # a layout the framework cannot run: the reason
+        raise ApiError(422, "not_exportable", str(e)) from None
+    media = {"torchtitan": "text/x-python", "megatron": "text/plain", "sbatch": "text/x-shellscript"}
+    return Response(text, media_type=media[format])

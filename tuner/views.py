@@ -1,0 +1,197 @@
+"""What users see of studies, trials and best layouts: one set of types (pydantic, the API's
+response schemas and the CLI's --json) built in one place from stored rows. The API's routers and
+the CLI's database backend call these builders; the CLI's HTTP backend parses the API's JSON into
+the same types (tuner/backend.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from tuner import store
+from tuner.db import Study, StudyBest, Trial, aware, utcnow
+from tuner.outcome import TrialState
+
+
+class StudyCreated(BaseModel):
+    id: int
+    name: str
+    status: str
+    url: str
+
+
+class Progress(BaseModel):
+    finished: int
+    budget: int
+    by_state: dict[str, int]
+
+
+class LeaseOut(BaseModel):
+    owner: str
+    host: str | None
+    pid: int | None
+    renewed_s_ago: float | None
+    expires_in_s: float | None  # negative: expired (another worker may take the study)
+
+
+class TrialOut(BaseModel):
+    number: int
+    state: str
+    layout: str
+    config: dict[str, Any]
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    num_microbatches: int
+    zero_stage: int
+    activation_checkpoint: str
+    sequence_parallel: bool
+    tokens_per_s: float | None
+    tflops_per_device: float | None
+    mfu: float | None
+    peak_memory_bytes: int | None
+    step_time_median_s: float | None
+    predicted_tokens_per_s: float | None
+    predicted_memory_bytes: float | None
+    failure_kind: str | None
+    failure_message: str | None
+    job_id: str | None
+    job_state: str | None
+    attempts: int
+    attempt_log: list[dict[str, Any]] | None = None  # every ended attempt: job, state, kind, times
+    device_s: float = 0.0
+    told: str | None = None  # what the sampler heard: score, infeasible, nothing
+    log_path: str | None = None
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+
+
+class StudySummary(BaseModel):
+    id: int
+    name: str
+    status: str
+    reason: str | None = None  # why it is in its status: a failure, the cancel request, a pause
+    lease: LeaseOut | None = None  # who runs it now
+    owner: str | None = None  # who holds it, or last held it
+    model: str
+    cluster: str
+    gpus: int
+    sampler: str
+    created_at: dt.datetime
+    progress: Progress
+    best_tokens_per_s: float | None = None
+    best_mfu: float | None = None
+
+
+class StudyDetail(StudySummary):
+    spec: dict[str, Any]
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    best: TrialOut | None
+    error: str | None = None  # = reason, kept for older clients
+
+
+class StudyPage(BaseModel):
+    items: list[StudySummary]
+    total: int
+    limit: int
+    offset: int
+
+
+class TrialPage(BaseModel):
+    items: list[TrialOut]
+    last_number: int  # pass as ?after= to get only newer trials
+
+
+class BestOut(BaseModel):
+    study_id: int
+    study: str
+    model: str
+    num_params: int
+    cluster: str
+    gpus: int
+    trial_number: int
+    layout: str
+    config: dict[str, Any]
+    tokens_per_s: float
+    tflops_per_device: float | None
+    mfu: float | None
+    peak_memory_bytes: int | None
+    predicted_tokens_per_s: float | None
+
+
+# --- builders ------------------------------------------------------------------------------------
+
+
+def lease(study: Study, now: dt.datetime | None = None) -> LeaseOut | None:
+    if study.lease_owner is None or study.lease_expires_at is None:
+        return None
+    now = now or utcnow()
+    renewed = aware(study.lease_renewed_at)
+    return LeaseOut(owner=study.lease_owner, host=study.lease_host, pid=study.lease_pid,
+                    renewed_s_ago=(now - renewed).total_seconds() if renewed else None,
+                    expires_in_s=(aware(study.lease_expires_at) - now).total_seconds())  # fmt: skip
+
+
+def trial(t: Trial) -> TrialOut:
+    return TrialOut(
+        number=t.number, state=t.state, layout=store.config_of(t).describe(), config=t.config, tp=t.tp, pp=t.pp,
+        dp=t.dp, micro_batch_size=t.micro_batch_size, num_microbatches=t.num_microbatches, zero_stage=t.zero_stage,
+        activation_checkpoint=t.activation_checkpoint, sequence_parallel=t.sequence_parallel,
+        tokens_per_s=t.tokens_per_s, tflops_per_device=t.tflops_per_device, mfu=t.mfu,
+        peak_memory_bytes=t.peak_memory_bytes, step_time_median_s=t.step_time_median_s,
+        predicted_tokens_per_s=t.predicted_tokens_per_s, predicted_memory_bytes=t.predicted_memory_bytes,
+        failure_kind=t.failure_kind, failure_message=t.failure_message, job_id=t.job_id, job_state=t.job_state,
+        attempts=t.attempts, attempt_log=t.attempt_log, device_s=t.device_s or 0.0, told=t.told,
+        log_path=t.log_path, started_at=t.started_at, finished_at=t.finished_at,
+    )  # fmt: skip
+
+
+def best_trials(session: Session, study_ids: list[int]) -> dict[int, Trial]:
+    """Each study's fastest completed trial, in two queries whatever the number of studies."""
+    if not study_ids:
+        return {}
+    fastest: dict[int, tuple[float, int]] = {}
+    for row in session.scalars(select(StudyBest).where(StudyBest.study_id.in_(study_ids))):
+        if row.study_id not in fastest or row.tokens_per_s > fastest[row.study_id][0]:
+            fastest[row.study_id] = (row.tokens_per_s, row.trial_id)
+    ids = [trial_id for _, trial_id in fastest.values()]
+    trials = {t.id: t for t in session.scalars(select(Trial).where(Trial.id.in_(ids)))} if ids else {}
+    return {study_id: trials[trial_id] for study_id, (_, trial_id) in fastest.items()}
+
+
+def summaries(session: Session, studies: list[Study]) -> list[StudySummary]:
+    """Summaries of a page of studies in a constant number of queries (counts, bests)."""
+    ids = [s.id for s in studies]
+    counts, bests = store.trial_counts(session, ids), best_trials(session, ids)
+    return [_summary(s, counts[s.id], bests.get(s.id)) for s in studies]
+
+
+def _summary(study: Study, counts: dict[str, int], best: Trial | None) -> StudySummary:
+    finished = sum(n for state, n in counts.items() if TrialState(state).is_finished())
+    return StudySummary(
+        id=study.id, name=study.name, status=store.status_of(study).word, reason=study.error, lease=lease(study),
+        owner=study.lease_owner, model=study.model_key, cluster=study.cluster_key, gpus=study.num_gpus,
+        sampler=study.sampler, created_at=study.created_at,
+        progress=Progress(finished=finished, budget=study.spec.get("budget", {}).get("max_trials", 0), by_state=counts),
+        best_tokens_per_s=best.tokens_per_s if best else None, best_mfu=best.mfu if best else None,
+    )  # fmt: skip
+
+
+def detail(session: Session, study: Study) -> StudyDetail:
+    (summary,) = summaries(session, [study])
+    best = best_trials(session, [study.id]).get(study.id)
+    return StudyDetail(**summary.model_dump(), spec=study.spec, error=study.error, started_at=study.started_at,
+                       finished_at=study.finished_at, best=trial(best) if best else None)  # fmt: skip
+
+
+def best_rows(session: Session, *, model: str | None = None, cluster: str | None = None,
+              num_gpus: int | None = None) -> list[BestOut]:  # fmt: skip
+    return [
+        BestOut(**row) for row in store.best_rows(session, model=model, cluster=cluster, num_gpus=num_gpus)
+    ]
