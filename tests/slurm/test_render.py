@@ -91,7 +91,7 @@ def test_site_settings_from_the_environment_are_validated(tmp_path: Path, monkey
     assert (site.account, site.setup, site.socket_ifname) == ("abc", ("module purge", "source /opt/env.sh"), "hsn0")
     assert site.exports == {"GLOO_SOCKET_IFNAME": "hsn0", "NCCL_SOCKET_IFNAME": "hsn0"}
     monkeypatch.setenv("TUNER_SLURM_PARTITION", "a;b")
-    with pytest.raises(SettingsError, match="^TUNER_SLURM_PARTITION: String should match pattern"):
+    with pytest.raises(SettingsError, match=r"^TUNER_SLURM_PARTITION: String should match pattern"):
         Settings.from_env()
 
 
