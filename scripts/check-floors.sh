@@ -46,7 +46,7 @@ echo "check-floors: $("$PYTHON" --version), venv $VENV, constraints $FLOORS"
 "$PYTHON" -m venv "$VENV"
 quiet "$VENV/bin/python" -m pip install --quiet --upgrade pip
 # -c: the floors; machine-wide pip constraints, where there are any, still apply on top.
-quiet "$VENV/bin/python" -m pip install --quiet -c "$FLOORS" -e "$SRC[test]"
+quiet "$VENV/bin/python" -m pip install --quiet -c "$FLOORS" -e "$SRC[all,test]"
 installed=$(date +%s)
 status=0
 
@@ -72,7 +72,10 @@ for line in open(sys.argv[1]):
         name, pin = re.split(r"\s*==\s*", line)
         floors[canonicalize_name(name)] = (name, pin)
 project = tomllib.load(open(sys.argv[2], "rb"))["project"]
-declared = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+extras = project["optional-dependencies"]
+declared = [Requirement(r) for r in project["dependencies"] + [r for e in extras.values() for r in e]]
+declared = [r for r in declared if canonicalize_name(r.name) != "parallel-tuner"]  # the `all` extra
+declared = list({canonicalize_name(r.name): r for r in declared}.values())  # listed in two extras
 
 bad = []
 for req in declared:

@@ -235,7 +235,9 @@ def test_dockerfile_runs_the_entrypoint_as_a_user(name: str) -> None:
     assert json.loads(_only(instructions, "ENTRYPOINT")) == [str(workdir / "docker/entrypoint.sh")]
     assert str(workdir / "docker/entrypoint.sh") in copied
     assert _only(instructions, "USER") not in ("root", "0")
-    assert "--no-deps" in " ".join(args for kw, args in instructions if kw == "RUN")
+    # The API image: the api extra (no torch); the trainer image: worker + api over the base's CUDA torch.
+    extra = "'.[worker,api]'" if name == "Dockerfile.trainer" else "'.[api]'"
+    assert f"pip install {extra}" in " ".join(args for kw, args in instructions if kw == "RUN")
     expected = ["tuner", "worker"] if name == "Dockerfile.trainer" else ["tuner", "serve", "--no-worker"]
     assert _words(_only(instructions, "CMD"))[: len(expected)] == expected
 
@@ -248,54 +250,37 @@ def test_entrypoint_is_an_executable_bash_script() -> None:
     assert "set -euo pipefail" in text and "tuner db upgrade" in text and 'exec "$@"' in text
 
 
-def _requirements() -> list[Requirement]:
-    lines = (DOCKER / "requirements-api.txt").read_text().splitlines()
-    return [Requirement(line.split("#")[0]) for line in lines if line.split("#")[0].strip()]
+def _extra(name: str) -> list[Requirement]:
+    return [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"][name]]
 
 
-def _pyproject_dependencies() -> list[Requirement]:
-    return [Requirement(r) for r in PYPROJECT["project"]["dependencies"]]
-
-
-def test_requirements_api_has_no_torch() -> None:
-    names = [canonicalize_name(r.name) for r in _requirements()]
-    assert not [n for n in names if n.startswith("torch") or n.startswith("nvidia-")]
-    # Nor does any of them pull torch in, as far as the installed packages' metadata tells.
+def test_the_api_extra_has_no_torch_and_pulls_none_in() -> None:
+    """The API image installs .[api]: the core and the api extra must not bring torch, directly or
+    through what they depend on (as far as the installed packages' metadata tells)."""
+    roots = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]] + _extra("api")
     seen: set[str] = set()
-    stack = _requirements()
+    stack = list(roots)
     while stack:
         req = stack.pop()
+        assert canonicalize_name(req.name) not in ("torch", "optuna", "deephyper") and not req.name.startswith(
+            "nvidia-"
+        ), f"{req} is in the API's install"
         key = f"{canonicalize_name(req.name)}{sorted(req.extras)}"
         if key in seen:
             continue
         seen.add(key)
         try:
             requires = distribution(req.name).requires or []
-        except PackageNotFoundError:  # not installed here (e.g. the API's packages): not walked
+        except PackageNotFoundError:
             continue
         for line in requires:
             dep = Requirement(line)
             if dep.marker is None or any(dep.marker.evaluate({"extra": e}) for e in {"", *req.extras}):
-                assert canonicalize_name(dep.name) != "torch", f"{req.name} requires {dep}"
                 stack.append(dep)
 
 
-def test_requirements_api_pins_every_other_dependency() -> None:
-    pinned = {canonicalize_name(r.name): r for r in _requirements()}
-    for req in pinned.values():
-        assert len(req.specifier) == 1 and next(iter(req.specifier)).operator == "==", f"not pinned: {req}"
-    for dep in _pyproject_dependencies():
-        name = canonicalize_name(dep.name)
-        if name == "torch":
-            continue
-        assert name in pinned, f"requirements-api.txt lacks {dep}"
-        version = next(iter(pinned[name].specifier)).version
-        assert dep.specifier.contains(version, prereleases=True), f"{pinned[name]} is outside {dep}"
-        assert dep.extras <= pinned[name].extras, f"{pinned[name]} lacks the extras of {dep}"
-
-
 def test_base_images_are_pinned() -> None:
-    [torch_pin] = [d for d in _pyproject_dependencies() if canonicalize_name(d.name) == "torch"]
+    [torch_pin] = [d for d in _extra("trainer") if canonicalize_name(d.name) == "torch"]
     torch_version = next(iter(torch_pin.specifier)).version
     repository, _, tag = _base_image("Dockerfile.trainer").partition(":")
     assert repository == "pytorch/pytorch"
