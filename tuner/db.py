@@ -6,6 +6,7 @@ many workers. The schema is created and upgraded only by Alembic (tuner/migratio
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -184,15 +185,20 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+_UPGRADE_LOCK = threading.Lock()
+
+
 def upgrade(engine: Engine) -> None:
-    """Create or migrate the schema to the latest revision (Alembic)."""
+    """Create or migrate the schema to the latest revision (Alembic). One at a time per process:
+    Alembic's `context` is a module-level proxy, and two threads upgrading at once (tuner serve's
+    app and its embedded worker) tear it down under each other (KeyError: 'script')."""
     from alembic import command
     from alembic.config import Config
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     try:
-        with engine.begin() as conn:
+        with _UPGRADE_LOCK, engine.begin() as conn:
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")
     except OperationalError as e:

@@ -3,7 +3,7 @@
 - `run_worker` (`tuner worker`): claims studies one after another: PENDING ones (not paused), and
   RUNNING or CANCELLING ones whose lease expired (their worker died): those resume where they
   were, re-attaching to jobs that still run. Several workers may share one PostgreSQL database
-  (candidates read FOR UPDATE SKIP LOCKED; the claim is a conditional UPDATE either way). A worker
+  (the claim is a conditional UPDATE: of two workers claiming one study, one wins). A worker
   told to stop (SIGTERM/SIGINT) hands its study back: running trials are stopped and re-queued.
 - `run_in_allocation` (`tuner alloc-run`, inside a Slurm allocation): the study's trials as srun
   steps until the study ends or the allocation is about to; then it hands the study back.

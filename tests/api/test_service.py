@@ -64,7 +64,10 @@ def test_submit_over_http_worker_runs_it_best_matches_database(tmp_path: Path) -
                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(lambda: httpx.get(f"{url}/healthz").status_code == 200, 60, "the server answering")
+        try:
+            _wait(lambda: httpx.get(f"{url}/healthz").status_code == 200, 60, "the server answering")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; its log:\n{(tmp_path / 'serve.log').read_text()[-4000:]}") from None
         body = yaml.safe_dump({**TINY, "name": "e2e"})
         r = httpx.post(f"{url}/api/studies", content=body,
                        headers={"Content-Type": "application/yaml", "Authorization": f"Bearer {TOKEN}"})  # fmt: skip
@@ -139,7 +142,10 @@ def test_two_workers_on_postgresql_run_each_study_exactly_once(postgres_url: str
 
     with sessions.begin() as s:
         for i in range(4):
-            store.create_study(s, parse_spec({**TINY, "name": f"shared-{i}", "budget": {"max_trials": 1}}))
+            # trials of several seconds, so that a worker that starts a little later still finds one
+            trial = {**TINY["trial"], "measure_steps": 30}
+            store.create_study(s, parse_spec({**TINY, "name": f"shared-{i}", "budget": {"max_trials": 1},
+                                              "trial": trial}))  # fmt: skip
     env = {**os.environ, "TUNER_DATABASE_URL": postgres_url, "TUNER_WORK_DIR": str(tmp_path / "runs")}
     workers = [subprocess.Popen([TUNER, "worker", "--exit-when-idle", "--poll-s", "0.2"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
@@ -154,7 +160,7 @@ def test_two_workers_on_postgresql_run_each_study_exactly_once(postgres_url: str
             trials = store.trials(s, st)
             assert [(t.state, t.attempts) for t in trials] == [("COMPLETE", 1)]
         workers_seen = {st.lease_owner for st in studies}  # the last holder stays on a finished study
-    assert len(workers_seen) == 2  # both took part
+    assert len(workers_seen) == 2, outputs  # both took part
 
 
 def test_a_worker_started_while_the_database_is_down_waits_for_it(tmp_path: Path) -> None:

@@ -227,8 +227,11 @@ def claim_next(
     session: Session, owner: Owner, *, lease_s: float = DEFAULT_LEASE_S, now: dt.datetime | None = None
 ) -> Study | None:
     """The oldest study a worker may run now, claimed: PENDING (not paused), or RUNNING/
-    CANCELLING with an expired lease or a dead owner on this host. On PostgreSQL candidates are
-    read FOR UPDATE SKIP LOCKED; on either database the conditional UPDATE decides."""
+    CANCELLING with an expired lease or a dead owner on this host. The candidates are read without
+    locks; the conditional UPDATE of `claim` decides (on PostgreSQL a second worker's UPDATE of the
+    same row waits for the first's commit, then finds it taken and moves to the next candidate).
+    Not FOR UPDATE SKIP LOCKED: that locks every candidate read, and a worker looking at the same
+    moment sees none and, with --exit-when-idle, leaves with work still queued."""
     now = now or utcnow()
     runnable = or_(
         and_(Study.status == "PENDING", or_(Study.resume_after.is_(None), Study.resume_after <= now)),
@@ -237,8 +240,6 @@ def claim_next(
                  Study.lease_host == socket.gethostname())),
     )  # fmt: skip
     q = select(Study).where(runnable).order_by(Study.id).limit(20)
-    if session.get_bind().dialect.name == "postgresql":
-        q = q.with_for_update(skip_locked=True)
     for study in session.scalars(q).all():
         if study.status != "PENDING" and not lease_expired(study, now):
             continue  # on this host and alive
