@@ -50,10 +50,13 @@ def mount_dashboard(app: FastAPI) -> None:
         return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
 
     @app.get("/dashboard/config", include_in_schema=False)
-    def config() -> dict[str, bool]:
+    def config() -> dict:
         """What the page must know before its first read: whether reads need a token (so it asks
-        for one instead of starting with a 401)."""
-        return {"read_auth": settings.read_auth}
+        for one instead of starting with a 401), and the model presets it can ask predictions for."""
+        from trainer.config import MODEL_PRESETS
+
+        presets = sorted(MODEL_PRESETS, key=lambda k: MODEL_PRESETS[k].num_params)
+        return {"read_auth": settings.read_auth, "model_presets": presets}
 
     # Registered before the mount, which would otherwise answer every /static/ path.
     @app.get("/static/plotly.min.js", include_in_schema=False)

@@ -25,7 +25,8 @@ class Backend(Protocol):
 
     def trials_csv(self, ref: str) -> str: ...
 
-    def best(self, *, model: str | None, gpus: int | None, cluster: str | None) -> list[views.BestOut]: ...
+    def best(self, *, model: str | None, gpus: int | None, cluster: str | None,
+             global_batch: int | None = None) -> list: ...  # fmt: skip
 
     def submit(self, text: str, spec: StudySpec) -> views.StudyCreated: ...
 
@@ -62,9 +63,13 @@ class DatabaseBackend:
         with self.sessions() as s:
             return trials_frame(store.trials(s, self._study(s, ref))).to_csv(index=False)
 
-    def best(self, *, model: str | None, gpus: int | None, cluster: str | None) -> list[views.BestOut]:
+    def best(
+        self, *, model: str | None, gpus: int | None, cluster: str | None, global_batch: int | None = None
+    ) -> list:
         with self.sessions() as s:
-            return views.best_rows(s, model=model, cluster=cluster, num_gpus=gpus)
+            return views.best_or_predicted(
+                s, model=model, cluster=cluster, num_gpus=gpus, global_batch=global_batch
+            )
 
     def submit(self, text: str, spec: StudySpec) -> views.StudyCreated:
         with self.sessions.begin() as s:
@@ -129,9 +134,15 @@ class HttpBackend:
     def trials_csv(self, ref: str) -> str:
         return self._call(lambda: self.client.trials_csv(self._id(ref)))
 
-    def best(self, *, model: str | None, gpus: int | None, cluster: str | None) -> list[views.BestOut]:
-        rows = self._call(lambda: self.client.best(model=model, gpus=gpus, cluster=cluster))
-        return [views.BestOut.model_validate(r) for r in rows]
+    def best(
+        self, *, model: str | None, gpus: int | None, cluster: str | None, global_batch: int | None = None
+    ) -> list:
+        from pydantic import TypeAdapter
+
+        rows = self._call(
+            lambda: self.client.best(model=model, gpus=gpus, cluster=cluster, global_batch=global_batch)
+        )
+        return TypeAdapter(list[views.best_row_type()]).validate_python(rows)
 
     def submit(self, text: str, spec: StudySpec) -> views.StudyCreated:
         return views.StudyCreated.model_validate(self._call(lambda: self.client.submit(text)))

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from tuner.backend import Backend, BackendError, DatabaseBackend, HttpBackend
 from tuner.cli_common import console, fail, sessions
+from tuner.payoff import describe as describe_payoff
 from tuner.spec import SpecError, load_spec
 
 Url = Annotated[
@@ -59,11 +61,13 @@ def studies(ctx: typer.Context, url: Url = None, token: Token = None, as_json: J
         fail(str(e))
     if as_json:
         return _echo_json(rows)
-    table = Table("id", "name", "status", "model", "cluster", "gpus", "sampler", "trials", "best tokens/s", "created",
-                  "held by", "reason")  # fmt: skip
+    table = Table("id", "name", "status", "model", "cluster", "gpus", "sampler", "trials", "best tokens/s",
+                  "tuning device-h", "vs first guess", "created", "held by", "reason")  # fmt: skip
     for r in rows:
+        guess = next((b for b in r.payoff.baselines if b.name == "first_guess"), None) if r.payoff else None
         table.add_row(str(r.id), escape(r.name), r.status, escape(r.model), escape(r.cluster), str(r.gpus), r.sampler,
                       f"{r.progress.finished}/{r.progress.budget}", _num(r.best_tokens_per_s, ",.0f"),
+                      _num(r.payoff and r.payoff.tuning_device_hours, ".3g"), f"{guess.speedup:.2f}x" if guess else "",
                       r.created_at.isoformat()[:19], escape(_held(r)), escape(r.reason or ""))  # fmt: skip
     console.print(table)
 
@@ -98,22 +102,53 @@ def best(
     model: Annotated[str | None, typer.Option(help="model preset or shape key")] = None,
     gpus: Annotated[int | None, typer.Option(help="devices")] = None,
     cluster: Annotated[str | None, typer.Option(help="cluster name")] = None,
+    global_batch: Annotated[int | None, typer.Option(help="global batch of a prediction")] = None,
+    write_study: Annotated[
+        Path | None, typer.Option(help="for a prediction: write the short study that confirms it")
+    ] = None,
     url: Url = None, token: Token = None, as_json: Json = False,
 ) -> None:  # fmt: skip
-    """The fastest measured layout per model size, cluster and device count, across studies."""
+    """The fastest measured layout per model size, cluster and device count, across studies. For a
+    model preset nobody measured yet, the planner's prediction on each calibrated cluster, marked
+    PREDICTED, with the calibration it used and a command that confirms it."""
     try:
-        rows = backend(ctx, url, token).best(model=model, gpus=gpus, cluster=cluster)
+        rows = backend(ctx, url, token).best(
+            model=model, gpus=gpus, cluster=cluster, global_batch=global_batch
+        )
     except BackendError as e:
         fail(str(e))
+    if write_study is not None:
+        predicted = [r for r in rows if r.kind == "predicted"]
+        if len(predicted) != 1:
+            fail(
+                f"--write-study needs exactly one prediction (got {len(predicted)}); name the --model and --cluster"
+            )
+        write_study.write_text(yaml.safe_dump(predicted[0].study_spec, sort_keys=False))
+        console.print(
+            f"wrote {escape(str(write_study))}: `tuner run {escape(str(write_study))}` confirms the prediction"
+        )
     if as_json:
         return _echo_json(rows)
     if not rows:
-        typer.echo("no completed trial matches")
+        typer.echo(
+            "no completed trial matches" + ("" if not model else " (and no calibrated cluster to predict on)")
+        )
         raise typer.Exit(1)
     for r in rows:
+        if r.kind == "predicted":
+            c = r.calibration
+            typer.echo(f"PREDICTED (not measured) {r.model} ({r.num_params / 1e6:,.1f}M params) on {r.gpus} x {r.cluster}: "
+                       f"{r.layout} - {r.predicted_tokens_per_s:,.0f} tokens/s, MFU {r.predicted_mfu:.1%}, "
+                       f"{r.predicted_memory_bytes / 2**30:.1f} GiB (vocab padded to {r.vocab_size})")  # fmt: skip
+            typer.echo(f"  calibration of {c.cluster}: {c.num_points} measurements (study {c.study_id}), rms log "
+                       f"error {c.rms_log_error:.2f}; settings of study {r.template_study!r}")  # fmt: skip
+            typer.echo(f"  confirm: {r.confirm}")
+            continue
         mfu = f"MFU {r.mfu:.1%}" if r.mfu is not None else "MFU -"
         typer.echo(f"{r.model} ({r.num_params / 1e6:,.1f}M params) on {r.gpus} x {r.cluster}: {r.layout} - "
                    f"{r.tokens_per_s:,.0f} tokens/s, {mfu} (study {r.study_id} {r.study!r}, trial {r.trial_number})")  # fmt: skip
+        if r.payoff is not None:
+            typer.echo(f"  {describe_payoff(r.payoff)}")
 
 
 def submit(

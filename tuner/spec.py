@@ -194,6 +194,9 @@ class TrainingSpec(_Strict):
     global_batch_size: PositiveInt
     seq_len: PositiveInt | None = None  # None: the model's
     precision: Precision = "bf16"
+    # The planned training run's length: with it, a study reports the device-hours its best layout
+    # saves over the whole run (tuner/payoff.py).
+    total_tokens: PositiveInt | None = None
 
 
 class SpaceSpec(_Strict):

@@ -6,15 +6,16 @@ the same types (tuner/backend.py)."""
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
-from sqlalchemy import select
+from pydantic import BaseModel, Field
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tuner import store
 from tuner.db import Study, StudyBest, Trial, aware, utcnow
 from tuner.outcome import TrialState
+from tuner.payoff import Measured, Payoff, payoff
 
 
 class StudyCreated(BaseModel):
@@ -75,6 +76,7 @@ class StudySummary(BaseModel):
     id: int
     name: str
     status: str
+    payoff: Payoff | None = None  # what tuning cost and what it bought (tuner/payoff.py)
     reason: str | None = None  # why it is in its status: a failure, the cancel request, a pause
     lease: LeaseOut | None = None  # who runs it now
     owner: str | None = None  # who holds it, or last held it
@@ -109,6 +111,7 @@ class TrialPage(BaseModel):
 
 
 class BestOut(BaseModel):
+    kind: Literal["measured"] = "measured"  # predicted rows: tuner/predict.py PredictedBest
     study_id: int
     study: str
     model: str
@@ -123,6 +126,7 @@ class BestOut(BaseModel):
     mfu: float | None
     peak_memory_bytes: int | None
     predicted_tokens_per_s: float | None
+    payoff: Payoff | None = None  # of the study the row comes from
 
 
 # --- builders ------------------------------------------------------------------------------------
@@ -165,11 +169,35 @@ def best_trials(session: Session, study_ids: list[int]) -> dict[int, Trial]:
     return {study_id: trials[trial_id] for study_id, (_, trial_id) in fastest.items()}
 
 
-def summaries(session: Session, studies: list[Study]) -> list[StudySummary]:
-    """Summaries of a page of studies in a constant number of queries (counts, bests)."""
+def payoffs(session: Session, studies: list[Study]) -> dict[int, Payoff]:
+    """Each study's payoff in two queries: device-seconds per study, and its completed trials'
+    throughputs and predictions."""
     ids = [s.id for s in studies]
-    counts, bests = store.trial_counts(session, ids), best_trials(session, ids)
-    return [_summary(s, counts[s.id], bests.get(s.id)) for s in studies]
+    if not ids:
+        return {}
+    spent = dict(session.execute(select(Trial.study_id, func.sum(Trial.device_s)).where(Trial.study_id.in_(ids))
+                                 .group_by(Trial.study_id)).all())  # fmt: skip
+    measured: dict[int, list[Measured]] = {i: [] for i in ids}
+    q = select(Trial.study_id, Trial.tp * Trial.pp * Trial.dp, Trial.tokens_per_s, Trial.predicted_tokens_per_s).where(
+        Trial.study_id.in_(ids), Trial.state == TrialState.COMPLETE.value, Trial.tokens_per_s.is_not(None)
+    )  # fmt: skip
+    for study_id, world, tokens, predicted in session.execute(q):
+        measured[study_id].append(Measured(world, tokens, predicted))
+    return {s.id: payoff(spent.get(s.id) or 0.0, measured[s.id], s.spec.get("training", {}).get("total_tokens"))
+            for s in studies}  # fmt: skip
+
+
+def summaries(session: Session, studies: list[Study]) -> list[StudySummary]:
+    """Summaries of a page of studies in a constant number of queries (counts, bests, payoffs)."""
+    ids = [s.id for s in studies]
+    counts, bests, paid = (
+        store.trial_counts(session, ids),
+        best_trials(session, ids),
+        payoffs(session, studies),
+    )
+    return [
+        _summary(s, counts[s.id], bests.get(s.id)).model_copy(update={"payoff": paid[s.id]}) for s in studies
+    ]
 
 
 def _summary(study: Study, counts: dict[str, int], best: Trial | None) -> StudySummary:
@@ -192,6 +220,33 @@ def detail(session: Session, study: Study) -> StudyDetail:
 
 def best_rows(session: Session, *, model: str | None = None, cluster: str | None = None,
               num_gpus: int | None = None) -> list[BestOut]:  # fmt: skip
-    return [
-        BestOut(**row) for row in store.best_rows(session, model=model, cluster=cluster, num_gpus=num_gpus)
-    ]
+    rows = store.best_rows(session, model=model, cluster=cluster, num_gpus=num_gpus)
+    studies = (
+        list(session.scalars(select(Study).where(Study.id.in_({r["study_id"] for r in rows}))))
+        if rows
+        else []
+    )
+    paid = payoffs(session, studies)
+    return [BestOut(**row, payoff=paid.get(row["study_id"])) for row in rows]
+
+
+def best_or_predicted(session: Session, *, model: str | None = None, cluster: str | None = None,
+                      num_gpus: int | None = None, global_batch: int | None = None) -> list[BestOut | Any]:  # fmt: skip
+    """The measured best rows; for a model size with none, the planner's predictions on the
+    clusters that have calibrations (tuner/predict.py), marked `kind: predicted`."""
+    from tuner.predict import predicted_best
+
+    rows = best_rows(session, model=model, cluster=cluster, num_gpus=num_gpus)
+    if rows or not model:
+        return rows
+    try:
+        return predicted_best(session, model, cluster=cluster, gpus=num_gpus, global_batch=global_batch)
+    except ValueError:  # not a preset: nothing to predict for a shape key nobody measured
+        return []
+
+
+def best_row_type():
+    """BestOut | PredictedBest, told apart by `kind` (the API's response model)."""
+    from tuner.predict import PredictedBest
+
+    return Annotated[BestOut | PredictedBest, Field(discriminator="kind")]

@@ -26,15 +26,20 @@ class PlanRequest(BaseModel):
     include_unfit: bool = False
 
 
-@router.get("/api/best", response_model=list[views.BestOut], dependencies=[Read])
+@router.get("/api/best", response_model=list[views.best_row_type()], dependencies=[Read])
 def best(
     session: SessionDep,
     model: Annotated[str | None, Query(max_length=200)] = None,
     gpus: Annotated[int | None, Query(ge=1, le=10**7)] = None,
     cluster: Annotated[str | None, Query(max_length=200)] = None,
-) -> list[views.BestOut]:
-    """The fastest measured layout per (model, cluster, GPUs) across studies."""
-    return views.best_rows(session, model=model, cluster=cluster, num_gpus=gpus)
+    global_batch: Annotated[int | None, Query(ge=1, le=10**9, description="for a prediction")] = None,
+) -> list:
+    """The fastest measured layout per (model, cluster, GPUs) across studies. For a model preset
+    with no measurement, the planner's prediction on each calibrated cluster instead, marked
+    `kind: predicted`, with the calibration used and a command that confirms it."""
+    return views.best_or_predicted(
+        session, model=model, cluster=cluster, num_gpus=gpus, global_batch=global_batch
+    )
 
 
 @router.post("/api/plan", dependencies=[Read])

@@ -145,8 +145,37 @@ async function showBest(current) {
       el("td", { class: "num" }, fmt.int(r.tokens_per_s / r.gpus)), el("td", { class: "num" }, fmt.num(r.tflops_per_device)),
       el("td", { class: "num" }, fmt.pct(r.mfu)), el("td", { class: "num" }, fmt.bytes(r.peak_memory_bytes)),
       el("td", { class: "mono" }, r.layout), el("td", {}, el("a", { href: `#/study/${r.study_id}` }, `${r.study} #${r.trial_number}`))))))));
+  view.append(predictionSection());
   view.dataset.loaded = "true";
   await bestBySize(chart, rows);
+}
+
+// Sizes nobody measured: the planner's prediction on each calibrated cluster, apart from the
+// measured rows above, with the calibration it used and the command that confirms it.
+function predictionSection() {
+  const out = el("div", { class: "predicted" });
+  const select = el("select", { "aria-label": "model preset to predict", onchange: async () => {
+    out.replaceChildren();
+    if (!select.value) return;
+    const rows = await api(`/api/best?model=${encodeURIComponent(select.value)}`);
+    const predicted = rows.filter((r) => r.kind === "predicted");
+    if (!predicted.length) {
+      out.append(el("p", { class: "muted" }, rows.length ? `${select.value} is measured: see the table above.`
+        : `No prediction for ${select.value}: no cluster has a calibration (a finished study fits one).`));
+      return;
+    }
+    out.append(el("div", { class: "table-wrap" }, el("table", { class: "best predicted" },
+      el("thead", {}, el("tr", {}, ["model", "parameters", "cluster", "GPUs", "predicted tokens/s", "predicted MFU", "memory",
+        "layout", "calibration", "confirm with"].map((h) => el("th", {}, h)))),
+      el("tbody", {}, predicted.map((r) => el("tr", {}, el("td", {}, `${r.model} (predicted)`),
+        el("td", { class: "num" }, fmt.params(r.num_params)), el("td", {}, r.cluster), el("td", { class: "num" }, String(r.gpus)),
+        el("td", { class: "num" }, fmt.int(r.predicted_tokens_per_s)), el("td", { class: "num" }, fmt.pct(r.predicted_mfu)),
+        el("td", { class: "num" }, fmt.bytes(r.predicted_memory_bytes)), el("td", { class: "mono" }, r.layout),
+        el("td", {}, `${r.calibration.num_points} measurements, rms log error ${r.calibration.rms_log_error.toFixed(2)}`),
+        el("td", { class: "mono" }, r.confirm)))))));
+  } }, el("option", { value: "" }, "choose a model size"), (dashboardConfig.model_presets || []).map((m) => el("option", { value: m }, m)));
+  return el("section", {}, el("h2", {}, "Predicted for sizes not measured yet"),
+    el("p", { class: "muted" }, "Not measurements: the performance model with each cluster's latest calibration."), select, out);
 }
 
 // --- routes ----------------------------------------------------------------------------------
@@ -165,11 +194,13 @@ export function route() {
   shown.catch((e) => fail(e, current));
 }
 
+let dashboardConfig = {}; // /dashboard/config: read_auth, model_presets
+
 async function start() {
   showTokenState();
   // Ask for the token before the first read when the server needs one (rather than after a 401).
-  const config = token() ? {} : await fetch("/dashboard/config").then((r) => r.json()).catch(() => ({}));
-  if (config.read_auth && !token()) {
+  dashboardConfig = await fetch("/dashboard/config").then((r) => r.json()).catch(() => ({}));
+  if (dashboardConfig.read_auth && !token()) {
     askToken("This server needs a token to read.");
     view.replaceChildren(el("p", { class: "muted" }, "Enter the API token above to see the studies."));
   } else {

@@ -68,12 +68,23 @@ export async function showStudy(current, id, ctx) {
         fact("progress", `${study.progress.finished} / ${study.progress.budget} trials${counts ? ` (${counts})` : ""}`),
         fact("best tokens/s", fmt.int(study.best_tokens_per_s)), fact("best MFU", fmt.pct(study.best_mfu)),
         fact("best layout", best ? `#${best.number} ${best.layout}` : "–", "wide"),
+        ...payoffFacts(study.payoff),
         fact("device memory", `${study.spec.cluster?.device_memory_gb ?? "–"} GB`),
         fact("created", fmt.date(study.created_at)), fact("finished", fmt.date(study.finished_at)),
         study.lease ? fact("held by", `${study.lease.owner} (lease ${study.lease.expires_in_s >= 0
           ? `renewed ${Math.round(study.lease.renewed_s_ago)} s ago` : `expired ${Math.round(-study.lease.expires_in_s)} s ago`})`, "wide") : null,
         study.reason ? fact(study.status === "failed" ? "error" : "reason", study.reason, "wide") : null),
       el("div", { class: "actions" }, cancel, exports));
+  }
+
+  // What tuning cost and what it bought (tuner/payoff.py): one glance.
+  function payoffFacts(p) {
+    if (!p) return [];
+    const label = { first_guess: "vs the model's first guess", median: "vs the median layout" };
+    return [fact("tuning cost", `${p.tuning_device_hours.toPrecision(3)} device-hours`, "payoff"),
+      ...p.baselines.map((b) => fact(label[b.name], `${b.speedup.toFixed(2)}× ` + (b.payback_minutes === null ? "(no gain)"
+        : `— pays back after ${b.payback_minutes.toPrecision(3)} min of training`)
+        + (b.saved_device_hours ? `, saves ${b.saved_device_hours.toPrecision(3)} device-hours over the run` : ""), "payoff wide"))];
   }
 
   let cancelArmed = false; // two clicks, no blocking dialog; the header is redrawn by every poll

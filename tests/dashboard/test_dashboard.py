@@ -34,8 +34,9 @@ from tests.dashboard.helpers import (
     submit,
 )
 from tuner import store
-from tuner.db import Trial, connect
+from tuner.db import Calibration, Trial, connect
 from tuner.outcome import Outcome, StudyStatus, feedback
+from tuner.perfmodel import ModelConstants
 
 pytestmark = pytest.mark.browser
 
@@ -210,7 +211,12 @@ def test_new_trials_appear_live_and_cancel_needs_the_token(
         f"""document.querySelector('[data-chart="history"]').dataset.points === '{expected["history"]}'"""
     )
     assert tab.charts() == {k: expected[k] for k in CHARTS} and tab.charts()["history"] > before["history"]
-    assert "150,000" in page.inner_text(".study-head")  # the new best, in the refreshed header
+    head = page.inner_text(".study-head")
+    assert "150,000" in head  # the new best, in the refreshed header
+    # What tuning cost and bought, as the API computed it (tuner/payoff.py).
+    payoff = server.http.get(f"/api/studies/{study_id}").json()["payoff"]
+    guess = next(b for b in payoff["baselines"] if b["name"] == "first_guess")
+    assert "tuning cost" in head and f"vs the model's first guess\n{guess['speedup']:.2f}×" in head
     assert page.evaluate("window.notReloaded") is True
     # Cancel is a write: without a token the page asks for it, then cancels.
     page.click("button:has-text('Cancel study')")
@@ -245,6 +251,40 @@ def test_best_per_model_size(tab: Tab, server: Server, studies: dict[str, int]) 
     small = min(best, key=lambda b: b["num_params"])
     assert small["model"] in first and f"{round(small['tokens_per_s'] / small['gpus']):,}" in first
     tab.shot("best")
+    assert tab.errors == []
+
+
+def test_a_size_not_measured_shows_the_calibrated_prediction(
+    tab: Tab, server: Server, studies: dict[str, int]
+) -> None:
+    """gpt-2.7b was never measured: with a calibration of the 1.3B study's cluster, the best page
+    shows the planner's prediction apart from the measured rows, marked predicted, with the
+    calibration it used and the command that confirms it; without one it says why not."""
+    tab.open("#/best")
+    page = tab.page
+    chooser = page.locator('select[aria-label="model preset to predict"]')
+    chooser.wait_for()
+    with connect(server.database_url)() as s:
+        calibrated = s.scalar(select(func.count()).select_from(Calibration))
+    if not calibrated:
+        chooser.select_option("gpt-2.7b")
+        page.wait_for_selector("div.predicted p.muted")
+        assert "no cluster has a calibration" in page.inner_text("div.predicted")
+    with connect(server.database_url).begin() as s:
+        study = s.get(store.Study, studies["done"])
+        store.save_calibration(s, study.cluster_key, ModelConstants(), num_points=45, rms_log_error=0.12, study=study)
+    expected = server.http.get("/api/best", params={"model": "gpt-2.7b"}).json()
+    assert [r["kind"] for r in expected] == ["predicted"]
+    chooser.select_option("")
+    chooser.select_option("gpt-2.7b")
+    row = page.locator("table.best.predicted tbody tr")
+    row.wait_for()
+    text = row.inner_text()
+    assert "gpt-2.7b (predicted)" in text and expected[0]["layout"] in text
+    assert f"{round(expected[0]['predicted_tokens_per_s']):,}" in text
+    assert "45 measurements, rms log error 0.12" in text and "tuner best --model gpt-2.7b" in text
+    assert page.locator("table.best:not(.predicted) tbody tr").count() == len(server.http.get("/api/best").json())
+    tab.shot("best-predicted")
     assert tab.errors == []
 
 
