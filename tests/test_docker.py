@@ -262,9 +262,11 @@ def test_the_api_extra_has_no_torch_and_pulls_none_in() -> None:
     stack = list(roots)
     while stack:
         req = stack.pop()
-        assert canonicalize_name(req.name) not in ("torch", "optuna", "deephyper") and not req.name.startswith(
-            "nvidia-"
-        ), f"{req} is in the API's install"
+        assert canonicalize_name(req.name) not in (
+            "torch",
+            "optuna",
+            "deephyper",
+        ) and not req.name.startswith("nvidia-"), f"{req} is in the API's install"
         key = f"{canonicalize_name(req.name)}{sorted(req.extras)}"
         if key in seen:
             continue

@@ -272,7 +272,9 @@ def test_a_size_not_measured_shows_the_calibrated_prediction(
         assert "no cluster has a calibration" in page.inner_text("div.predicted")
     with connect(server.database_url).begin() as s:
         study = s.get(store.Study, studies["done"])
-        store.save_calibration(s, study.cluster_key, ModelConstants(), num_points=45, rms_log_error=0.12, study=study)
+        store.save_calibration(
+            s, study.cluster_key, ModelConstants(), num_points=45, rms_log_error=0.12, study=study
+        )
     expected = server.http.get("/api/best", params={"model": "gpt-2.7b"}).json()
     assert [r["kind"] for r in expected] == ["predicted"]
     chooser.select_option("")
@@ -283,7 +285,9 @@ def test_a_size_not_measured_shows_the_calibrated_prediction(
     assert "gpt-2.7b (predicted)" in text and expected[0]["layout"] in text
     assert f"{round(expected[0]['predicted_tokens_per_s']):,}" in text
     assert "45 measurements, rms log error 0.12" in text and "tuner best --model gpt-2.7b" in text
-    assert page.locator("table.best:not(.predicted) tbody tr").count() == len(server.http.get("/api/best").json())
+    assert page.locator("table.best:not(.predicted) tbody tr").count() == len(
+        server.http.get("/api/best").json()
+    )
     tab.shot("best-predicted")
     assert tab.errors == []
 

@@ -79,7 +79,9 @@ def test_module_and_env_names_are_checked_and_values_quoted() -> None:
     assert "export X='a'\"'\"'b $(c)'" in script and "cd '/w d/x'" in script
 
 
-def test_site_settings_from_the_environment_are_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_site_settings_from_the_environment_are_validated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tuner.settings import Settings, SettingsError
 
     setup = tmp_path / "setup.sh"
@@ -88,7 +90,11 @@ def test_site_settings_from_the_environment_are_validated(tmp_path: Path, monkey
     monkeypatch.setenv("TUNER_SLURM_SETUP", str(setup))
     monkeypatch.setenv("TUNER_SLURM_SOCKET_IFNAME", "hsn0")
     site = Settings.from_env().slurm.site()
-    assert (site.account, site.setup, site.socket_ifname) == ("abc", ("module purge", "source /opt/env.sh"), "hsn0")
+    assert (site.account, site.setup, site.socket_ifname) == (
+        "abc",
+        ("module purge", "source /opt/env.sh"),
+        "hsn0",
+    )
     assert site.exports == {"GLOO_SOCKET_IFNAME": "hsn0", "NCCL_SOCKET_IFNAME": "hsn0"}
     monkeypatch.setenv("TUNER_SLURM_PARTITION", "a;b")
     with pytest.raises(SettingsError, match=r"^TUNER_SLURM_PARTITION: String should match pattern"):

@@ -87,8 +87,12 @@ def test_the_api_and_the_cli_show_a_prediction_as_predicted(db: str, tmp_path: P
 
 @pytest.mark.distributed
 def test_the_one_line_confirmation_runs_the_top_predicted_layouts(db: str, tmp_path: Path) -> None:
-    env = {**os.environ, "TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp_path / "runs"),
-           "PATH": f"{Path(TUNER).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # the venv's tuner, as a user's shell has it
+    env = {
+        **os.environ,
+        "TUNER_DATABASE_URL": db,
+        "TUNER_WORK_DIR": str(tmp_path / "runs"),
+        "PATH": f"{Path(TUNER).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }  # the venv's tuner, as a user's shell has it
     with connect(db)() as s:
         (predicted,) = views.best_or_predicted(s, model="gpt-small")
     done = subprocess.run(["bash", "-c", predicted.confirm], capture_output=True, text=True, env=env, cwd=tmp_path,
