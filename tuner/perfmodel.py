@@ -10,91 +10,30 @@ What is not modelled is listed in docs/perfmodel.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from trainer.config import GPTConfig, ParallelConfig
 from trainer.topology import members_per_node
 from tuner.memmodel import _layer_params, memory, model_state_bytes  # noqa: F401 (re-exported)
-from tuner.spec import ClusterSpec, cluster_preset, padded_model
-
-
-@dataclass(frozen=True)
-class ModelConstants:
-    """Efficiencies the formulas cannot know; `calibrate` fits those in FITTED to measurements.
-    The class defaults are for GPUs; default_constants() gives CPU ranks their own."""
-
-    # A layer's GEMMs reach compute_efficiency x size / (size + compute_half_size) of peak,
-    # size = b*s*h/tp: small micro-batches or thin shards run slower. Between the GEMMs, the
-    # memory-bound work (norms, GeLU, dropout, residuals, a softmax over the scores without flash
-    # attention) costs elementwise_flops_per_byte peak FLOPs per byte it moves; relative to the
-    # GEMMs it shrinks as 1/h, which is why per-GPU throughput rises with model size
-    # (Korthikanti table 5: MFU 41.5 % at 22B, 56.3 % at 1T on the same A100s).
-    compute_efficiency: float = 0.85
-    compute_half_size: float = 2.0**17
-    elementwise_flops_per_byte: float = 500.0
-    comm_efficiency: float = 0.7  # fraction of link bandwidth a ring collective reaches
-    dp_overlap: float = 0.5  # fraction of data-parallel traffic hidden behind backward compute
-    # Costs the roofline misses. Kernel launches and the framework's Python run on the CPU ahead
-    # of the GPU, so for one micro-batch a layer's forward + backward takes at least
-    # layer_floor_s however little it computes (~100 kernels, plus Megatron/DeepSpeed hooks);
-    # large layers hide it entirely. Each collective or send also pays a software and
-    # synchronisation cost beyond the link latency, per peer it synchronises. Defaults: chosen
-    # on the vTrain h1024 tables (bench/model_validation.py --only h1024) together with the
-    # size trend of Korthikanti table 5 (elementwise_flops_per_byte), judged on the others
-    # (docs/benchmarks.md).
-    layer_floor_s: float = 3e-3
-    microbatch_overhead_s: float = 1e-2  # per micro-batch per stage: data, loss, engine bookkeeping
-    collective_overhead_s: float = 3e-5
-    workspace_bytes: float = 2.0e9  # CUDA context, allocator fragmentation, library workspaces
-    memory_margin: float = 0.05  # `fits` keeps this fraction of device memory free
-    # Measured peaks exceed the tensors' bytes by what the framework keeps besides them (the
-    # caching allocator's reserve, communication buckets, fp32 gradient copies): fitted per
-    # cluster from the trials' measured peaks by fit_memory_scale().
-    memory_scale: float = 1.0
-    flash_attention: bool = True  # SDPA/flash: the s x s attention scores are never stored
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-# What calibrate() fits: the constants step times pin down. compute_half_size and
-# collective_overhead_s move GPU step times little (5 % noise leaves them uncertain by +-30 %), and
-# the prior's pull keeps them near their defaults there; on CPU ranks (tiny GEMMs, gloo over
-# loopback) they are the dominant costs and the measurements move them far.
-FITTED = (
-    "compute_efficiency",
-    "comm_efficiency",
-    "dp_overlap",
-    "layer_floor_s",
-    "microbatch_overhead_s",
-    "compute_half_size",
-    "collective_overhead_s",
+from tuner.perfconstants import (  # noqa: F401 (re-exported: the model's public names)
+    CPU_CONSTANTS,
+    FITTED,
+    ModelConstants,
+    constants_path,
+    default_constants,
+    device_kind,
+    load_constants,
+    save_constants,
 )
+from tuner.spec import ClusterSpec, padded_model
 
-
-# CPU ranks (gloo over loopback, ranks sharing a few cores): nothing like a GPU. For now the GPU
-# defaults; bench/priors.py --fit-cpu-defaults fits them on our own CPU tables.
-CPU_CONSTANTS = ModelConstants()
-
-
-def device_kind(cluster: ClusterSpec | str) -> str:
-    """'cpu' or 'gpu'. By name: a cluster preset's kind, else 'cpu' for names starting 'cpu-' (our
-    own CPU clusters: cpu-local, cpu-4node-*), else 'gpu'."""
-    if isinstance(cluster, ClusterSpec):
-        return cluster.device_kind
-    try:
-        return ClusterSpec(**cluster_preset(cluster)).device_kind
-    except ValueError:
-        return "cpu" if cluster.startswith("cpu-") else "gpu"
-
-
-def default_constants(cluster: ClusterSpec | str) -> ModelConstants:
-    """The constants a study starts from on a cluster nothing was measured on yet."""
-    return CPU_CONSTANTS if device_kind(cluster) == "cpu" else ModelConstants()
+# The AdamW step moves 28 bytes per parameter (read w, g, m, v; write w, m, v, fp32). In the units
+# elementwise_flops_per_byte prices (a layer's stored activation bytes, each read and written
+# several times by the ops around it) that weighs ~8: chosen among 0/8/16/28 on the vTrain h1024
+# tables (uncalibrated error 7.4 / 6.6 / 6.9 / 8.2 %).
+OPTIMIZER_BYTES_PER_PARAM = 8.0
+DDP_BUCKET_BYTES = 25e6  # torch DDP's bucket_cap_mb default: replicated gradients go in 25 MB all-reduces
 
 
 @dataclass(frozen=True)
@@ -203,10 +142,10 @@ def estimate(
     n_collectives = 4 + (2 if p.activation_checkpoint == "full" else 0)
     tp_mb = 0.0
     if t > 1:
-        # the software cost of a collective grows with the peers it synchronises
+        # the software cost of a collective grows with the rounds it synchronises (log2 t)
         per = _ring_allreduce_s(
             tokens_mb * h * act_bytes, t, tp_gbps, tp_lat, c
-        ) + c.collective_overhead_s * (t - 1)
+        ) + c.collective_overhead_s * math.log2(t)
         tp_mb = layers * n_collectives * per
 
     stage_mb = max(compute_mb, layers * c.layer_floor_s) + tp_mb + c.microbatch_overhead_s
@@ -218,7 +157,7 @@ def estimate(
         pp_gbps, pp_lat = _group_link(cluster, pp, t * d)
         msg = tokens_mb * h * act_bytes / (t if p.sequence_parallel else 1)  # scatter/gather: sec. 4.1
         # forward activation + backward gradient per micro-batch per chunk, on the critical path
-        per = msg / (pp_gbps * 1e9 * c.comm_efficiency) + pp_lat * 1e-6 + c.collective_overhead_s
+        per = msg / (pp_gbps * 1e9 * c.comm_efficiency) + pp_lat * 1e-6
         p2p = 2 * (mb * v + pp - 1) * per
 
     # Data parallelism: gradients all-reduced once per step; ZeRO/FSDP splits it into
@@ -228,20 +167,36 @@ def estimate(
     params_rank = layers * _layer_params(m, t) + m.vocab_size * h / t
     full_ar = _ring_allreduce_s(params_rank * act_bytes, d, dp_gbps, dp_lat, c)
     if p.zero_stage == 3:
-        dp_comm = full_ar / 2 * (2 * mb + (mb if pp == 1 else 1))
+        halves = 2 * mb + (mb if pp == 1 else 1)
     elif p.zero_stage == 2 and pp == 1:  # reduce-scatter every micro-batch, one all-gather
-        dp_comm = full_ar / 2 * (mb + 1)
+        halves = mb + 1
     else:
-        dp_comm = full_ar
+        halves = 2
+    # Collectives issued: sharded data parallelism (FSDP, ZeRO-2/3) one per layer and pass, so
+    # halves x layers; replicated gradients one per 25 MB bucket (DDP's bucket_cap_mb). Each pays
+    # the software cost as tp's do (on gloo over loopback ~1 ms: most of what ZeRO-3 costs there).
+    if p.zero_stage >= 2:
+        n_dp_collectives = halves * layers
+    else:
+        n_dp_collectives = math.ceil(params_rank * act_bytes / DDP_BUCKET_BYTES)
+    dp_comm = full_ar / 2 * halves + n_dp_collectives * c.collective_overhead_s * math.log2(d)
     dp_exposed = dp_comm * (1 - c.dp_overlap)
 
+    # The optimizer step (AdamW) once per step over the rank's parameters, memory-bound like the
+    # work between the GEMMs: it reads weights, gradients, m and v and writes weights, m and v.
+    # ZeRO >= 1 shards it over dp; replicated, every data-parallel rank repeats it.
+    opt_params = params_rank / (d if p.zero_stage >= 1 else 1)
+    optimizer_s = (
+        opt_params * OPTIMIZER_BYTES_PER_PARAM * c.elementwise_flops_per_byte / (cluster.peak_tflops * 1e12)
+    )
+
     compute_total = mb * compute_mb
-    step = mb * stage_mb + bubble + p2p + dp_exposed
+    step = mb * stage_mb + bubble + p2p + dp_exposed + optimizer_s
     if cluster.cores_per_node:
         # Ranks sharing cores: a rank idle in the bubble lends its core to the others, and gloo's
         # collectives are CPU work too, so the node's total busy time over its cores bounds the step.
         ranks = min(p.world_size, cluster.gpus_per_node)
-        busy = mb * stage_mb + p2p + dp_comm
+        busy = mb * stage_mb + p2p + dp_comm + optimizer_s
         step = max(step, busy * ranks / cluster.cores_per_node)
     tokens_per_s = p.global_batch_size * s / step
     tflops = m.flops_per_token * tokens_per_s / p.world_size / 1e12
@@ -279,35 +234,36 @@ class Measurement:
 _FRACTIONS = {"compute_efficiency", "comm_efficiency", "dp_overlap"}
 
 
-def _to_free(c: ModelConstants) -> list[float]:
-    return [
-        math.log(v / (1 - v)) if k in _FRACTIONS else math.log(v) for k in FITTED for v in [getattr(c, k)]
-    ]
+def _to_free(c: ModelConstants, names: tuple[str, ...]) -> list[float]:
+    return [math.log(v / (1 - v)) if k in _FRACTIONS else math.log(v) for k in names for v in [getattr(c, k)]]
 
 
-def _from_free(x, base: ModelConstants) -> ModelConstants:
+def _from_free(x, base: ModelConstants, names: tuple[str, ...]) -> ModelConstants:
     values = {}
-    for k, z in zip(FITTED, x, strict=True):
+    for k, z in zip(names, x, strict=True):
         z = max(min(float(z), 40.0), -40.0)
         values[k] = 1 / (1 + math.exp(-z)) if k in _FRACTIONS else math.exp(z)
     return dataclasses.replace(base, **values)
 
 
 def calibrate(
-    measurements: list[Measurement], initial: ModelConstants | None = None, prior_weight: float = 0.2
+    measurements: list[Measurement],
+    initial: ModelConstants | None = None,
+    prior_weight: float = 0.2,
+    fitted: tuple[str, ...] = FITTED,
 ) -> ModelConstants:
-    """Least squares on log step time over the fitted constants (FITTED), with a pull towards
-    `initial` worth `prior_weight` measurements in all: a handful of measurements cannot send the
-    constants they do not observe anywhere, and many measurements outweigh it."""
+    """Least squares on log step time over the `fitted` constants, with a pull towards `initial`
+    (default: the cluster kind's defaults) worth `prior_weight` measurements in all: a handful of
+    measurements cannot send the constants they do not observe anywhere, and many outweigh it."""
     from scipy.optimize import least_squares
 
     if not measurements:
         return initial or ModelConstants()
     base = initial or default_constants(measurements[0].cluster)
-    x0 = _to_free(base)
+    x0 = _to_free(base, fitted)
 
     def residuals(x):
-        c = _from_free(x, base)
+        c = _from_free(x, base, fitted)
         res = [
             math.log(estimate(r.model, r.parallel, r.cluster, r.precision, c).step_time_s / r.step_time_s)
             for r in measurements
@@ -316,7 +272,7 @@ def calibrate(
         return res + [pull * (xi - x0i) for xi, x0i in zip(x, x0, strict=True)]
 
     fit = least_squares(residuals, x0, method="lm" if len(measurements) >= 4 else "trf")
-    return _from_free(fit.x, base)
+    return _from_free(fit.x, base, fitted)
 
 
 def fit_memory_scale(measured: list[tuple[Measurement, float]], constants: ModelConstants) -> ModelConstants:
@@ -347,45 +303,3 @@ def rms_log_error(measurements: list[Measurement], constants: ModelConstants) ->
         for r in measurements
     ]
     return math.sqrt(sum(x * x for x in res) / len(res))
-
-
-# --- persistence: constants per cluster ---------------------------------------------------------
-
-
-def constants_path() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-tuner"
-    return Path(os.environ.get("TUNER_CACHE_DIR", default)) / "perfmodel_constants.json"
-
-
-# The database keeps every calibration (tuner.store.save_calibration, the prior of the cluster's next
-# study); this JSON file is for constants fitted outside a study (bench/, a notebook) and is read
-# when the database has none for the cluster.
-
-
-def load_constants(cluster: ClusterSpec | str, path: Path | None = None) -> ModelConstants:
-    """The constants saved for the cluster (by name), else its kind's defaults (default_constants)."""
-    path = path or constants_path()
-    name = cluster.name if isinstance(cluster, ClusterSpec) else cluster
-    try:
-        stored = json.loads(path.read_text()).get(name)
-    except (OSError, ValueError):
-        stored = None
-    base = default_constants(cluster)
-    if not stored:
-        return base
-    known = {f.name for f in dataclasses.fields(ModelConstants)}
-    return dataclasses.replace(base, **{k: v for k, v in stored.items() if k in known})
-
-
-def save_constants(cluster_name: str, constants: ModelConstants, path: Path | None = None) -> Path:
-    path = path or constants_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[cluster_name] = constants.to_dict()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
-    return path

@@ -11,10 +11,12 @@ import pytest
 from trainer.config import MODEL_PRESETS, GPTConfig, ParallelConfig
 from tuner.memmodel import _activation_bytes_per_layer
 from tuner.perfmodel import (
+    CPU_CONSTANTS,
     FITTED,
     Measurement,
     ModelConstants,
     calibrate,
+    default_constants,
     estimate,
     fit_memory_scale,
     load_constants,
@@ -194,8 +196,8 @@ def test_ranks_sharing_cores_take_at_least_the_nodes_busy_time() -> None:
     assert b.step_time_s > 2 * a.step_time_s
     single = ParallelConfig(micro_batch_size=2, num_microbatches=8)  # one rank: no contention
     assert (
-        estimate(model, single, free, "fp32").step_time_s
-        == estimate(model, single, shared, "fp32").step_time_s
+        estimate(model, single, free, "fp32", CPU_CONSTANTS).step_time_s
+        == estimate(model, single, shared, "fp32", CPU_CONSTANTS).step_time_s
     )
 
 
@@ -214,3 +216,51 @@ def test_memory_scale_is_fitted_from_measured_peaks() -> None:
     p = layouts[0]
     assert memory(model, p, "bf16", fitted)["memory_bytes"] == pytest.approx(peaks[0][1])
     assert fit_memory_scale([], c) == c
+
+
+# --- issue 13: trends across sizes, padded vocabularies, defaults per device kind ----------------
+
+
+def test_mfu_rises_with_model_size_on_the_same_gpus() -> None:
+    """Korthikanti et al. 2022 table 5 (A100, tp 8, selective recompute + SP, no flash attention):
+    MFU 41.5 % (22B), 51.4 % (175B), 56.0 % (530B), 56.3 % (1T). The memory-bound work between the
+    GEMMs shrinks as 1/h; the prediction must rise with size too."""
+    c = ModelConstants(flash_attention=False)
+    runs = [  # (layers, hidden, heads, pp, virtual stages, micro-batch, global batch, GPUs)
+        (48, 6144, 64, 1, 1, 4, 4, 8), (96, 12288, 96, 8, 3, 1, 64, 64),
+        (105, 20480, 128, 35, 3, 1, 280, 280), (128, 25600, 160, 64, 1, 1, 512, 512),
+    ]  # fmt: skip
+    mfus = []
+    for layers, h, heads, pp, v, mbs, gbs, gpus in runs:
+        model = GPTConfig(num_layers=layers, hidden_size=h, num_heads=heads, seq_len=2048, vocab_size=51200)
+        p = ParallelConfig(tp=8, pp=pp, micro_batch_size=mbs, num_microbatches=gbs // mbs,
+                           activation_checkpoint="selective", sequence_parallel=True,
+                           pp_schedule="interleaved_1f1b" if v > 1 else "1f1b", virtual_stages=v)  # fmt: skip
+        mfus.append(estimate(model, p, a100(gpus // 8), constants=c).mfu)
+    assert mfus[0] < mfus[1] < mfus[2] and mfus[3] > 1.2 * mfus[0]
+
+
+def test_the_estimate_prices_the_padded_vocabulary() -> None:
+    gpt2 = dataclasses.replace(GPT3, vocab_size=50257)
+    p = layout(8, 8, 1, micro_batch_size=1, num_microbatches=64)
+    padded, raw = estimate(GPT3, p, a100(8)), estimate(gpt2, p, a100(8))
+    assert raw.vocab_size == padded.vocab_size == 51200 and raw == padded
+
+
+def test_cpu_clusters_start_from_their_own_defaults(tmp_path) -> None:
+    cpu = ClusterSpec(**cluster_preset("cpu-local"))
+    assert default_constants(cpu) == CPU_CONSTANTS != ModelConstants()
+    assert default_constants(a100(1)) == ModelConstants()
+    assert load_constants(cpu, tmp_path / "none.json") == CPU_CONSTANTS
+    assert load_constants("cpu-4node-200mbit", tmp_path / "none.json") == CPU_CONSTANTS
+    save_constants("cpu-local", dataclasses.replace(CPU_CONSTANTS, layer_floor_s=1e-3), tmp_path / "c.json")
+    assert load_constants(cpu, tmp_path / "c.json").layer_floor_s == 1e-3
+
+
+def test_calibrate_fits_only_the_named_constants() -> None:
+    model = MODEL_PRESETS["gpt-1.3b"]
+    points = [Measurement(model, layout(t, 1, 8 // t, micro_batch_size=2, num_microbatches=4), a100(1), 0.5 * t)
+              for t in (1, 2, 4, 8)]  # fmt: skip
+    fitted = calibrate(points, fitted=("compute_efficiency",))
+    assert fitted.comm_efficiency == ModelConstants().comm_efficiency
+    assert fitted.compute_efficiency != ModelConstants().compute_efficiency

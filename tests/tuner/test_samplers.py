@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from trainer.config import GPTConfig
@@ -95,3 +97,35 @@ def test_replayed_oom_layouts_are_never_proposed_again(name: str) -> None:
     later = drive(rebuilt, 15)
     assert not set(later) & (set(history) | {pending})
     assert not set(later) & set(ooms)
+
+
+def _surprised(sampler, factor: float, n: int) -> list[float]:
+    """Tell `sampler` n results `factor` times the speed it predicted; its sigma after each."""
+    sigmas = []
+    for _ in range(n):
+        c = sampler.ask()
+        tokens_per_s = math.exp(sampler.log_tps[c]) * factor
+        step_time_s = c.global_batch_size * MODEL.seq_len / tokens_per_s
+        sampler.tell(c, Outcome(ok=True, tokens_per_s=tokens_per_s, step_time_s=step_time_s))
+        sigmas.append(sampler.sigma)
+    return sigmas
+
+
+def test_model_exploration_bonus_shrinks_as_the_model_stops_being_surprised() -> None:
+    """sigma pools the prior spread with each trial's surprise (measured / predicted before it):
+    right predictions shrink it, wrong ones grow it."""
+    from tuner.samplers.model import PRIOR_SIGMA
+
+    right = _surprised(make("model"), 1.0, 8)
+    assert right == sorted(right, reverse=True) and right[-1] < PRIOR_SIGMA / 2
+    wrong = _surprised(make("model"), 2.0, 1)
+    assert wrong[0] > PRIOR_SIGMA
+
+
+def test_model_starts_from_the_device_kinds_defaults() -> None:
+    from tuner.perfmodel import CPU_CONSTANTS
+
+    cpu = ClusterSpec(**{**cluster_preset("cpu-local"), "gpus_per_node": 8, "cores_per_node": 2})
+    sampler = make_sampler("model", CANDIDATES, model=MODEL, cluster=cpu)
+    assert sampler.initial == CPU_CONSTANTS
+    assert make("model").initial == ModelConstants()

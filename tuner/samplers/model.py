@@ -8,20 +8,23 @@ from collections.abc import Sequence
 
 from trainer.config import GPTConfig, ParallelConfig
 from tuner.outcome import FailureKind, Feedback, Outcome
-from tuner.perfmodel import Measurement, ModelConstants, calibrate, estimate
+from tuner.perfmodel import Measurement, ModelConstants, calibrate, default_constants, estimate
 from tuner.samplers.base import BaseSampler
 from tuner.spec import ClusterSpec
 
-PRIOR_SIGMA = 0.3  # log-space spread of an uncalibrated prediction (~35 %), until residuals say
+PRIOR_SIGMA = 0.3  # log-space spread of an uncalibrated prediction (~35 %), until surprises say
+PRIOR_POINTS = 2.0  # what PRIOR_SIGMA weighs against the surprises measured so far
 MAX_CALIBRATION_POINTS = 40  # the fastest layouts measured: the ones that decide the ranking
 
 
 class ModelSampler(BaseSampler):
-    """Upper confidence bound on log tokens/s: log(predicted) + beta * sigma * novelty, where sigma
-    is the spread of log(measured / predicted) after calibration and novelty is 1 for a
-    (tp, pp, dp) family not measured yet. A layout that ran out of memory puts a wall at its
-    predicted memory: layouts predicted to need as much or more are not proposed while others
-    remain."""
+    """Upper confidence bound on log tokens/s: log(predicted) + beta * sigma * novelty, novelty 1
+    for a (tp, pp, dp) family not measured yet. sigma is how wrong the model has been on this
+    study: each measurement's surprise, log(measured / predicted) by the model as it stood before
+    that trial, pooled with PRIOR_SIGMA worth PRIOR_POINTS trials. So the exploration bonus starts
+    at PRIOR_SIGMA and shrinks as the calibrated model stops being surprised (and grows while it
+    keeps being wrong). A layout that ran out of memory puts a wall at its predicted memory:
+    layouts predicted to need as much or more are not proposed while others remain."""
 
     name = "model"
 
@@ -38,8 +41,9 @@ class ModelSampler(BaseSampler):
     ):
         super().__init__(candidates, seed)
         self.model, self.cluster, self.precision, self.beta = model, cluster, precision, beta
-        self.initial = self.constants = constants or ModelConstants()
+        self.initial = self.constants = constants or default_constants(cluster)
         self.measured: list[Measurement] = []
+        self.surprises: list[float] = []  # log(measured / predicted before the trial), per trial
         self.sigma = PRIOR_SIGMA
         self.memory_wall = math.inf
         self.families: set[tuple[int, int, int]] = set()
@@ -74,6 +78,11 @@ class ModelSampler(BaseSampler):
         if told is not Feedback.SCORE or outcome.step_time_s <= 0:
             return
         self.families.add((config.tp, config.pp, config.dp))
+        self.surprises.append(math.log(max(outcome.tokens_per_s, 1e-12)) - self.log_tps[config])
+        self.sigma = math.sqrt(
+            (PRIOR_POINTS * PRIOR_SIGMA**2 + sum(r * r for r in self.surprises))
+            / (PRIOR_POINTS + len(self.surprises))
+        )
         self.measured.append(
             Measurement(self.model, config, self.cluster, outcome.step_time_s, self.precision)
         )
@@ -83,13 +92,3 @@ class ModelSampler(BaseSampler):
         points = sorted(self.measured, key=lambda m: m.step_time_s)[:MAX_CALIBRATION_POINTS]
         self.constants = calibrate(points, self.initial)
         self._predict()
-        if n >= 3:
-            residuals = [
-                math.log(
-                    m.step_time_s
-                    / estimate(m.model, m.parallel, m.cluster, m.precision, self.constants).step_time_s
-                )
-                for m in points
-            ]
-            mean = sum(residuals) / len(residuals)
-            self.sigma = max(0.02, math.sqrt(sum((r - mean) ** 2 for r in residuals) / (len(residuals) - 1)))

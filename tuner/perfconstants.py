@@ -1,0 +1,139 @@
+"""The performance model's constants: what its formulas cannot know, their defaults per device
+kind, and where a cluster's fitted constants are kept outside the database. tuner.perfmodel
+re-exports every name here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tuner.spec import ClusterSpec, cluster_preset
+
+
+@dataclass(frozen=True)
+class ModelConstants:
+    """Efficiencies the formulas cannot know; `calibrate` fits those in FITTED to measurements.
+    The class defaults are for GPUs; default_constants() gives CPU ranks their own."""
+
+    # A layer's GEMMs reach compute_efficiency x size / (size + compute_half_size) of peak,
+    # size = b*s*h/tp: small micro-batches or thin shards run slower. Between the GEMMs, the
+    # memory-bound work (norms, GeLU, dropout, residuals, a softmax over the scores without flash
+    # attention) costs elementwise_flops_per_byte peak FLOPs per byte it moves; relative to the
+    # GEMMs it shrinks as 1/h, which is why per-GPU throughput rises with model size
+    # (Korthikanti table 5: MFU 41.5 % at 22B, 56.3 % at 1T on the same A100s).
+    compute_efficiency: float = 0.85
+    compute_half_size: float = 2.0**17
+    elementwise_flops_per_byte: float = 500.0
+    comm_efficiency: float = 0.7  # fraction of link bandwidth a ring collective reaches
+    dp_overlap: float = 0.5  # fraction of data-parallel traffic hidden behind backward compute
+    # Costs the roofline misses. Kernel launches and the framework's Python run on the CPU ahead
+    # of the GPU, so for one micro-batch a layer's forward + backward takes at least
+    # layer_floor_s however little it computes (~100 kernels, plus Megatron/DeepSpeed hooks);
+    # large layers hide it entirely. Each collective also pays a software and synchronisation
+    # cost beyond the link latency, per round of a log-depth synchronisation (log2 of its group;
+    # a cost per peer over-priced tp 4 against tp 2 on our CPU tables); a point-to-point send
+    # pays the link latency only. Defaults: chosen
+    # on the vTrain h1024 tables (bench/model_validation.py --only h1024) together with the
+    # size trend of Korthikanti table 5 (elementwise_flops_per_byte), judged on the others
+    # (docs/benchmarks.md).
+    layer_floor_s: float = 3e-3
+    microbatch_overhead_s: float = 1e-2  # per micro-batch per stage: data, loss, engine bookkeeping
+    collective_overhead_s: float = 3e-5
+    workspace_bytes: float = 2.0e9  # CUDA context, allocator fragmentation, library workspaces
+    memory_margin: float = 0.05  # `fits` keeps this fraction of device memory free
+    # Measured peaks exceed the tensors' bytes by what the framework keeps besides them (the
+    # caching allocator's reserve, communication buckets, fp32 gradient copies): fitted per
+    # cluster from the trials' measured peaks by fit_memory_scale().
+    memory_scale: float = 1.0
+    flash_attention: bool = True  # SDPA/flash: the s x s attention scores are never stored
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# What calibrate() fits: the constants step times pin down. compute_half_size and
+# collective_overhead_s move GPU step times little (5 % noise leaves them uncertain by +-30 %), and
+# the prior's pull keeps them near their defaults there; on CPU ranks (tiny GEMMs, gloo over
+# loopback) they are the dominant costs and the measurements move them far.
+FITTED = (
+    "compute_efficiency",
+    "comm_efficiency",
+    "dp_overlap",
+    "layer_floor_s",
+    "microbatch_overhead_s",
+    "compute_half_size",
+    "collective_overhead_s",
+)
+
+
+# CPU ranks (gloo over loopback, ranks sharing a few cores) are nothing like a GPU: milliseconds per
+# layer and per collective, no CUDA context. Fitted by `bench/priors.py --fit-cpu-defaults`
+# (calibrate() from the GPU defaults on every layout of bench/own_tables/own_gpt-tiny_8rank_gbs16.csv
+# and own_gpt-small_8rank_gbs16.csv); every other own table is held out from them.
+CPU_CONSTANTS = ModelConstants(
+    compute_efficiency=0.9828, compute_half_size=6822.0, elementwise_flops_per_byte=59.41,
+    comm_efficiency=0.9027, dp_overlap=0.5, layer_floor_s=4.592e-3, microbatch_overhead_s=1.103e-4,
+    collective_overhead_s=2.255e-3,
+    workspace_bytes=0.0,  # the trainer's CPU peak is its live tensors: no context or allocator reserve
+)  # fmt: skip
+
+
+def device_kind(cluster: ClusterSpec | str) -> str:
+    """'cpu' or 'gpu'. By name: a cluster preset's kind, else 'cpu' for names starting 'cpu-' (our
+    own CPU clusters: cpu-local, cpu-4node-*), else 'gpu'."""
+    if isinstance(cluster, ClusterSpec):
+        return cluster.device_kind
+    try:
+        return ClusterSpec(**cluster_preset(cluster)).device_kind
+    except ValueError:
+        return "cpu" if cluster.startswith("cpu-") else "gpu"
+
+
+def default_constants(cluster: ClusterSpec | str) -> ModelConstants:
+    """The constants a study starts from on a cluster nothing was measured on yet."""
+    return CPU_CONSTANTS if device_kind(cluster) == "cpu" else ModelConstants()
+
+
+# --- persistence: constants per cluster ---------------------------------------------------------
+
+
+def constants_path() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-tuner"
+    return Path(os.environ.get("TUNER_CACHE_DIR", default)) / "perfmodel_constants.json"
+
+
+# The database keeps every calibration (tuner.store.save_calibration, the prior of the cluster's next
+# study); this JSON file is for constants fitted outside a study (bench/, a notebook) and is read
+# when the database has none for the cluster.
+
+
+def load_constants(cluster: ClusterSpec | str, path: Path | None = None) -> ModelConstants:
+    """The constants saved for the cluster (by name), else its kind's defaults (default_constants)."""
+    path = path or constants_path()
+    name = cluster.name if isinstance(cluster, ClusterSpec) else cluster
+    try:
+        stored = json.loads(path.read_text()).get(name)
+    except (OSError, ValueError):
+        stored = None
+    base = default_constants(cluster)
+    if not stored:
+        return base
+    known = {f.name for f in dataclasses.fields(ModelConstants)}
+    return dataclasses.replace(base, **{k: v for k, v in stored.items() if k in known})
+
+
+def save_constants(cluster_name: str, constants: ModelConstants, path: Path | None = None) -> Path:
+    path = path or constants_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[cluster_name] = constants.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path
