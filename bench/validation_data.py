@@ -91,6 +91,25 @@ CLUSTERS: dict[str, dict[str, Any]] = {
         "intra_node_gbps": 2.0, "inter_node_gbps": 2.0,
         "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0, "cores_per_node": 2,
     },
+    # Our own 4-node tables (bench/measure_table.py --slurm --nodes 4): the local Slurm cluster of
+    # tests/slurm_cluster.py, 4 network namespaces of 2 ranks each on one bridge, every rank on the
+    # same 2-core VM: 8 ranks share 2 real cores, so 2 / 4 = 0.5 cores per node. Memory: 24 GB /
+    # 8 ranks. Inside a node: the cpu-local preset's loopback-like 2.0 GB/s and 50 us (measured
+    # 0.97-2.13 GB/s between two tasks on one node, docs/slurm.md "Shaped links").
+    # Shaped: tbf at 200 Mbit/s on each node's bridge port, so a node receives 200 / 8 = 25 MB/s =
+    # 0.025 GB/s (measured 24.0 MB/s with a 32 MiB socket transfer between two nodes).
+    "4 nodes x 2 (2-core VM, 200 Mbit/s links)": {
+        "name": "cpu-4node-200mbit", "peak_tflops": 0.05, "device_memory_gb": 3.0,
+        "intra_node_gbps": 2.0, "inter_node_gbps": 0.025,
+        "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0, "cores_per_node": 0.5,
+    },
+    # Unshaped: the same bridge without tc; between two nodes a socket transfer measured
+    # UNSHAPED_MBS, round trip UNSHAPED_RTT.
+    "4 nodes x 2 (2-core VM, unshaped links)": {
+        "name": "cpu-4node-unshaped", "peak_tflops": 0.05, "device_memory_gb": 3.0,
+        "intra_node_gbps": 2.0, "inter_node_gbps": 2.0,
+        "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0, "cores_per_node": 0.5,
+    },
 }  # fmt: skip
 
 # Shapes a source leaves empty. The BigScience BLOOM-prequel 02-20 runs (chronicles-prequel.md) do

@@ -1,0 +1,68 @@
+"""bench/measure_table.py: a table's rows, as bench/validation_data.py reads them back. No cluster:
+the runs are made-up results with the placement a 4-node job records (trainer/topology.py)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from bench.measure_table import COLUMNS, cluster_label, table_row
+from bench.validation_data import CLUSTERS, load_csv
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult
+from trainer.config import ParallelConfig as P
+from trainer.topology import placement
+
+HOSTS = [f"n{r // 2}" for r in range(8)]  # 4 nodes x 2 ranks, in blocks
+
+
+def _result(layout: P, step_times_s: list[float]) -> BenchmarkResult:
+    return BenchmarkResult(status="ok", step_times_s=step_times_s, tokens_per_s=1000.0,
+                           peak_memory_bytes=5_000_000, placement=placement(layout, HOSTS))  # fmt: skip
+
+
+def _write_and_load(tmp_path: Path, layout: P, results: list[BenchmarkResult], mbit: int | None):
+    cfg = BenchmarkConfig(model=MODEL_PRESETS["gpt-tiny"], parallel=layout, warmup_steps=1, measure_steps=3)
+    path = tmp_path / "own_test.csv"
+    row = table_row(layout, cfg, results, model_name="gpt-tiny", table_id=path.stem, source="test",
+                    gpu_type=cluster_label(4, mbit), gpus_per_node=2, with_placement=True)  # fmt: skip
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS)
+        writer.writeheader()
+        writer.writerow(row)
+    (measurement,) = load_csv(path)
+    return row, measurement
+
+
+@pytest.mark.parametrize(("num_nodes", "mbit", "name"), [(1, None, "cpu-local"), (4, 200, "cpu-4node-200mbit"),
+                                                         (4, None, "cpu-4node-unshaped")])  # fmt: skip
+def test_each_label_names_exactly_one_cluster(num_nodes: int, mbit: int | None, name: str) -> None:
+    label = cluster_label(num_nodes, mbit)
+    assert [c["name"] for key, c in CLUSTERS.items() if key in label] == [name]
+
+
+def test_a_4_node_row_reads_back_as_the_layout_on_the_emulated_cluster(tmp_path: Path) -> None:
+    layout = P(tp=2, dp_replicate=4, micro_batch_size=4)  # tp inside a node, dp across 4
+    runs = [_result(layout, [1.0, 1.2, 1.1]), _result(layout, [1.4, 1.3, 1.5])]
+    _, m = _write_and_load(tmp_path, layout, runs, mbit=200)
+    assert m.parallel == layout and m.status == "ok"
+    assert m.iteration_time_s == pytest.approx(1.25)  # median of the per-run medians 1.1 and 1.4
+    assert m.cluster["name"] == "cpu-4node-200mbit"
+    assert (m.cluster["num_nodes"], m.cluster["gpus_per_node"], m.cluster["cores_per_node"]) == (4, 2, 0.5)
+    assert m.cluster["inter_node_gbps"] == 0.025  # 200 Mbit/s
+    assert (
+        "per-run medians 1.1000, 1.4000; placement: 4 nodes x 2 ranks; dp_replicate 4 nodes, tp 1 node"
+        in m.notes
+    )
+
+
+def test_a_zero3_row_reads_back_sharded_and_a_failed_run_fails_the_row(tmp_path: Path) -> None:
+    layout = P(tp=1, pp=2, dp_shard=4, zero_stage=3, micro_batch_size=2, num_microbatches=2)
+    ok = _result(layout, [0.5])
+    _, m = _write_and_load(tmp_path, layout, [ok, ok], mbit=None)
+    assert m.parallel == layout and m.cluster["name"] == "cpu-4node-unshaped"
+    crashed = BenchmarkResult(status="error", error="Slurm job 7 ended FAILED (exit 1:0) without a result")
+    row, m = _write_and_load(tmp_path, layout, [ok, crashed], mbit=None)
+    assert (row["status"], row["measured_value"], m.iteration_time_s) == ("fail", "", None)
+    assert "error: Slurm job 7 ended FAILED" in m.notes
