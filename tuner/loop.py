@@ -41,7 +41,7 @@ from tuner.db import Trial, utcnow
 from tuner.dispatch import Dispatcher, DispatchError, JobHandle
 from tuner.lease import Lease
 from tuner.outcome import FailureKind, Outcome, StudyStatus, TrialState, feedback, retry
-from tuner.perfmodel import estimate, load_constants
+from tuner.perfmodel import default_constants, estimate
 from tuner.samplers import make_sampler
 from tuner.space import SearchSpace
 from tuner.spec import StudySpec, benchmark_config, slug
@@ -110,7 +110,7 @@ class StudyRunner:
             self.spec = StudySpec.model_validate(study.spec)
             history = [(store.config_of(t), store.outcome_of(t)) for t in store.trials(s, study)]
             stored = store.latest_constants(s, self.spec.cluster.name)
-        self.constants = stored or load_constants(self.spec.cluster.name)
+        self.constants = stored or default_constants(self.spec.cluster)
         self.model, self.cluster = self.spec.gpt(), self.spec.cluster
         space = SearchSpace.from_spec(self.spec).enumerate()
         if not space.valid:

@@ -1,14 +1,12 @@
 """The performance model's constants: what its formulas cannot know, their defaults per device
-kind, and where a cluster's fitted constants are kept outside the database. tuner.perfmodel
-re-exports every name here."""
+kind. A cluster's fitted constants live in the database only (tuner.store.save_calibration /
+latest_constants; `tuner calibrate export|import` moves them). tuner.perfmodel re-exports every
+name here."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from tuner.spec import ClusterSpec, cluster_preset
 
@@ -95,45 +93,3 @@ def device_kind(cluster: ClusterSpec | str) -> str:
 def default_constants(cluster: ClusterSpec | str) -> ModelConstants:
     """The constants a study starts from on a cluster nothing was measured on yet."""
     return CPU_CONSTANTS if device_kind(cluster) == "cpu" else ModelConstants()
-
-
-# --- persistence: constants per cluster ---------------------------------------------------------
-
-
-def constants_path() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-tuner"
-    return Path(os.environ.get("TUNER_CACHE_DIR", default)) / "perfmodel_constants.json"
-
-
-# The database keeps every calibration (tuner.store.save_calibration, the prior of the cluster's next
-# study); this JSON file is for constants fitted outside a study (bench/, a notebook) and is read
-# when the database has none for the cluster.
-
-
-def load_constants(cluster: ClusterSpec | str, path: Path | None = None) -> ModelConstants:
-    """The constants saved for the cluster (by name), else its kind's defaults (default_constants)."""
-    path = path or constants_path()
-    name = cluster.name if isinstance(cluster, ClusterSpec) else cluster
-    try:
-        stored = json.loads(path.read_text()).get(name)
-    except (OSError, ValueError):
-        stored = None
-    base = default_constants(cluster)
-    if not stored:
-        return base
-    known = {f.name for f in dataclasses.fields(ModelConstants)}
-    return dataclasses.replace(base, **{k: v for k, v in stored.items() if k in known})
-
-
-def save_constants(cluster_name: str, constants: ModelConstants, path: Path | None = None) -> Path:
-    path = path or constants_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[cluster_name] = constants.to_dict()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
-    return path

@@ -20,11 +20,8 @@ from tuner.perfconstants import (  # noqa: F401 (re-exported: the model's public
     CPU_CONSTANTS,
     FITTED,
     ModelConstants,
-    constants_path,
     default_constants,
     device_kind,
-    load_constants,
-    save_constants,
 )
 from tuner.spec import ClusterSpec, padded_model
 

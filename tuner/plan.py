@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.config import ParallelConfig
-from tuner.perfmodel import Estimate, ModelConstants, estimate, load_constants
+from tuner.perfmodel import Estimate, ModelConstants, default_constants, estimate
 from tuner.space import SearchSpace
 from tuner.spec import VOCAB_DIVISIBLE_BY, StudySpec, padded_vocab, parse_spec
 
@@ -92,7 +92,7 @@ def plan(
     pins = pins or {}
     if pins:
         spec = _pinned_spec(spec, pins)
-    constants = constants or load_constants(spec.cluster)
+    constants = constants or default_constants(spec.cluster)  # the caller passes the database's
     enum = SearchSpace.from_spec(spec).enumerate()
     valid = [c for c in enum.valid if _agrees(c, pins)]
     if pins and not valid:

@@ -19,10 +19,8 @@ from tuner.perfmodel import (
     default_constants,
     estimate,
     fit_memory_scale,
-    load_constants,
     memory,
     model_state_bytes,
-    save_constants,
 )
 from tuner.space import SearchSpace, layout
 from tuner.spec import ClusterSpec, SpaceSpec, cluster_preset
@@ -177,15 +175,6 @@ def test_calibrate_recovers_known_constants_from_noisy_measurements() -> None:
     assert 0.5 < fitted.compute_half_size / truth.compute_half_size < 2.5
 
 
-def test_constants_persist_per_cluster(tmp_path) -> None:
-    path = tmp_path / "c.json"
-    c = ModelConstants(compute_efficiency=0.33)
-    save_constants("frontier-mi250x", c, path)
-    save_constants("a100-80gb", ModelConstants(comm_efficiency=0.5), path)
-    assert load_constants("frontier-mi250x", path) == c
-    assert load_constants("unknown", path) == ModelConstants()
-
-
 def test_ranks_sharing_cores_take_at_least_the_nodes_busy_time() -> None:
     model = MODEL_PRESETS["gpt-tiny"]
     own = dict(cluster_preset("cpu-local"), gpus_per_node=8, cores_per_node=None)
@@ -247,14 +236,11 @@ def test_the_estimate_prices_the_padded_vocabulary() -> None:
     assert raw.vocab_size == padded.vocab_size == 51200 and raw == padded
 
 
-def test_cpu_clusters_start_from_their_own_defaults(tmp_path) -> None:
+def test_cpu_clusters_start_from_their_own_defaults() -> None:
     cpu = ClusterSpec(**cluster_preset("cpu-local"))
     assert default_constants(cpu) == CPU_CONSTANTS != ModelConstants()
     assert default_constants(a100(1)) == ModelConstants()
-    assert load_constants(cpu, tmp_path / "none.json") == CPU_CONSTANTS
-    assert load_constants("cpu-4node-200mbit", tmp_path / "none.json") == CPU_CONSTANTS
-    save_constants("cpu-local", dataclasses.replace(CPU_CONSTANTS, layer_floor_s=1e-3), tmp_path / "c.json")
-    assert load_constants(cpu, tmp_path / "c.json").layer_floor_s == 1e-3
+    assert default_constants("cpu-4node-200mbit") == CPU_CONSTANTS  # by name: our own CPU clusters
 
 
 def test_calibrate_fits_only_the_named_constants() -> None:
