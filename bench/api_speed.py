@@ -1,10 +1,13 @@
 """API latency with 100k trials in the database, and p99 under 200 requests/s on loopback.
 
-    .venv/bin/python bench/api_speed.py [--trials 100000] [--rate 200] [--seconds 10] [--database-url URL]
+    .venv/bin/python bench/api_speed.py [--trials 100000] [--rate 200] [--seconds 10] [--workers 1 2]
+        [--database-url URL]
 
 A database (SQLite file by default; --database-url for PostgreSQL) gets 10 studies and `--trials`
 trials in all (bulk inserted, 60 % completed, measured figures made up by a seeded RNG); `tuner serve
---no-worker` serves it on 127.0.0.1 (uvicorn, one process). Then, from this process over HTTP:
+--no-worker --workers N` serves it on 127.0.0.1 (uvicorn, N API processes), for each N of
+--workers in turn on the same database, so the figures stand side by side. Then, from this process
+over HTTP:
 - GET /api/best: 200 sequential requests, p50/p99 (target p99 < 50 ms);
 - GET /api/studies/{id}/trials?after=N&limit=1000 for the largest study: 100 requests at random
   offsets, p50/p99; and the polling case (after = the last number): p50/p99;
@@ -119,6 +122,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--database-url")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="API processes, each in turn")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tuner-api-bench-"))
     url = args.database_url or f"sqlite:///{tmp / 'bench.db'}"
@@ -127,21 +131,28 @@ def main() -> None:
     print(
         f"populated {args.trials} trials in {time.perf_counter() - t:.1f} s ({url.split(':')[0]})", flush=True
     )
+    for workers in args.workers:
+        print(f"\n--- tuner serve --no-worker --workers {workers} ---", flush=True)
+        measure(url, tmp, big, workers, args.rate, args.seconds)
+
+
+def measure(url: str, tmp: Path, big: int, workers: int, rate: float, seconds: float) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "TUNER_DATABASE_URL": url, "TUNER_WORK_DIR": str(tmp / "runs")}
-    server = subprocess.Popen([TUNER, "serve", "--no-worker", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    server = subprocess.Popen([TUNER, "serve", "--no-worker", "--workers", str(workers), "--host", "127.0.0.1",
+                               "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=base, timeout=30) as client:
-            for _ in range(200):
+            for _ in range(300):
                 try:
                     client.get("/healthz")
                     break
                 except httpx.HTTPError:
                     time.sleep(0.2)
+            time.sleep(2.0 if workers > 1 else 0.0)  # every worker process up, not only the first
             last = client.get(f"/api/studies/{big}").json()["progress"]["finished"] - 1
             for _ in range(5):  # warm up
                 timed(client, "/api/best")
@@ -158,15 +169,15 @@ def main() -> None:
         # Open loop: requests start on schedule whether or not earlier ones finished (asyncio: one
         # client thread, so the client costs the shared cores as little as it can).
         paths = ["/api/best", f"/api/studies/{big}", f"/api/studies/{big}/trials?after={last}"]
-        n = int(args.rate * args.seconds)
-        latencies = asyncio.run(open_loop(base, paths, n, args.rate))
-        achieved = n / (max(latencies) / 1000 + args.seconds)
-        print(f"open loop {args.rate:.0f} requests/s for {args.seconds:.0f} s ({n} requests, ~{achieved:.0f}/s "
+        n = int(rate * seconds)
+        latencies = asyncio.run(open_loop(base, paths, n, rate))
+        achieved = n / (max(latencies) / 1000 + seconds)
+        print(f"open loop {rate:.0f} requests/s for {seconds:.0f} s ({n} requests, ~{achieved:.0f}/s "
               f"served): p50 {pct(latencies, 0.5):.1f} ms, p99 {pct(latencies, 0.99):.1f} ms, "
               f"max {max(latencies):.1f} ms")  # fmt: skip
         print(f"median of the sequential /api/best: {statistics.median(best):.1f} ms")
     finally:
-        server.terminate()
+        server.terminate()  # uvicorn's supervisor stops its worker processes
         server.wait(timeout=30)
 
 
