@@ -5,7 +5,9 @@ the same types (tuner/backend.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import statistics
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
@@ -13,9 +15,12 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tuner import store
-from tuner.db import Study, StudyBest, Trial, aware, utcnow
+from tuner.db import Calibration, Study, StudyBest, Trial, aware, utcnow
 from tuner.outcome import TrialState
 from tuner.payoff import Measured, Payoff, payoff
+from tuner.perfmodel import ModelConstants, estimate
+from tuner.predict import CalibrationOut
+from tuner.spec import StudySpec
 
 
 class StudyCreated(BaseModel):
@@ -250,3 +255,64 @@ def best_row_type():
     from tuner.predict import PredictedBest
 
     return Annotated[BestOut | PredictedBest, Field(discriminator="kind")]
+
+
+# --- the model learning: predictions at proposal time against the study's calibrated model ---------
+
+
+class CalibratedTrial(BaseModel):
+    number: int
+    layout: str
+    tokens_per_s: float  # measured
+    proposed_tokens_per_s: float | None  # predicted when proposed, with the constants in use then
+    calibrated_tokens_per_s: float  # predicted now, with the study's calibration
+    calibrated_memory_bytes: float
+
+
+class StudyCalibration(BaseModel):
+    """A study's completed trials as the model predicted them when it proposed them and as the
+    study's own calibration predicts them now. The calibration is fitted to these same trials, so
+    its error here is in-sample: it shows what the model learnt, not how well it predicts."""
+
+    calibration: CalibrationOut | None  # None until the study ends with 3 measured trials
+    trials: list[CalibratedTrial]
+    median_error_proposed: float | None  # median of |predicted / measured - 1| over `trials`
+    median_error_calibrated: float | None
+
+
+def _median_error(pairs: list[tuple[float | None, float]]) -> float | None:
+    errors = [abs(p / m - 1) for p, m in pairs if p]
+    return statistics.median(errors) if errors else None
+
+
+def study_calibration(session: Session, study: Study) -> StudyCalibration:
+    """Every completed trial priced by the study's latest calibration (tuner/calibration.py fits
+    one when the study ends), beside the prediction stored when it was proposed."""
+    row = session.scalars(
+        select(Calibration).where(Calibration.study_id == study.id)
+        .order_by(Calibration.created_at.desc(), Calibration.id.desc()).limit(1)
+    ).first()  # fmt: skip
+    if row is None:
+        return StudyCalibration(
+            calibration=None, trials=[], median_error_proposed=None, median_error_calibrated=None
+        )
+    known = {f.name for f in dataclasses.fields(ModelConstants)}
+    constants = ModelConstants(**{k: v for k, v in row.constants.items() if k in known})
+    spec = StudySpec.model_validate(study.spec)
+    gpt, precision = spec.gpt(), spec.training.precision
+    out = []
+    for t in store.trials(session, study, (TrialState.COMPLETE,)):
+        if not t.tokens_per_s:
+            continue
+        config = store.config_of(t)
+        est = estimate(gpt, config, spec.cluster, precision, constants)
+        out.append(CalibratedTrial(number=t.number, layout=config.describe(), tokens_per_s=t.tokens_per_s,
+                                   proposed_tokens_per_s=t.predicted_tokens_per_s,
+                                   calibrated_tokens_per_s=est.tokens_per_s, calibrated_memory_bytes=est.memory_bytes))  # fmt: skip
+    return StudyCalibration(
+        calibration=CalibrationOut(cluster=row.cluster_key, study_id=row.study_id, num_points=row.num_points,
+                                   rms_log_error=row.rms_log_error, created_at=aware(row.created_at).isoformat()),
+        trials=out,
+        median_error_proposed=_median_error([(t.proposed_tokens_per_s, t.tokens_per_s) for t in out]),
+        median_error_calibrated=_median_error([(t.calibrated_tokens_per_s, t.tokens_per_s) for t in out]),
+    )  # fmt: skip

@@ -112,6 +112,13 @@ def get_trials(
     return views.TrialPage(items=items, last_number=items[-1].number if items else after)
 
 
+@router.get("/{study_id}/calibration", response_model=views.StudyCalibration, dependencies=[Read])
+def get_calibration(study_id: StudyId, session: SessionDep) -> views.StudyCalibration:
+    """Each completed trial as the model predicted it when proposed and as the study's calibration
+    (fitted when the study ends) predicts it now: what the model learnt from the study."""
+    return views.study_calibration(session, study_or_404(session, study_id))
+
+
 @router.get("/{study_id}/trials.csv", dependencies=[Read], response_class=PlainTextResponse,
             responses={200: {"content": {"text/csv": {}}}})  # fmt: skip
 def trials_csv(study_id: StudyId, session: SessionDep) -> Response:
