@@ -1,15 +1,20 @@
-"""A study's best layout as a launch config for another stack: a torchtitan job TOML, Megatron-LM
-`pretrain_gpt.py` arguments under torchrun, or an sbatch script that runs our own trainer.
+"""A study's best layout as a launch config for another stack: a torchtitan config module,
+Megatron-LM `pretrain_gpt.py` arguments under torchrun, or an sbatch script that runs our own trainer.
 
 Only the layout and the model's shape travel: data, tokenizer, optimizer and step counts belong to
 the run, not the layout. Where a stack has no equivalent of a knob the file says so in a comment
-instead of silently changing what was measured. Names a user wrote (study, cluster) appear only as
-slug(name), so no comment or shell line carries a user's text. Golden files: tests/tuner/golden/.
+instead of silently changing what was measured; where it cannot run the layout at all, export_layout
+refuses with the reason (UNSUPPORTED). Names a user wrote (study, cluster) appear only as
+slug(name), so no comment or shell line carries a user's text. Golden files: tests/tuner/golden/;
+the tests parse them with torchtitan's own ConfigManager and check Megatron-LM's flags and
+validate_args rules (docs/exports.md).
 """
 
 from __future__ import annotations
 
+import math
 import shlex
+from collections.abc import Callable
 
 from trainer.config import ParallelConfig
 from trainer.launch import CONFIG_FILE, RESULT_FILE
@@ -24,23 +29,35 @@ from tuner.dispatch.sbatch import (
 from tuner.spec import SlurmSpec, StudySpec, benchmark_config, slug
 
 FORMATS = ("torchtitan", "megatron", "sbatch")
+# The releases the exports are written for and tested against (docs/exports.md).
+TORCHTITAN_VERSION = "0.3.0"
+MEGATRON_SOURCE = "megatron-core 0.19.2, megatron/training/arguments.py"
 
 # torch.distributed.pipelining schedule class names (torchtitan passes them to get_schedule_class).
 TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 # zero_stage -> FSDP2 reshard_after_forward (trainer/parallelize.py: apply_fsdp). 0 has no FSDP.
 TORCHTITAN_RESHARD = {0: "default", 2: "never", 3: "always"}
+# activation_checkpoint -> (module to import from, the Trainer.Config value)
+_AC_MODULE = "torchtitan.distributed.activation_checkpoint"
+TORCHTITAN_AC = {"none": ("", "None"), "full": (_AC_MODULE, "FullAC.Config()"),
+                 "selective": (_AC_MODULE, "SelectiveAC.Config()")}  # fmt: skip
+TORCHTITAN_CONFIG_FN = "tuned_layout"
 
 
 def export_layout(
     fmt: str, spec: StudySpec, config: ParallelConfig, *, site: SiteSettings | None = None
 ) -> str:
     """The launch config for `config` in format `fmt` (one of FORMATS). `site` (sbatch only)
-    supplies Slurm defaults and the job preamble; None: no site options, `python` from PATH."""
+    supplies Slurm defaults and the job preamble; None: no site options, `python` from PATH.
+    ValueError when the model cannot run the layout or the stack cannot express it."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; valid: {list(FORMATS)}")
     problems = config.problems(spec.gpt())
     if problems:
         raise ValueError(f"layout {config.describe()} cannot run the study's model: " + "; ".join(problems))
+    reasons = UNSUPPORTED[fmt](spec, config)
+    if reasons:
+        raise ValueError(f"{fmt}: cannot express layout {config.describe()}: " + "; ".join(reasons))
     if fmt == "torchtitan":
         return _torchtitan(spec, config)
     if fmt == "megatron":
@@ -68,75 +85,160 @@ def _comments(lines: list[str]) -> list[str]:
     return [f"# {line}" if line else "#" for line in lines]
 
 
+# --- what each stack cannot run ---
+
+
+def _torchtitan_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
+    """torchtitan derives the stage count from `pipeline_parallel_layers_per_stage` (ceil(layers /
+    layers per stage)); beyond its default of 2 stages per rank some counts have no such value."""
+    if config.pp == 1 or config.virtual_stages <= 2:
+        return []
+    layers, stages = spec.gpt().num_layers, config.num_stages
+    if math.ceil(layers / _layers_per_stage(layers, stages)) != stages:
+        return [f"no pipeline_parallel_layers_per_stage splits {layers} layers into {stages} stages"]
+    return []
+
+
+def _megatron_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
+    layers, c = spec.gpt().num_layers, config
+    if c.pp > 1 and layers % c.num_stages:
+        return [
+            f"num_layers ({layers}) is not a multiple of pp ({c.pp}) x virtual_stages ({c.virtual_stages}) "
+            f"= {c.num_stages}: Megatron-LM splits layers evenly over stages"
+        ]
+    return []
+
+
+# format -> why that stack cannot run a layout our trainer measured (empty: it can). A layout knob
+# a stack lacks is refused here with its reason, never exported as something else.
+UNSUPPORTED: dict[str, Callable[[StudySpec, ParallelConfig], list[str]]] = {
+    "torchtitan": _torchtitan_unsupported,
+    "megatron": _megatron_unsupported,
+    "sbatch": lambda spec, config: [],  # our own trainer ran it
+}
+
+
 # --- torchtitan ---
 
 
+def _layers_per_stage(layers: int, stages: int) -> int:
+    return math.ceil(layers / stages)
+
+
+def _torchrun(spec: StudySpec, config: ParallelConfig) -> tuple[str, list[str]]:
+    """(the torchrun launcher, a note for several nodes) on the study's nodes."""
+    nodes, per_node = layout_resources(benchmark_config(spec, config), spec.cluster.gpus_per_node)
+    note = [f"run this on each of the {nodes} nodes with --node-rank and --master-addr (or "
+            "--rdzv-backend=c10d --rdzv-endpoint)."] if nodes > 1 else []  # fmt: skip
+    return f"torchrun --nproc-per-node={per_node} --nnodes={nodes}", note
+
+
 def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
-    """A torchtitan JobConfig TOML. Per data-parallel rank torchtitan takes `local_batch_size`
-    sequences and accumulates gradients up to `global_batch_size`; with pp > 1 it splits the local
-    batch into pipeline micro-batches of `pipeline_parallel_microbatch_size`. So with pp > 1 the
-    local batch is all of a flush's micro-batches; with pp = 1 it is one micro-batch and
-    num_microbatches becomes gradient accumulation."""
-    m, c = spec.gpt(), config
-    local_batch = c.micro_batch_size * (c.num_microbatches if c.pp > 1 else 1)
-    param_dtype = "float32" if spec.training.precision == "fp32" else "bfloat16"
-    notes = [
-        "[model] names a torchtitan model and flavor; ours (shape above) has no built-in flavor: "
-        "register one with this shape.",
-        f"zero_stage {c.zero_stage} -> fsdp_reshard_after_forward = {TORCHTITAN_RESHARD[c.zero_stage]!r} "
-        "(ZeRO-3 reshards after forward, ZeRO-2 keeps parameters gathered until backward; "
-        "FSDP2 always shards optimizer state and gradients)."
-        if c.zero_stage
-        else "zero_stage 0: no FSDP (data_parallel_shard_degree 1), so fsdp_reshard_after_forward has no effect.",
+    """A torchtitan config module. Since torchtitan 0.3.0 a run is a Python function returning a
+    `Trainer.Config`, named with `--module` and `--config` (TOML job files are gone, and its
+    `--section.option` flags are frozen, kept only for old scripts). The function starts from a
+    base config, which supplies the model, data and optimizer, and sets the layout on it."""
+    c = config
+    module = f"{slug(spec.name).replace('-', '_').replace('.', '_')}_layout"
+    torchrun, multi_node = _torchrun(spec, config)
+    run = [
+        f"save as {module}.py on PYTHONPATH, then run:",
+        f"  {torchrun} -m torchtitan.train --module {module} --config {TORCHTITAN_CONFIG_FN}",
+        *multi_node,
     ]
-    if c.tp > 1:
-        notes.append(
-            "sequence parallelism is implied by tensor_parallel_degree > 1 in torchtitan"
-            + ("." if c.sequence_parallel else "; this layout was measured without it.")
-        )
-    if c.pp > 1 and c.pp_schedule == "interleaved_1f1b":
-        notes.append(
-            f"Interleaved1F1B: torchtitan's default is 2 stages per rank; this layout has "
-            f"{c.virtual_stages} ({m.num_layers} layers over {c.num_stages} stages)"
-            + ("." if c.virtual_stages == 2 else "; set pipeline_parallel_layers_per_stage to match.")
-        )
-    if c.activation_checkpoint == "selective":
-        notes.append(
-            "selective: ours recomputes the attention core (Korthikanti et al. 2022); torchtitan's "
-            "per-op policy ('op') saves matmul outputs instead: similar, not the same memory."
-        )
-    if spec.training.precision == "fp16":
-        notes.append("fp16 study: torchtitan's mixed precision is bfloat16 (the trainer measured bf16 too).")
-    if c.dp_shard == 1 and param_dtype != "float32":
-        notes.append("mixed_precision_param is applied by FSDP; with dp_shard 1 check your version's AMP.")
-    schedule = TORCHTITAN_SCHEDULES[c.pp_schedule] if c.pp > 1 else "1F1B"
-    lines = _comments([*_header(spec, config, "torchtitan job config"), "", *notes])
-    lines += [
+    lines = _comments([*_header(spec, config, f"torchtitan {TORCHTITAN_VERSION} config"), *run, "",
+                       *_torchtitan_notes(spec, config)])  # fmt: skip
+    ac_module, ac_expr = TORCHTITAN_AC[c.activation_checkpoint]
+    body = [
+        *([f"from {ac_module} import {ac_expr.split('.')[0]}"] if ac_module else []),
+        "from torchtitan.models.llama3.config_registry import llama3_debugmodel",
+        "from torchtitan.trainer import Trainer",
         "",
-        "[parallelism]",
+        "# The model, data, tokenizer and optimizer: replace with your config function that builds the",
+        "# model above (torchtitan has no GPT with learned positions; llama3 is the nearest family).",
+        "BASE = llama3_debugmodel",
+        "",
+        "",
+        f"def {TORCHTITAN_CONFIG_FN}() -> Trainer.Config:",
+        '    """BASE with the measured layout."""',
+        "    config = BASE()",
+        *[f"    config.parallelism.{line}" for line in _torchtitan_parallelism(spec, config)],
+        *[f"    config.training.{line}" for line in _torchtitan_training(spec, config)],
+        "    config.compile.enable_async_tensor_parallel = False  # measured without async TP",
+        f"    config.activation_checkpoint = {ac_expr}",
+        "    return config",
+    ]
+    return "\n".join([*lines, "", *body]) + "\n"
+
+
+def _torchtitan_parallelism(spec: StudySpec, config: ParallelConfig) -> list[str]:
+    """`ParallelismConfig` fields. Pipeline stages: no extra weight for the embedding and the head
+    (first/last_stage_less_layers 0), so torchtitan splits the layers as evenly as our trainer,
+    earlier stages taking the remainder (trainer/pipeline.py: stage_layer_ranges)."""
+    c = config
+    lines = [
         f"data_parallel_replicate_degree = {c.dp_replicate}",
         f"data_parallel_shard_degree = {c.dp_shard}",
         f'fsdp_reshard_after_forward = "{TORCHTITAN_RESHARD[c.zero_stage]}"',
         f"tensor_parallel_degree = {c.tp}",
-        "enable_async_tensor_parallel = false",
-        "disable_loss_parallel = false  # logits stay vocab-sharded into the loss, as measured",
-        f"pipeline_parallel_degree = {c.pp}",
-        f'pipeline_parallel_schedule = "{schedule}"',
-        f"pipeline_parallel_microbatch_size = {c.micro_batch_size}",
+        f"enable_sequence_parallel = {c.sequence_parallel}",
         "context_parallel_degree = 1",
-        "",
-        "[training]",
-        f"local_batch_size = {local_batch}",
-        f"global_batch_size = {c.global_batch_size}",
-        f"seq_len = {m.seq_len}",
-        f'mixed_precision_param = "{param_dtype}"',
-        "",
-        "[activation_checkpoint]",
-        f'mode = "{c.activation_checkpoint}"',
+        f"pipeline_parallel_degree = {c.pp}",
     ]
+    if c.pp == 1:
+        return lines
+    lines += [
+        f'pipeline_parallel_schedule = "{TORCHTITAN_SCHEDULES[c.pp_schedule]}"',
+        f"pipeline_parallel_microbatch_size = {c.micro_batch_size}",
+        "pipeline_parallel_first_stage_less_layers = 0  # layers split evenly, as measured",
+        "pipeline_parallel_last_stage_less_layers = 0",
+    ]
+    if c.virtual_stages > 2:  # torchtitan's default for a looped schedule is 2 stages per rank
+        per_stage = _layers_per_stage(spec.gpt().num_layers, c.num_stages)
+        lines.append(f"pipeline_parallel_layers_per_stage = {per_stage}  # {c.num_stages} stages")
+    return lines
+
+
+def _torchtitan_training(spec: StudySpec, config: ParallelConfig) -> list[str]:
+    """`TrainingConfig` fields, counted in sequences. Per data-parallel rank torchtitan takes
+    `local_batch_size` sequences and accumulates gradients up to `global_batch_size`; with pp > 1
+    it splits the local batch into pipeline micro-batches of `pipeline_parallel_microbatch_size`.
+    So with pp > 1 the local batch is all of a flush's micro-batches; with pp = 1 it is one
+    micro-batch and num_microbatches becomes gradient accumulation."""
+    c = config
+    lines = [
+        f"local_batch_size = {c.micro_batch_size * (c.num_microbatches if c.pp > 1 else 1)}",
+        f"global_batch_size = {c.global_batch_size}",
+        f"seq_len = {spec.gpt().seq_len}",
+        f'mixed_precision_param = "{"float32" if spec.training.precision == "fp32" else "bfloat16"}"',
+    ]
+    if c.pp > 1:  # Trainer.Config refuses pipeline parallelism with CUDA graphs (its default)
+        lines.append("disable_cuda_graphs = True")
+    return lines
+
+
+def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
+    """What torchtitan runs differently from the measured layout."""
+    c, notes = config, []
+    notes.append(
+        f"zero_stage {c.zero_stage} -> fsdp_reshard_after_forward {TORCHTITAN_RESHARD[c.zero_stage]!r} "
+        "(ZeRO-3 reshards after forward, ZeRO-2 keeps parameters gathered until backward; "
+        "FSDP2 always shards optimizer state and gradients)."
+        if c.zero_stage
+        else "zero_stage 0: no sharding (data_parallel_shard_degree 1)."
+    )
+    if c.tp > 1:
+        notes.append("tp: logits stay vocab-sharded into the loss (torchtitan's loss parallel), as measured.")
+    if c.pp == 1:
+        notes.append("torchtitan captures CUDA graphs by default (pp = 1); the layout was measured without.")
     if c.activation_checkpoint == "selective":
-        lines.append('selective_ac_option = "op"')
-    return "\n".join(lines) + "\n"
+        notes.append(
+            "selective: ours recomputes the attention core (Korthikanti et al. 2022); torchtitan's "
+            "SelectiveAC saves matmul outputs (every second one) instead: similar, not the same memory."
+        )
+    if spec.training.precision == "fp16":
+        notes.append("fp16 study: torchtitan's mixed precision is bfloat16 (the trainer measured bf16 too).")
+    return notes
 
 
 # --- Megatron-LM ---
@@ -145,12 +247,7 @@ def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
 def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
     """`torchrun ... pretrain_gpt.py` with the layout's arguments, one per line."""
     m, c = spec.gpt(), config
-    if c.pp > 1 and m.num_layers % c.num_stages:
-        raise ValueError(
-            f"megatron: num_layers ({m.num_layers}) is not a multiple of pp ({c.pp}) x virtual_stages "
-            f"({c.virtual_stages}) = {c.num_stages}: Megatron-LM splits layers evenly over stages"
-        )
-    nodes, per_node = layout_resources(benchmark_config(spec, config), spec.cluster.gpus_per_node)
+    fsdp = _megatron_fsdp2(config)
     args = [
         ("--tensor-model-parallel-size", c.tp),
         ("--pipeline-model-parallel-size", c.pp),
@@ -173,14 +270,13 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
         ("--attention-dropout", m.dropout),
         ("--hidden-dropout", m.dropout),
     ]
-    if spec.training.precision != "fp32":
-        args.append((f"--{spec.training.precision}", None))
+    if spec.training.precision != "fp32":  # --use-torch-fsdp2 refuses --fp16; bf16 is what was measured
+        args.append(("--bf16" if fsdp else f"--{spec.training.precision}", None))
     if c.activation_checkpoint == "full":
         args += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                  ("--recompute-num-layers", 1)]  # fmt: skip
     elif c.activation_checkpoint == "selective":
         args.append(("--recompute-granularity", "selective"))
-    fsdp = c.zero_stage == 3 and c.pp == 1
     if fsdp:
         args += [("--use-torch-fsdp2", None), ("--no-gradient-accumulation-fusion", None)]
     elif c.zero_stage:
@@ -190,30 +286,53 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
         f"({m.vocab_size}) to a multiple of --make-vocab-size-divisible-by x tp.",
         "Megatron's defaults match the rest of the model: learned absolute positions, LayerNorm, GELU.",
     ]
-    if nodes > 1:
-        notes.append(f"run this on each of the {nodes} nodes with --node-rank and --master-addr (or "
-                     "--rdzv-backend=c10d --rdzv-endpoint).")  # fmt: skip
-    if c.tp > 1:
-        notes.append("export CUDA_DEVICE_MAX_CONNECTIONS=1 so that TP/SP communication overlaps compute.")
-    notes += _megatron_notes(spec, config)
-    lines = _comments([*_header(spec, config, "Megatron-LM launch"), "", *notes])
-    argv = [f"torchrun --nproc-per-node={per_node} --nnodes={nodes} pretrain_gpt.py"]
+    torchrun, multi_node = _torchrun(spec, config)
+    notes += multi_node
+    env, env_note = _megatron_env(config)
+    notes += [*([env_note] if env_note else []), *_megatron_notes(spec, config)]
+    lines = _comments(
+        [*_header(spec, config, f"Megatron-LM launch (flags of {MEGATRON_SOURCE})"), "", *notes]
+    )
+    argv = [f"{env}{torchrun} pretrain_gpt.py"]
     argv += [f"    {flag}" if value is None else f"    {flag} {value}" for flag, value in args]
     return "\n".join([*lines, " \\\n".join(argv)]) + "\n"
+
+
+def _megatron_fsdp2(config: ParallelConfig) -> bool:
+    """zero_stage 3 runs as --use-torch-fsdp2, which validate_args refuses with pipeline parallelism."""
+    return config.zero_stage == 3 and config.pp == 1
+
+
+def _megatron_env(config: ParallelConfig) -> tuple[str, str]:
+    """(prefix of the torchrun command, why) for CUDA_DEVICE_MAX_CONNECTIONS, as validate_args
+    rules: --use-torch-fsdp2 asserts it is unset or > 1; otherwise tensor parallelism (sequence
+    parallelism needs tp > 1) asserts it is 1 on GPUs before Blackwell, which on later GPUs is
+    allowed and harmless. Context and expert parallelism, its other cases, are never exported."""
+    if _megatron_fsdp2(config):
+        return "env -u CUDA_DEVICE_MAX_CONNECTIONS ", (
+            "CUDA_DEVICE_MAX_CONNECTIONS unset: --use-torch-fsdp2 requires it unset or > 1"
+            + (" (with tp > 1 Megatron warns that TP would rather have 1)." if config.tp > 1 else ".")
+        )
+    if config.tp > 1:
+        return "CUDA_DEVICE_MAX_CONNECTIONS=1 ", (
+            "CUDA_DEVICE_MAX_CONNECTIONS=1: tensor parallelism requires it on GPUs before Blackwell "
+            "(kernels then start in issue order, so TP communication overlaps compute)."
+        )
+    return "", ""
 
 
 def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
     """What Megatron-LM runs differently from the measured layout."""
     c, notes = config, []
-    if c.zero_stage:
+    if _megatron_fsdp2(config):
+        notes.append("zero_stage 3 -> --use-torch-fsdp2 (torch FSDP2 instead of Megatron's DDP); it does "
+                     "not combine with the distributed optimizer or gradient accumulation fusion.")  # fmt: skip
+    elif c.zero_stage:
         notes.append(
             "Megatron's distributed optimizer shards optimizer state (and reduce-scatters gradients) "
             "like ZeRO-1/2 over all dp ranks; it has no ZeRO-3."
         )
-    if c.zero_stage == 3 and c.pp == 1:
-        notes.append("zero_stage 3 -> --use-torch-fsdp2 (torch FSDP2 instead of Megatron's DDP); it does "
-                     "not combine with the distributed optimizer or gradient accumulation fusion.")  # fmt: skip
-    elif c.zero_stage == 3:
+    if c.zero_stage == 3 and c.pp > 1:
         notes.append("zero_stage 3 with pp > 1: Megatron's --use-torch-fsdp2 does not combine with "
                      "pipeline parallelism, so this uses the distributed optimizer: parameters are not "
                      "sharded and memory per GPU is higher than measured.")  # fmt: skip
@@ -225,7 +344,9 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
     if c.activation_checkpoint == "selective":
         notes.append("selective recompute is the attention core in both (Korthikanti et al. 2022).")
     if spec.training.precision == "fp16":
-        notes.append("--fp16 uses loss scaling; the trainer measured this layout in bf16.")
+        notes.append("--bf16: --use-torch-fsdp2 does not support fp16; the trainer measured bf16 too."
+                     if _megatron_fsdp2(config)
+                     else "--fp16 uses loss scaling; the trainer measured this layout in bf16.")  # fmt: skip
     return notes
 
 

@@ -1,18 +1,23 @@
-"""Exported launch configs (torchtitan TOML, Megatron-LM arguments, sbatch): golden files, and what
-each format must say for a few layouts. UPDATE_GOLDEN=1 rewrites the golden files."""
+"""Exported launch configs (torchtitan config module, Megatron-LM arguments, sbatch): golden files,
+each parsed the way its stack parses it (torchtitan's own ConfigManager; Megatron-LM's flag list and
+validate_args rules), and what each format must say for a few layouts. UPDATE_GOLDEN=1 rewrites the
+golden files."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from trainer.config import BenchmarkConfig, ParallelConfig
+from trainer.pipeline import stage_layer_ranges
 from tuner.dispatch.sbatch import ROOT, SiteSettings
-from tuner.export import FORMATS, export_layout
+from tuner.export import FORMATS, MEGATRON_SOURCE, TORCHTITAN_CONFIG_FN, TORCHTITAN_VERSION, export_layout
 from tuner.spec import StudySpec, padded_model, parse_spec, slug
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -118,12 +123,8 @@ def _golden(name: str, text: str) -> None:
     assert text == path.read_text(), f"{path} differs; UPDATE_GOLDEN=1 rewrites it after a deliberate change"
 
 
-def _toml(text: str) -> dict:
-    return pytest.importorskip("tomllib").loads(text)  # Python 3.11+
-
-
 def _megatron_args(text: str) -> tuple[list[str], dict[str, str | None]]:
-    """(the torchrun words before pretrain_gpt.py, {flag: value or None}) of the exported command."""
+    """(the launcher words before pretrain_gpt.py, {flag: value or None}) of the exported command."""
     words = shlex.split(text.replace("\\\n", " "), comments=True)
     script = words.index("pretrain_gpt.py")
     flags: dict[str, str | None] = {}
@@ -148,40 +149,149 @@ def test_export_matches_golden_file(fmt: str, case: str) -> None:
     _golden(f"export_{fmt}_{case}.txt", _export(fmt, case))
 
 
+# --- torchtitan: every golden file through torchtitan's own ConfigManager ---
+
+# Layouts beyond the golden cases: more than 2 virtual stages per rank (pipeline_parallel_layers_per_stage)
+# and an uneven layer split.
+MORE_TORCHTITAN = {
+    "virtual3": (_spec({"preset": "gpt-tiny", "num_layers": 12}, "h100-80gb", 4, 8, "bf16"),
+                 ParallelConfig(pp=2, dp_shard=2, zero_stage=2, num_microbatches=4,
+                                pp_schedule="interleaved_1f1b", virtual_stages=3)),
+    "uneven": (_spec({"preset": "gpt-tiny", "num_layers": 5}, "h100-80gb", 8, 8, "bf16"),
+               ParallelConfig(pp=2, dp_replicate=4, num_microbatches=2)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def torchtitan_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """{name: what torchtitan parsed} for every golden torchtitan export, the MORE_TORCHTITAN
+    layouts, and `no_cuda_graphs_rule`: the pipeline golden without its disable_cuda_graphs line.
+    One process (tests/tuner/torchtitan_parse.py) keeps torchtitan's imports out of this one."""
+    folder = tmp_path_factory.mktemp("torchtitan")
+    modules = {}
+    for case, (spec, *_) in CASES.items():
+        modules[case] = ((GOLDEN / f"export_torchtitan_{case}.txt").read_text(), spec.gpt().num_layers)
+    for name, (spec, config) in MORE_TORCHTITAN.items():
+        modules[name] = (export_layout("torchtitan", spec, config), spec.gpt().num_layers)
+    pipelined = modules["gpt13b_h100"][0]
+    modules["no_cuda_graphs_rule"] = ("".join(line for line in pipelined.splitlines(keepends=True)
+                                              if "disable_cuda_graphs" not in line), 24)  # fmt: skip
+    for name, (text, _) in modules.items():
+        (folder / f"titan_{name}.py").write_text(text)
+    argv = [f"titan_{name}:{layers}" for name, (_, layers) in modules.items()]
+    helper = Path(__file__).parent / "torchtitan_parse.py"
+    run = subprocess.run([sys.executable, str(helper), str(folder), TORCHTITAN_CONFIG_FN, *argv],
+                         capture_output=True, text=True, cwd=folder)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {name.removeprefix("titan_"): parsed for name, parsed in json.loads(run.stdout).items()}
+
+
+TORCHTITAN_CASES = {**{case: CASES[case][:2] for case in CASES}, **MORE_TORCHTITAN}
+
+
+@pytest.mark.parametrize("case", TORCHTITAN_CASES)
+def test_torchtitan_parses_the_export_into_the_measured_layout(case: str, torchtitan_parsed: dict) -> None:
+    spec, c = TORCHTITAN_CASES[case]
+    parsed = torchtitan_parsed[case]
+    assert parsed["torchtitan"] == TORCHTITAN_VERSION and "error" not in parsed, parsed
+    par, train = parsed["parallelism"], parsed["training"]
+    assert {k: par[k] for k in ("tensor_parallel_degree", "pipeline_parallel_degree", "data_parallel_replicate_degree",
+                                "data_parallel_shard_degree", "context_parallel_degree")} == {
+        "tensor_parallel_degree": c.tp, "pipeline_parallel_degree": c.pp, "data_parallel_replicate_degree": c.dp_replicate,
+        "data_parallel_shard_degree": c.dp_shard, "context_parallel_degree": 1}  # fmt: skip
+    assert par["enable_sequence_parallel"] is c.sequence_parallel
+    assert par["fsdp_reshard_after_forward"] == {0: "default", 2: "never", 3: "always"}[c.zero_stage]
+    assert parsed["compile"]["enable_async_tensor_parallel"] is False
+    assert parsed["activation_checkpoint"] == {"none": "NoneType", "full": "FullAC.Config",
+                                               "selective": "SelectiveAC.Config"}[c.activation_checkpoint]  # fmt: skip
+    assert (train["global_batch_size"], train["seq_len"]) == (c.global_batch_size, spec.seq_len)
+    assert train["mixed_precision_param"] == ("float32" if spec.training.precision == "fp32" else "bfloat16")
+    # The same sequences per step: with pp the local batch is one flush of pipeline micro-batches,
+    # without it num_microbatches is gradient accumulation.
+    if c.pp > 1:
+        assert parsed["gradient_accumulation_steps"] == 1
+        assert train["local_batch_size"] == par["pipeline_parallel_microbatch_size"] * c.num_microbatches
+        assert par["pipeline_parallel_microbatch_size"] == c.micro_batch_size
+        assert par["pipeline_parallel_schedule"] == {"gpipe": "GPipe", "1f1b": "1F1B",
+                                                     "interleaved_1f1b": "Interleaved1F1B"}[c.pp_schedule]  # fmt: skip
+        assert train["disable_cuda_graphs"] is True
+        # torchtitan's own pipeline split gives every stage the layers our trainer gave it.
+        ranges = stage_layer_ranges(spec.gpt().num_layers, c.num_stages)
+        assert parsed["stage_layers"] == [list(r) for r in ranges]
+    else:
+        assert (parsed["gradient_accumulation_steps"], train["local_batch_size"]) == (c.num_microbatches,
+                                                                                        c.micro_batch_size)  # fmt: skip
+
+
+def test_torchtitan_refuses_pipeline_parallelism_with_cuda_graphs(torchtitan_parsed: dict) -> None:
+    """Why the export sets disable_cuda_graphs with pp > 1: torchtitan's own check."""
+    error = torchtitan_parsed["no_cuda_graphs_rule"]["error"]
+    assert "CUDA graphs do not support pipeline parallelism" in error
+
+
+def test_torchtitan_refuses_a_stage_count_it_cannot_derive() -> None:
+    spec = _spec({"preset": "gpt-tiny", "num_layers": 9}, "h100-80gb", 2, 2, "bf16")
+    config = ParallelConfig(pp=2, num_microbatches=2, pp_schedule="interleaved_1f1b", virtual_stages=3)
+    assert export_layout("sbatch", spec, config)  # our trainer runs it: 2 layers on the first 3 stages
+    with pytest.raises(
+        ValueError, match=r"no pipeline_parallel_layers_per_stage splits 9 layers into 6 stages"
+    ):
+        export_layout("torchtitan", spec, config)
+
+
+# --- Megatron-LM: flags of its parser, and validate_args' rules ---
+
+
+def _megatron_flags() -> tuple[str, set[str]]:
+    """(the header naming the source, every flag) of Megatron-LM's parser, as written by
+    scripts/check-megatron-export.py --flags-out (no Megatron package installs on Python 3.11)."""
+    header, *flags = (Path(__file__).parent / "megatron_flags.txt").read_text().splitlines()
+    return header, set(flags)
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_torchtitan_is_toml_with_the_layout(case: str) -> None:
-    spec, config, _ = CASES[case]
-    doc = _toml(_export("torchtitan", case))
-    par, train = doc["parallelism"], doc["training"]
-    assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"]) == (config.tp, config.pp)
-    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (
-        config.dp_replicate, config.dp_shard)  # fmt: skip
-    assert par["enable_async_tensor_parallel"] is False
-    assert par["pipeline_parallel_microbatch_size"] == config.micro_batch_size
-    assert train["global_batch_size"] == spec.training.global_batch_size and train["seq_len"] == spec.seq_len
-    # torchtitan accumulates global / (local x dp) steps; with pp the local batch is one flush.
-    accumulation = train["global_batch_size"] // (train["local_batch_size"] * config.dp)
-    assert accumulation == (1 if config.pp > 1 else config.num_microbatches)
-    assert doc["activation_checkpoint"]["mode"] == config.activation_checkpoint
+def test_megatron_export_uses_only_flags_of_megatrons_parser(case: str) -> None:
+    header, known = _megatron_flags()
+    assert header.startswith(f"# {MEGATRON_SOURCE.split(',')[0]}:")
+    _, flags = _megatron_args((GOLDEN / f"export_megatron_{case}.txt").read_text())
+    assert set(flags) <= known, set(flags) - known
 
 
-def test_torchtitan_maps_schedules_zero_stages_and_precision() -> None:
-    big = _toml(_export("torchtitan", "gpt13b_h100"))
-    assert big["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B"
-    assert big["parallelism"]["fsdp_reshard_after_forward"] == "always"  # ZeRO-3
-    assert (big["training"]["local_batch_size"], big["training"]["mixed_precision_param"]) == (8, "bfloat16")
-    hsdp = _toml(_export("torchtitan", "gpt125m_perlmutter"))
-    assert hsdp["parallelism"]["pipeline_parallel_schedule"] == "GPipe"
-    assert hsdp["parallelism"]["fsdp_reshard_after_forward"] == "never"  # ZeRO-2
-    tiny = _toml(_export("torchtitan", "tiny_cpu"))
-    assert (tiny["training"]["local_batch_size"], tiny["training"]["mixed_precision_param"]) == (2, "float32")
-    assert _toml(_export("torchtitan", "gpt350m_a100"))["activation_checkpoint"] == {
-        "mode": "selective", "selective_ac_option": "op"}  # fmt: skip
+def _connections(launcher: list[str]) -> str | None:
+    """CUDA_DEVICE_MAX_CONNECTIONS as the exported command sets it: a value, "unset", or None
+    when the command leaves the caller's environment as it is."""
+    if launcher[:3] == ["env", "-u", "CUDA_DEVICE_MAX_CONNECTIONS"]:
+        return "unset"
+    prefix = "CUDA_DEVICE_MAX_CONNECTIONS="
+    return next((word.removeprefix(prefix) for word in launcher if word.startswith(prefix)), None)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_megatron_export_passes_validate_args_rules(case: str) -> None:
+    """The rules of Megatron's validate_args (megatron-core 0.19.2, megatron/training/arguments.py)
+    that these layouts meet; scripts/check-megatron-export.py runs the real one (docs/exports.md)."""
+    launcher, flags = _megatron_args((GOLDEN / f"export_megatron_{case}.txt").read_text())
+    connections = _connections(launcher)
+    tp, pp = int(flags["--tensor-model-parallel-size"]), int(flags["--pipeline-model-parallel-size"])
+    if "--use-torch-fsdp2" in flags:
+        assert connections == "unset" or ((connections or "").isdigit() and int(connections) > 1)
+        assert pp == 1 and "--use-distributed-optimizer" not in flags and "--fp16" not in flags
+        assert {"--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"} <= set(flags)
+    elif tp > 1:  # before Blackwell (every GPU the presets name)
+        assert connections == "1"
+    else:
+        assert connections is None
+    if "--num-layers-per-virtual-pipeline-stage" in flags:
+        per_rank, rest = divmod(int(flags["--num-layers"]), pp)
+        assert rest == 0 and per_rank % int(flags["--num-layers-per-virtual-pipeline-stage"]) == 0
+        assert pp > 2 or "--no-overlap-p2p-communication" not in flags
+    if "--sequence-parallel" in flags:
+        assert tp > 1
 
 
 def test_megatron_interleaved_zero3_pipeline_layout() -> None:
     launcher, flags = _megatron_args(_export("megatron", "gpt13b_h100"))
-    assert launcher == ["torchrun", "--nproc-per-node=8", "--nnodes=2"]
+    assert launcher == ["CUDA_DEVICE_MAX_CONNECTIONS=1", "torchrun", "--nproc-per-node=8", "--nnodes=2"]
     expected = {
         "--tensor-model-parallel-size": "4", "--pipeline-model-parallel-size": "2",
         "--num-layers-per-virtual-pipeline-stage": "6",  # 24 layers / (pp 2 x 2 virtual stages)
@@ -200,12 +310,14 @@ def test_megatron_interleaved_zero3_pipeline_layout() -> None:
 
 def test_megatron_other_layouts() -> None:
     launcher, tiny = _megatron_args(_export("megatron", "tiny_cpu"))
-    assert launcher == ["torchrun", "--nproc-per-node=2", "--nnodes=1"]
+    assert launcher == ["torchrun", "--nproc-per-node=2", "--nnodes=1"]  # tp 1, no FSDP2: no setting
     assert (tiny["--tensor-model-parallel-size"], tiny["--pipeline-model-parallel-size"]) == ("1", "1")
     assert (tiny["--micro-batch-size"], tiny["--global-batch-size"]) == ("2", "8")
     assert not {"--bf16", "--fp16", "--recompute-granularity", "--use-distributed-optimizer",
                 "--sequence-parallel", "--num-layers-per-virtual-pipeline-stage"} & set(tiny)  # fmt: skip
-    _, fsdp = _megatron_args(_export("megatron", "gpt350m_a100"))
+    launcher, fsdp = _megatron_args(_export("megatron", "gpt350m_a100"))
+    # tp 2 would want CUDA_DEVICE_MAX_CONNECTIONS=1, but FSDP2's assertion wins: unset.
+    assert launcher[:4] == ["env", "-u", "CUDA_DEVICE_MAX_CONNECTIONS", "torchrun"]
     assert "--use-torch-fsdp2" in fsdp and "--use-distributed-optimizer" not in fsdp
     assert fsdp["--recompute-granularity"] == "selective" and "--recompute-method" not in fsdp
     launcher, hsdp = _megatron_args(_export("megatron", "gpt125m_perlmutter"))
@@ -214,11 +326,19 @@ def test_megatron_other_layouts() -> None:
     assert "--num-layers-per-virtual-pipeline-stage" not in hsdp
 
 
+def test_megatron_fsdp2_of_an_fp16_study_runs_bf16() -> None:
+    """validate_args: --use-torch-fsdp2 is not supported with fp16; the trainer measured bf16."""
+    spec, _, _ = CASES["gpt125m_perlmutter"]
+    text = export_layout("megatron", spec, ParallelConfig(dp_shard=8, micro_batch_size=8, zero_stage=3))
+    _, flags = _megatron_args(text)
+    assert "--use-torch-fsdp2" in flags and "--bf16" in flags and "--fp16" not in flags
+    assert "--use-torch-fsdp2 does not support fp16" in text
+
+
 def test_megatron_refuses_an_uneven_layer_split() -> None:
-    spec = _spec({"preset": "gpt-tiny", "num_layers": 5}, "h100-80gb", 8, 8, "bf16")
-    config = ParallelConfig(pp=2, dp_replicate=4, num_microbatches=2)
-    assert export_layout("torchtitan", spec, config)  # torchtitan splits unevenly
-    with pytest.raises(ValueError, match=r"num_layers \(5\) is not a multiple of pp \(2\)"):
+    spec, config = MORE_TORCHTITAN["uneven"]
+    assert export_layout("torchtitan", spec, config)  # torchtitan splits unevenly (parsed above)
+    with pytest.raises(ValueError, match=r"megatron: .*num_layers \(5\) is not a multiple of pp \(2\)"):
         export_layout("megatron", spec, config)
 
 

@@ -1,0 +1,114 @@
+"""Runs exported Megatron-LM commands (tuner export --format megatron) through Megatron-LM's own
+`parse_args` and `validate_args`, with the environment each command sets; or writes the parser's
+flag list, which tests/tuner/test_export.py checks every golden export against (docs/exports.md).
+
+Needs megatron-core >= 0.19 (the first release that ships megatron/training/arguments.py; it
+requires Python 3.12) and triton (its MoE kernels are imported with the parser). On Python 3.11,
+unpack the wheel instead of installing it; typing.override (3.12) is then taken from
+typing_extensions:
+
+    pip download megatron-core==0.19.2 --no-deps --python-version 3.12 --only-binary=:all: -d /tmp/mc
+    unzip -q /tmp/mc/megatron_core-0.19.2-*.whl -d /tmp/mc/src
+    PYTHONPATH=/tmp/mc/src python scripts/check-megatron-export.py tests/tuner/golden/export_megatron_*.txt
+    PYTHONPATH=/tmp/mc/src python scripts/check-megatron-export.py --flags-out tests/tuner/megatron_flags.txt
+
+validate_args asks the GPU's architecture (CUDA_DEVICE_MAX_CONNECTIONS rules differ before
+Blackwell); --arch gives it (default 9, Hopper), so the check runs on a machine without a GPU.
+Data, tokenizer and iteration arguments, which an export leaves to the user, are added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shlex
+import sys
+import typing
+from pathlib import Path
+
+if not hasattr(typing, "override"):  # Python 3.11: megatron.training uses typing.override (3.12)
+    import typing_extensions
+
+    typing.override = typing_extensions.override
+
+# What an export leaves to the user (data, tokenizer, iterations), so that validation can run.
+RUN_ARGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50257",
+            "--train-iters", "10", "--lr", "1e-4"]  # fmt: skip
+
+
+def split_command(text: str) -> tuple[dict[str, str | None], int, list[str]]:
+    """(environment: name -> value, or None for unset; world size; pretrain_gpt.py arguments)."""
+    words = shlex.split(text.replace("\\\n", " "), comments=True)
+    script = words.index("pretrain_gpt.py")
+    launcher, env = words[:script], {}
+    if launcher[0] == "env":
+        assert launcher[1] == "-u", launcher
+        env[launcher[2]] = None
+        launcher = launcher[3:]
+    while "=" in launcher[0]:
+        name, value = launcher.pop(0).split("=", 1)
+        env[name] = value
+    options = dict(word.split("=", 1) for word in launcher[1:])
+    return env, int(options["--nproc-per-node"]) * int(options["--nnodes"]), words[script + 1 :]
+
+
+def validate(text: str, arch: int) -> argparse.Namespace:
+    """Megatron's parse_args + validate_args on one exported command; AssertionError if refused."""
+    import megatron.training.arguments as arguments
+
+    env, world_size, argv = split_command(text)
+    for name, value in env.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0")
+    arguments.get_device_arch_version = lambda: arch
+    sys.argv = ["pretrain_gpt.py", *argv, *RUN_ARGS]
+    with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
+        args = arguments.parse_args()
+        arguments.validate_args(args)
+    return args
+
+
+def write_flags(path: str) -> None:
+    from megatron.core.package_info import __version__
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    flags = sorted({flag for action in parser._actions for flag in action.option_strings})
+    with open(path, "w") as f:
+        f.write(f"# megatron-core {__version__}: megatron/training/arguments.py add_megatron_arguments, "
+                "every option (scripts/check-megatron-export.py --flags-out)\n")  # fmt: skip
+        f.writelines(f"{flag}\n" for flag in flags)
+    print(f"{len(flags)} flags of megatron-core {__version__} -> {path}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("exports", nargs="*", help="files written by tuner export --format megatron")
+    parser.add_argument(
+        "--arch", type=int, default=9, help="GPU major version (8 Ampere, 9 Hopper, 10 Blackwell)"
+    )
+    parser.add_argument("--flags-out", help="write the parser's flags to this file")
+    opts = parser.parse_args()
+    if opts.flags_out:
+        write_flags(opts.flags_out)
+    failed = 0
+    for path in opts.exports:
+        try:
+            args = validate(Path(path).read_text(), opts.arch)
+        except AssertionError as e:
+            failed += 1
+            print(f"REFUSED {path}: {e}")
+            continue
+        print(f"ok {path}: tp {args.tensor_model_parallel_size} pp {args.pipeline_model_parallel_size} "
+              f"vpp {args.virtual_pipeline_model_parallel_size} dp {args.data_parallel_size} "
+              f"sp {args.sequence_parallel} fsdp2 {args.use_torch_fsdp2} "
+              f"dist-opt {args.use_distributed_optimizer}")  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

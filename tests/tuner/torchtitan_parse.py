@@ -1,0 +1,86 @@
+"""Loads torchtitan config modules with torchtitan's own ConfigManager, as `torchtitan.train`
+does, and prints what it parsed as JSON: tests/tuner/test_export.py runs this in a process of its
+own, because importing torchtitan registers operators and sets environment variables.
+
+    python tests/tuner/torchtitan_parse.py DIR CONFIG_FN MODULE:NUM_LAYERS...
+
+For each MODULE (a file DIR/MODULE.py) one JSON object: the version of torchtitan, and either
+`error` (what torchtitan refused) or the parsed `parallelism`, `training` and `compile` sections,
+the activation checkpointing policy, the gradient accumulation steps as the trainer derives them,
+and with pp > 1 the layers of each pipeline stage as torchtitan's pipeline splits a model of
+NUM_LAYERS layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import io
+import json
+import os
+import re
+import sys
+from types import SimpleNamespace
+
+
+def stage_layers(parallelism, num_layers: int) -> list[list[int]]:
+    """The layer indices of each pipeline stage, from torchtitan's own split (pipeline_llm)."""
+    from torchtitan.distributed.pipeline_parallel import (
+        _generate_llm_fqn_per_model_part,
+        _get_pipeline_metadata,
+    )
+
+    dims = SimpleNamespace(pp=parallelism.pipeline_parallel_degree)
+    stages, layers, first, last = _get_pipeline_metadata(
+        dims, parallelism, SimpleNamespace(layers=[None] * num_layers)
+    )
+    parts = _generate_llm_fqn_per_model_part(stages, layers, first, last)
+    return [
+        [int(m.group(1)) for name in part if (m := re.fullmatch(r"layers\.(\d+)", name))] for part in parts
+    ]
+
+
+def parse(module: str, config_fn: str, num_layers: int) -> dict:
+    from torchtitan.config import ConfigManager
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            config = ConfigManager().parse_args(["--module", module, "--config", config_fn])
+    except (ValueError, ImportError) as e:
+        return {"error": str(e)}
+    except SystemExit:  # tyro refused the config: its message went to stderr
+        return {"error": " ".join(stderr.getvalue().split())}
+    par, train = config.parallelism, config.training
+    dp = par.data_parallel_replicate_degree * par.data_parallel_shard_degree
+    out = {
+        "parallelism": dataclasses.asdict(par),
+        "training": dataclasses.asdict(train),
+        "compile": dataclasses.asdict(config.compile),
+        "activation_checkpoint": type(config.activation_checkpoint).__qualname__,
+        # torchtitan.trainer.Trainer.__init__: global // (local x data-parallel degree)
+        "gradient_accumulation_steps": train.global_batch_size // (train.local_batch_size * dp),
+    }
+    if par.pipeline_parallel_degree > 1:
+        try:
+            out["stage_layers"] = stage_layers(par, num_layers)
+        except ValueError as e:  # torchtitan's pipeline cannot split this model so
+            return {"error": str(e)}
+    return out
+
+
+def main() -> None:
+    folder, config_fn, *modules = sys.argv[1:]
+    os.environ["COLUMNS"] = "1000"  # tyro's error box: one line per message, whatever the terminal
+    sys.path.insert(0, folder)
+    version = importlib.metadata.version("torchtitan")
+    results = {}
+    for item in modules:
+        module, num_layers = item.split(":")
+        results[module] = {"torchtitan": version, **parse(module, config_fn, int(num_layers))}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
