@@ -1,6 +1,6 @@
 """Loads torchtitan config modules with torchtitan's own ConfigManager, as `torchtitan.train`
 does, and prints what it parsed as JSON: tests/tuner/test_export.py runs this in a process of its
-own, because importing torchtitan registers operators and sets environment variables.
+own, because loading a config imports triton and registers torchtitan's operators with torch.
 
     python tests/tuner/torchtitan_parse.py DIR CONFIG_FN MODULE:NUM_LAYERS...
 
