@@ -1,4 +1,6 @@
-"""One tuner trial: build the GPT on a mesh, run W warm-up and M measured steps, write a result.
+"""One tuner trial: build the GPT on a mesh, run W warm-up and up to M measured steps (fewer once
+the step time is stable, or when the trial is too slow to matter: trainer/stopping.py), write a
+result.
 
     torchrun --nproc-per-node 4 -m trainer.benchmark --config cfg.json --out result.json
 
@@ -32,6 +34,7 @@ from trainer.model import GPT, cross_entropy_loss, init_param_
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import data_parallel_modules, parallelize_gpt
 from trainer.pipeline import build_schedule, local_stage_ids, split_model
+from trainer.stopping import measurement_stop
 from trainer.topology import placement
 
 
@@ -241,6 +244,7 @@ def train(
     track_step = memory_step(cfg)
     cpu_tracking = device.type == "cpu" and not cfg.compile
     losses, norms, times, cpu_peak = [], [], [], 0
+    measured: list[float] = []  # max over ranks, so every rank takes the same stop decision
     for step in range(num_steps):
         inject_fault(rank, step)
         x, y = trainer.batch(step)
@@ -268,8 +272,11 @@ def train(
                     f"peak memory {worst / 2**20:.1f} MiB over the cap max_memory_bytes "
                     f"{cfg.max_memory_bytes / 2**20:.1f} MiB (step {step + 1})"
                 )
+        if step >= cfg.warmup_steps:
+            measured += _all_reduce(times[-1:], dist.ReduceOp.MAX, device)
+            if (stop := measurement_stop(cfg, measured)) is not None:
+                break
 
-    measured = _all_reduce(times[cfg.warmup_steps :], dist.ReduceOp.MAX, device)
     p = cfg.parallel
     # Loss: mean over the global batch. Only last-stage ranks hold one; tp ranks hold copies.
     loss_sum = torch.stack(losses).to(torch.float64)
@@ -284,8 +291,9 @@ def train(
     tokens_per_s = cfg.tokens_per_step * len(measured) / sum(measured)
     tflops = cfg.model.flops_per_token * tokens_per_s / world_size / 1e12
     return BenchmarkResult(
-        status="ok",
+        status="pruned" if stop.why == "pruned" else "ok",
         step_times_s=measured,
+        stopped_because=stop.message,
         tokens_per_s=tokens_per_s,
         tokens_per_s_per_device=tokens_per_s / world_size,
         model_tflops_per_device=tflops,
@@ -440,9 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         summary = f"{result.status}: {result.tokens_per_s:.0f} tokens/s, mfu {result.mfu:.1%}"
         print(
-            summary if result.ok else f"{result.status}: {result.error.strip().splitlines()[-1:]}", flush=True
+            summary if result.measured else f"{result.status}: {result.error.strip().splitlines()[-1:]}",
+            flush=True,
         )
-    if result.ok and dist.is_initialized():
+    if result.measured and dist.is_initialized():
         dist.destroy_process_group()
         return 0
     # A failed trial: peers may be wedged in collectives, so skip teardown entirely.

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 ActivationCheckpoint = Literal["none", "selective", "full"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-Status = Literal["ok", "oom", "invalid", "error", "timeout"]
+Status = Literal["ok", "pruned", "oom", "invalid", "error", "timeout"]
 
 ACTIVATION_CHECKPOINTS = ("none", "selective", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -128,10 +128,14 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """One layout. world_size = tp * pp * dp_replicate * dp_shard;
-    global_batch = micro_batch_size * num_microbatches * dp_replicate * dp_shard."""
+    """One layout. world_size = tp * tp_col * pp * dp_replicate * dp_shard;
+    global_batch = micro_batch_size * num_microbatches * dp_replicate * dp_shard.
+
+    tp is the (row) tensor-parallel degree of Megatron-LM; tp_col a second, column degree
+    (AxoNN's G_c, trainer/tp2d.py): each weight is split over tp x tp_col ranks."""
 
     tp: int = 1
+    tp_col: int = 1
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -149,7 +153,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.tp_col * self.pp * self.dp
 
     @property
     def global_batch_size(self) -> int:
@@ -169,6 +173,7 @@ class ParallelConfig:
         out: list[tuple[str, str]] = []
         for name in (
             "tp",
+            "tp_col",
             "pp",
             "dp_replicate",
             "dp_shard",
@@ -203,6 +208,18 @@ class ParallelConfig:
                 "tp must divide vocab_size",
                 f"tp ({self.tp}) must divide vocab_size ({model.vocab_size}): the embedding and head are "
                 "vocab-parallel; pad the vocabulary",
+            ))  # fmt: skip
+        if model.hidden_size % self.tp_col:
+            out.append((
+                "tp_col must divide hidden_size",
+                f"tp_col ({self.tp_col}) must divide hidden_size ({model.hidden_size}): the residual "
+                "stream is split over the column group",
+            ))  # fmt: skip
+        if self.sequence_parallel and self.tp_col > 1:
+            out.append((
+                "sequence_parallel needs tp_col 1",
+                "sequence_parallel with tp_col > 1 is not implemented (2D tensor parallelism keeps "
+                "every token on every rank)",
             ))  # fmt: skip
         if self.sequence_parallel and self.tp == 1:
             out.append(("sequence_parallel needs tp > 1", "sequence_parallel needs tp > 1"))
@@ -274,8 +291,9 @@ class ParallelConfig:
         return []
 
     def describe(self) -> str:
-        """A short human label, e.g. 'tp2 pp2(1f1b) dp2(z3) mbs2 x4 ac=full sp'."""
-        parts = [f"tp{self.tp}"]
+        """A short human label, e.g. 'tp2 pp2(1f1b) dp2(z3) mbs2 x4 ac=full sp' ('tp2x2': row 2,
+        column 2)."""
+        parts = [f"tp{self.tp}" + (f"x{self.tp_col}" if self.tp_col > 1 else "")]
         if self.pp > 1:
             sched = self.pp_schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
             parts.append(f"pp{self.pp}({sched})")
@@ -293,7 +311,12 @@ class ParallelConfig:
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """tp_col appears only when > 1, so a layout without the column axis keeps the keys it had
+        before it existed (stored layout keys, golden scripts, old results)."""
+        data = dataclasses.asdict(self)
+        if self.tp_col == 1:
+            del data["tp_col"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
@@ -307,7 +330,13 @@ class BenchmarkConfig:
     model: GPTConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     warmup_steps: int = 2
-    measure_steps: int = 5
+    measure_steps: int = 5  # the most measured steps; fewer when stable or pruned (trainer/stopping.py)
+    # Adaptive measurement: after min_measure_steps, stop once the ~95 % confidence interval of the
+    # mean step time is within stable_rel_ci of it (None: always measure_steps), or as "pruned" when
+    # slower than abandon_below_tokens_per_s (None: never).
+    min_measure_steps: int = 3
+    stable_rel_ci: float | None = None
+    abandon_below_tokens_per_s: float | None = None
     seed: int = 0
     lr: float = 3e-4
     grad_clip: float = 1.0  # 0 disables clipping; the norm is computed (and reported) anyway
@@ -326,6 +355,11 @@ class BenchmarkConfig:
             raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
         if self.measure_steps < 1:
             raise ValueError(f"measure_steps must be >= 1, got {self.measure_steps}")
+        if self.min_measure_steps < 1:
+            raise ValueError(f"min_measure_steps must be >= 1, got {self.min_measure_steps}")
+        for name in ("stable_rel_ci", "abandon_below_tokens_per_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "fp32", "bf16"),
                    "init": ("auto", "exact", "fast")}  # fmt: skip
         for name, valid in choices.items():
@@ -362,18 +396,21 @@ class BenchmarkConfig:
 
 @dataclass(frozen=True)
 class BenchmarkResult:
-    """What one trial measured. Throughput fields are 0 unless status == 'ok'.
+    """What one trial measured. Throughput fields are 0 unless status is 'ok' or 'pruned'.
 
-    status: 'ok'; 'invalid' (the layout cannot run; reasons in error); 'oom' (out of device
-    memory, or over max_memory_bytes); 'timeout' (the trial hung or was too slow: the launcher's
-    time limit, Slurm's TIMEOUT, or a collective that timed out because some rank stopped making
-    progress); 'error' (a crash: an exception, or a rank that died).
+    status: 'ok'; 'pruned' (stopped while running: slower than abandon_below_tokens_per_s after
+    min_measure_steps; the fields hold what it measured until then); 'invalid' (the layout cannot
+    run; reasons in error); 'oom' (out of device memory, or over max_memory_bytes); 'timeout' (the
+    trial hung or was too slow: the launcher's time limit, Slurm's TIMEOUT, or a collective that
+    timed out because some rank stopped making progress); 'error' (a crash: an exception, or a
+    rank that died).
     """
 
     status: Status
     error: str = ""  # reason (invalid), exception tail (error, oom, timeout) or the log tail
     failed_rank: int | None = None
     step_times_s: list[float] = field(default_factory=list)  # measured steps, max over ranks
+    stopped_because: str = ""  # why measuring ended (trainer/stopping.py): stable, pruned or all steps
     tokens_per_s: float = 0.0  # global
     tokens_per_s_per_device: float = 0.0
     model_tflops_per_device: float = 0.0
@@ -402,6 +439,11 @@ class BenchmarkResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def measured(self) -> bool:
+        """The throughput fields hold a measurement (a full one, or a pruned trial's partial one)."""
+        return self.status in ("ok", "pruned")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,7 +12,9 @@ repeats, every `poll_s`:
   4. collect      poll running jobs; an ended attempt is retried as the same trial or finishes
                   the trial, and the sampler is told (tuner/outcome.py: retry, feedback)
   5. start        queued trials first, then new layouts from the sampler, while the budget
-                  (derived from stored rows: tuner/budget.py) and free devices allow; a failed
+                  (derived from stored rows: tuner/budget.py) and free devices allow; each
+                  trial gets a floor (trial.prune_running_fraction x the best tokens/s measured
+                  at its device count) below which it prunes itself while running; a failed
                   submission re-queues the trial with back-off, and after
                   `trial.max_dispatch_failures` in a row the study pauses (PENDING)
   6. finish       nothing left to run: COMPLETE (the model is calibrated on the measurements)
@@ -37,7 +39,7 @@ from sqlalchemy.orm import sessionmaker
 from tuner import store
 from tuner.budget import may_add_trial, stop_reason
 from tuner.calibration import calibrate_study
-from tuner.db import Trial, utcnow
+from tuner.db import StudyBest, Trial, utcnow
 from tuner.dispatch import Dispatcher, DispatchError, JobHandle
 from tuner.lease import Lease
 from tuner.outcome import FailureKind, Outcome, StudyStatus, TrialState, feedback, retry
@@ -201,7 +203,7 @@ class StudyRunner:
             trial = (eligible[0] if eligible else None) if waiting else self._new_trial(used)
             if trial is None:
                 return None
-            cfg = benchmark_config(self.spec, store.config_of(trial))
+            cfg = benchmark_config(self.spec, store.config_of(trial), self._best_at(store.world_size(trial)))
             if not self.dispatcher.can_start(cfg):
                 return None
             if (paused := self._submit(trial, cfg)) is not None:
@@ -348,10 +350,18 @@ class StudyRunner:
         if outcome.ok and outcome.tokens_per_s > p.best_tokens_per_s:
             p.best_tokens_per_s, p.best_layout = outcome.tokens_per_s, config.describe()
         p.last = f"trial {number}: {config.describe()} -> " + (
-            f"{outcome.tokens_per_s:.0f} tokens/s" if outcome.ok else outcome.kind
+            f"{outcome.tokens_per_s:.0f} tokens/s" + (" (pruned while running)" if outcome.pruned else "")
+            if outcome.ok
+            else outcome.kind
         )
         if self.on_progress:
             self.on_progress(p)
+
+    def _best_at(self, world_size: int) -> float | None:
+        """The best tokens/s measured so far in this study at `world_size` devices."""
+        with self.sessions() as s:
+            best = s.get(StudyBest, (self.study_id, world_size))
+            return best.tokens_per_s if best else None
 
     def _trials(self, *states: TrialState) -> list[Trial]:
         with self.sessions() as s:

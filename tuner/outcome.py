@@ -2,7 +2,9 @@
 
 - `StudyStatus` and its allowed transitions (`STUDY_TRANSITIONS`): `tuner.store.transition` is
   the only writer of a study's status and refuses any other move.
-- `TrialState`: WAITING -> SUBMITTING -> RUNNING -> COMPLETE | FAIL (PRUNED: never run).
+- `TrialState`: WAITING -> SUBMITTING -> RUNNING -> COMPLETE | PRUNED | FAIL. PRUNED: never run
+  (predicted not to fit), or stopped while running, too slow next to the best so far (its partial
+  measurement kept).
 - `Outcome`: how one attempt of a trial ended; `classify()` turns the trainer's typed result
   into one.
 - The policy (docs/samplers.md, "Failures"): `retry()` says whether an attempt that failed runs
@@ -73,7 +75,7 @@ class TrialState(enum.StrEnum):
     SUBMITTING = "SUBMITTING"  # handed to the dispatcher; its job id not stored yet
     RUNNING = "RUNNING"
     COMPLETE = "COMPLETE"
-    PRUNED = "PRUNED"  # never run: predicted not to fit (the reason is stored)
+    PRUNED = "PRUNED"  # never run (predicted not to fit) or pruned while running; the reason is stored
     FAIL = "FAIL"
 
     def is_finished(self) -> bool:
@@ -95,9 +97,15 @@ class FailureKind(enum.StrEnum):
     CANCELLED = "cancelled"  # the study was cancelled, or someone cancelled the job
 
 
+# The kind of an attempt the trainer stopped early as too slow (BenchmarkResult status 'pruned'):
+# not a failure, its partial measurement is a true one.
+PRUNED_RUNNING = "pruned_running"
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """How one attempt ended: ok with metrics, or a failure with its kind and message."""
+    """How one attempt ended: ok with metrics (`pruned`: partial ones, stopped early as too slow;
+    the reason in `message`), or a failure with its kind and message."""
 
     ok: bool
     tokens_per_s: float = 0.0
@@ -107,6 +115,7 @@ class Outcome:
     step_time_s: float = 0.0
     failure: FailureKind | None = None
     message: str = ""
+    pruned: bool = False
     result: dict[str, Any] = field(default_factory=dict)  # the BenchmarkResult, as stored
 
     @classmethod
@@ -115,8 +124,10 @@ class Outcome:
 
     @property
     def kind(self) -> str:
-        """'ok' or the failure kind's value (what attempt logs and the API show)."""
-        return "ok" if self.ok else (self.failure or FailureKind.CRASH).value
+        """'ok', 'pruned_running' or the failure kind's value (what attempt logs and the API show)."""
+        if self.ok:
+            return PRUNED_RUNNING if self.pruned else "ok"
+        return (self.failure or FailureKind.CRASH).value
 
 
 # The trainer's typed statuses (trainer/config.py: BenchmarkResult.status) -> failure kinds.
@@ -127,12 +138,14 @@ _STATUS_KINDS = {"oom": FailureKind.OOM, "invalid": FailureKind.INVALID, "timeou
 def classify(result: BenchmarkResult) -> Outcome:
     """A trainer result -> Outcome, by its typed status only."""
     data = result.to_dict()
-    if result.ok:
+    if result.measured:
         times = sorted(result.step_times_s)
+        pruned = result.status == "pruned"
         return Outcome(
             ok=True, tokens_per_s=result.tokens_per_s, tflops_per_device=result.model_tflops_per_device,
             mfu=result.mfu, peak_memory_bytes=result.peak_memory_bytes,
-            step_time_s=times[len(times) // 2] if times else 0.0, result=data,
+            step_time_s=times[len(times) // 2] if times else 0.0, result=data, pruned=pruned,
+            message=result.stopped_because if pruned else "",
         )  # fmt: skip
     return Outcome.failed(_STATUS_KINDS.get(result.status, FailureKind.CRASH), result.error, data)
 
@@ -156,9 +169,10 @@ _INFEASIBLE = frozenset({FailureKind.OOM, FailureKind.PREDICTED_OOM, FailureKind
 
 def feedback(outcome: Outcome) -> Feedback:
     """What a sampler is told about a trial that ended with `outcome` (its last attempt):
-    ok -> its score; OOM (measured or predicted), invalid, a timeout (hung or too slow within the
-    trial's limit) and a crash that repeated -> infeasible; infrastructure failures and
-    cancellations (the study's, or an administrator's scancel) -> nothing."""
+    ok -> its score, pruned while running too (a true measurement, of fewer steps); OOM (measured
+    or predicted), invalid, a timeout (hung or too slow within the trial's limit) and a crash that
+    repeated -> infeasible; infrastructure failures and cancellations (the study's, or an
+    administrator's scancel) -> nothing."""
     if outcome.ok:
         return Feedback.SCORE
     return Feedback.INFEASIBLE if outcome.failure in _INFEASIBLE else Feedback.NOTHING
@@ -168,7 +182,7 @@ def retry(outcome: Outcome, previous: Sequence[str], *, max_retries: int, crash_
     """Whether a failed attempt runs again as the same trial (re-queued, not told). `previous` are
     the kinds of the trial's earlier attempts (Outcome.kind). Infrastructure failures are retried
     up to `max_retries` times, a crash up to `crash_retries` times (a crash that repeats is the
-    layout's); nothing else is retried."""
+    layout's); nothing else is retried (a trial pruned while running is ok: not retried)."""
     if outcome.ok:
         return False
     if outcome.failure is FailureKind.INFRA:

@@ -248,7 +248,14 @@ class TrialSpec(_Strict):
     """How each trial runs: the trainer's warm-up and measured steps, and its wall-clock limit."""
 
     warmup_steps: PositiveInt = 2
-    measure_steps: PositiveInt = 5
+    measure_steps: PositiveInt = Field(5, description="the most measured steps (fewer: stable or pruned)")
+    # Adaptive measurement (trainer/stopping.py), from min_measure_steps on: stop once the ~95 %
+    # confidence interval of the mean step time is within stable_rel_ci of the mean; stop a trial
+    # slower than prune_running_fraction x the best tokens/s measured so far at its device count
+    # (PRUNED, its partial measurement kept and told). None disables either.
+    min_measure_steps: PositiveInt = 3
+    stable_rel_ci: PositiveFloat | None = 0.02
+    prune_running_fraction: float | None = Field(0.5, gt=0, le=1)
     timeout_s: PositiveFloat = 600.0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_retries: int = Field(2, ge=0, description="re-runs after an infrastructure failure")
@@ -377,16 +384,26 @@ class StudySpec(_Strict):
         return "cpu" if self.cluster.name == "cpu-local" else "cuda"
 
 
-def benchmark_config(spec: StudySpec, config: ParallelConfig) -> BenchmarkConfig:
+def benchmark_config(
+    spec: StudySpec, config: ParallelConfig, best_tokens_per_s: float | None = None
+) -> BenchmarkConfig:
     """What the trainer runs for `config` in this study: the one derivation used by the runner,
     the allocation runner and the exports. Device `auto` is the CPU on cluster cpu-local and a GPU
     anywhere else; CPU ranks run fp32, GPUs bf16 mixed precision (fp16 studies too: the trainer
     has no fp16 loss scaling); the trainer reports OOM above the cluster's device memory. The model
-    has the vocabulary padded for the layout's tp (padded_model), as Megatron-LM pads it."""
+    has the vocabulary padded for the layout's tp (padded_model), as Megatron-LM pads it.
+    `best_tokens_per_s` (the best measured so far at this layout's device count) sets the floor
+    below which the trial prunes itself while running."""
     t, device = spec.trial, spec.device
     dtype = "fp32" if spec.training.precision == "fp32" or device == "cpu" else "bf16"
+    floor = (
+        t.prune_running_fraction * best_tokens_per_s
+        if t.prune_running_fraction and best_tokens_per_s
+        else None
+    )
     return BenchmarkConfig(
         model=padded_model(spec.gpt(), config.tp), parallel=config, warmup_steps=t.warmup_steps, measure_steps=t.measure_steps,
+        min_measure_steps=t.min_measure_steps, stable_rel_ci=t.stable_rel_ci, abandon_below_tokens_per_s=floor,
         seed=spec.seed, device=device, dtype=dtype, max_memory_bytes=int(spec.cluster.device_memory_bytes),
     )  # fmt: skip
 

@@ -5,6 +5,7 @@ dispatchers in tests/tuner/test_dispatch_contract.py, tests/tuner/test_loop.py a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import itertools
 from collections.abc import Callable
@@ -46,6 +47,16 @@ def ok(cfg: BenchmarkConfig) -> Outcome:
                    result={"step_times_s": [cfg.tokens_per_step / tokens]})  # fmt: skip
 
 
+def measured(cfg: BenchmarkConfig, name: str) -> tuple[float, Outcome]:
+    """A trial that runs 60 s, or stops after 30 s as the trainer does when it is slower than
+    the floor it was given (pruned while running: the same tokens/s, measured on fewer steps)."""
+    floor, outcome = cfg.abandon_below_tokens_per_s, ok(cfg)
+    if floor is None or outcome.tokens_per_s >= floor:
+        return 60.0, outcome
+    message = f"pruned while running: {outcome.tokens_per_s:,.0f} tokens/s < floor {floor:,.0f} tokens/s"
+    return 30.0, dataclasses.replace(outcome, pruned=True, message=message)
+
+
 @dataclass
 class FakeJob:
     name: str
@@ -63,7 +74,7 @@ Script = Callable[[BenchmarkConfig, str], tuple[float, Outcome]]
 @dataclass
 class FakeCluster:
     clock: FakeClock
-    script: Script = lambda cfg, name: (60.0, ok(cfg))
+    script: Script = measured
     capacity: int = 8  # devices
     fail_submit: Callable[[str], str | None] = lambda name: None  # an error message -> DispatchError
     jobs: dict[str, FakeJob] = field(default_factory=dict)

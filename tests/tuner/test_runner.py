@@ -9,6 +9,7 @@ import datetime as dt
 import os
 import re
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -396,6 +397,45 @@ def test_predicted_oom_is_its_own_kind_told_as_infeasible(tmp_path: Path) -> Non
     assert env.cluster.submitted == [] and env.usage().trials == 0
 
 
+def test_a_slow_trial_is_pruned_while_running_told_its_score_not_retried_and_its_time_counts(
+    tmp_path: Path,
+) -> None:
+    # One trial at a time, so each knows the best before it; the fake trial stops after 30 s
+    # instead of 60 when it is slower than its floor (tests/tuner/fakes.py: measured).
+    env = Env(
+        tmp_path, trial={"prune_running_fraction": 0.9}, budget={"max_trials": 6, "trials_in_flight": 1}
+    )
+    runner = env.runner()
+    assert runner.run() is StudyStatus.COMPLETE
+    trials = env.trials()
+    floors = [env.cluster.jobs[JobHandle.parse(t.job_id).id].cfg.abandon_below_tokens_per_s for t in trials]
+    best_before = [max((u.tokens_per_s for u in trials[:i] if u.state == "COMPLETE"), default=None)
+                   for i in range(len(trials))]  # fmt: skip
+    assert floors == [None if b is None else 0.9 * b for b in best_before]
+    pruned = [t for t in trials if t.state == "PRUNED"]
+    assert pruned and all(
+        t.tokens_per_s < f for t, f in zip(trials, floors, strict=True) if t.state == "PRUNED"
+    )
+    for t in pruned:
+        assert (t.failure_kind, t.told, t.attempts, kinds(t)) == (
+            "pruned_running",
+            "score",
+            1,
+            ["pruned_running"],
+        )
+        assert t.failure_message.startswith("pruned while running") and t.tokens_per_s > 0
+        assert t.device_s == 30.0 * t.tp * t.pp * t.dp
+        assert store.outcome_of(t).ok and store.outcome_of(t).pruned  # replayed as a score
+    used = env.usage()
+    assert used.trials == 6 and used.device_s == sum(t.device_s for t in trials)  # counted, not free
+    assert len(env.cluster.submitted) == 6 == len(set(env.cluster.submitted))  # none retried
+    heard = dict(runner.sampler.history)
+    assert all(heard[store.config_of(t)].tokens_per_s == t.tokens_per_s for t in pruned)
+    with env.sessions() as s:
+        best = store.best_trial(s, s.get(store.Study, env.study_id))
+    assert best.state == "COMPLETE" and best.tokens_per_s == max(t.tokens_per_s for t in trials)
+
+
 def test_a_database_that_stops_answering_pauses_the_runner_and_loses_nothing(tmp_path: Path) -> None:
     env = Env(tmp_path)
     real, calls = store.usage, {"n": 0}
@@ -474,7 +514,10 @@ def test_the_exported_sbatch_reproduces_exactly_what_was_measured(tmp_path: Path
     measured = env.cluster.jobs[JobHandle.parse(best.job_id).id].cfg  # what the dispatcher was given
     script = export_layout("sbatch", env.spec, store.config_of(best))
     exported = script.split("<<'CONFIG_JSON'\n")[1].split("\nCONFIG_JSON")[0]
-    assert BenchmarkConfig.from_dict(json.loads(exported)) == measured
+    # All but the study's floor for pruning while running: a rerun measures the layout whatever it is.
+    assert BenchmarkConfig.from_dict(json.loads(exported)) == replace(
+        measured, abandon_below_tokens_per_s=None
+    )
     assert (measured.device, measured.dtype) == ("cpu", "fp32")
 
 

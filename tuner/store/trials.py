@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, object_session
 
 from trainer.config import ParallelConfig
 from tuner.db import Study, StudyBest, Trial, aware, utcnow
-from tuner.outcome import ACTIVE_TRIAL, FailureKind, Feedback, Outcome, TrialState
+from tuner.outcome import ACTIVE_TRIAL, PRUNED_RUNNING, FailureKind, Feedback, Outcome, TrialState
 
 
 def layout_key(config: ParallelConfig) -> str:
@@ -131,8 +131,9 @@ def end_attempt(
     job_state: str | None = None, now: dt.datetime | None = None,
 ) -> bool:  # fmt: skip
     """The running attempt ended with `outcome`: log it, then either re-queue the trial (WAITING:
-    it runs again as the same trial) or finish it: COMPLETE with metrics or FAIL with the kind,
-    recording what the sampler is told. A finished trial never changes again."""
+    it runs again as the same trial) or finish it: COMPLETE with metrics, PRUNED with its partial
+    metrics (pruned while running: never a best) or FAIL with the kind, recording what the sampler
+    is told. A finished trial never changes again."""
     now = now or utcnow()
     entry = _log_entry(trial, outcome.kind, outcome.message, job_state or trial.job_state, now)
     common = {"attempt_log": [*(trial.attempt_log or []), entry], "device_s": trial.device_s + entry["device_s"],
@@ -153,11 +154,14 @@ def end_attempt(
                    "peak_memory_bytes": outcome.peak_memory_bytes, "step_time_median_s": outcome.step_time_s,
                    "step_time_min_s": times[0], "step_time_max_s": times[-1], "failure_kind": None,
                    "failure_message": None}  # fmt: skip
+        if outcome.pruned:
+            values |= {"state": TrialState.PRUNED.value, "failure_kind": PRUNED_RUNNING,
+                       "failure_message": outcome.message[-4000:]}  # fmt: skip
     else:
         values |= {"state": TrialState.FAIL.value, "failure_kind": outcome.kind,
                    "failure_message": outcome.message[-4000:]}  # fmt: skip
     took = _cas(session, trial, ACTIVE_TRIAL, **values, **common)
-    if took and outcome.ok:
+    if took and outcome.ok and not outcome.pruned:
         _record_best(trial)
     return took
 
@@ -204,10 +208,12 @@ def _record_best(trial: Trial) -> None:
 def outcome_of(trial: Trial) -> Outcome | None:
     """A finished trial's outcome as stored (None while unfinished)."""
     state = TrialState(trial.state)
-    if state == TrialState.COMPLETE:
+    pruned = trial.failure_kind == PRUNED_RUNNING
+    if state == TrialState.COMPLETE or pruned:
         return Outcome(ok=True, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device or 0.0,
                        mfu=trial.mfu or 0.0, peak_memory_bytes=trial.peak_memory_bytes or 0,
-                       step_time_s=trial.step_time_median_s or 0.0, result=trial.result or {})  # fmt: skip
+                       step_time_s=trial.step_time_median_s or 0.0, result=trial.result or {}, pruned=pruned,
+                       message=trial.failure_message if pruned else "")  # fmt: skip
     if state in (TrialState.PRUNED, TrialState.FAIL):
         return Outcome.failed(FailureKind(trial.failure_kind or "crash"), trial.failure_message or "")
     return None
@@ -223,8 +229,8 @@ def previous_kinds(trial: Trial) -> list[str]:
 
 @dataclass(frozen=True)
 class Usage:
-    trials: int  # trials that count against max_trials: every one but the pruned
-    finished: int  # COMPLETE or FAIL
+    trials: int  # trials that count against max_trials: every one but those pruned before running
+    finished: int  # COMPLETE, FAIL or pruned while running
     active: int  # SUBMITTING or RUNNING
     device_s: float  # ended attempts, plus the running ones so far
     wall_s: float  # since the study was first claimed
@@ -237,15 +243,15 @@ def usage(
     now = now or utcnow()
     rows = session.execute(
         select(Trial.state, Trial.tp * Trial.pp * Trial.dp, Trial.started_at, Trial.device_s, Trial.told,
-               Trial.tokens_per_s)
+               Trial.tokens_per_s, Trial.failure_kind)
         .where(Trial.study_id == study.id).order_by(Trial.finished_at, Trial.id)
     ).all()  # fmt: skip
     counted = finished = active = 0
     device_s, best, since = 0.0, 0.0, 0
-    for state, world, started, spent, told, tokens in rows:
+    for state, world, started, spent, told, tokens, kind in rows:
         state = TrialState(state)
         device_s += spent or 0.0
-        if state is TrialState.PRUNED:
+        if state is TrialState.PRUNED and kind != PRUNED_RUNNING:  # never ran
             continue
         counted += 1
         if state in ACTIVE_TRIAL:
