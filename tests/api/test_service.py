@@ -143,7 +143,7 @@ def test_two_workers_on_postgresql_run_each_study_exactly_once(postgres_url: str
     with sessions.begin() as s:
         for i in range(4):
             # trials of several seconds, so that a worker that starts a little later still finds one
-            trial = {**TINY["trial"], "measure_steps": 30}
+            trial = {**TINY["trial"], "measure_steps": 30, "stable_rel_ci": None}  # all 30 steps
             store.create_study(s, parse_spec({**TINY, "name": f"shared-{i}", "budget": {"max_trials": 1},
                                               "trial": trial}))  # fmt: skip
     env = {**os.environ, "TUNER_DATABASE_URL": postgres_url, "TUNER_WORK_DIR": str(tmp_path / "runs")}

@@ -45,6 +45,8 @@ BASE = {
     "sampler": "grid", "prune_predicted_oom": False, "backend": "slurm",
     "slurm": {"partition": "debug", "env": {"GLOO_SOCKET_IFNAME": "lo"}},
 }  # fmt: skip
+# Trials that must still be running when a fault hits measure all their steps (no adaptive stop).
+FIXED_STEPS = {"stable_rel_ci": None, "prune_running_fraction": None}
 
 
 @pytest.fixture
@@ -187,7 +189,7 @@ def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
     slurm_env: SlurmCluster, tmp_path: Path
 ) -> None:
     # ~20 s of steps on an idle 2-core machine: long enough to be caught running, short enough to retry.
-    spec = _spec("node-down", trial={**BASE["trial"], "measure_steps": 3000})
+    spec = _spec("node-down", trial={**BASE["trial"], **FIXED_STEPS, "measure_steps": 3000})
     downed: list[str] = []
 
     def down_then_resume() -> None:
@@ -233,7 +235,7 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     spec = {**BASE, "name": "sigkill", "num_gpus": 2,
             "space": {**BASE["space"], "tp": [1, 2], "micro_batch_size": [1, 2, 4]},
-            "trial": {**BASE["trial"], "measure_steps": 30, "timeout_s": 600}, "budget": {"max_trials": 4, "trials_in_flight": 2}}  # fmt: skip
+            "trial": {**BASE["trial"], **FIXED_STEPS, "measure_steps": 30, "timeout_s": 600}, "budget": {"max_trials": 4, "trials_in_flight": 2}}  # fmt: skip
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(spec))
     env = {**slurm_env.env, "TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp_path / "runs")}

@@ -40,6 +40,8 @@ BASE = {
     "sampler": "grid", "prune_predicted_oom": False, "backend": "slurm",
     "slurm": {"partition": "debug", "env": {"GLOO_SOCKET_IFNAME": "eth0"}},
 }  # fmt: skip
+# Trials that must still be running when a fault hits measure all their steps (no adaptive stop).
+FIXED_STEPS = {"stable_rel_ci": None, "prune_running_fraction": None}
 
 
 @pytest.fixture
@@ -165,7 +167,7 @@ def test_a_node_lost_mid_trial_is_retried_on_healthy_nodes(
     (SlurmdTimeout), not at its time limit; the trial runs again on other nodes and completes."""
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     spec = parse_spec(_study(tmp_path, fault, num_gpus=4, space={**BASE["space"], "tp": [2], "num_gpus": [4], "micro_batch_size": [4]},
-                             trial={**BASE["trial"], "measure_steps": 20}, budget={"max_trials": 1}))  # fmt: skip
+                             trial={**BASE["trial"], **FIXED_STEPS, "measure_steps": 20}, budget={"max_trials": 1}))  # fmt: skip
     sessions = connect(db)
     with sessions.begin() as s:
         store.create_study(s, spec)
