@@ -103,34 +103,24 @@ def _elementwise_flops(m: GPTConfig, p: ParallelConfig, precision: str, c: Model
     return s * b * per_token * act_bytes * passes * c.elementwise_flops_per_byte
 
 
-def estimate(
-    m: GPTConfig,
-    p: ParallelConfig,
-    cluster: ClusterSpec,
-    precision: str = "bf16",
-    constants: ModelConstants | None = None,
-) -> Estimate:
-    c = constants or default_constants(cluster)
-    m = padded_model(m, p.tp)  # the vocabulary the layout builds (Megatron's padding)
-    mem = memory(m, p, precision, c)
-    s, b, h, t, pp, v, mb, d = (m.seq_len, p.micro_batch_size, m.hidden_size, p.tp, p.pp, p.virtual_stages,
-                                p.num_microbatches, p.dp)  # fmt: skip
-    tokens_mb = b * s
-    layers = math.ceil(m.num_layers / (pp * v)) * v
+@dataclass(frozen=True)
+class _StepTerms:
+    stage_mb: float  # one micro-batch on the slowest stage: compute (or the floor) + tp + bookkeeping
+    tp_mb: float
+    bubble: float
+    p2p: float
+    dp_comm: float
+    dp_exposed: float
+    optimizer_s: float
 
-    # Compute of one micro-batch on the slowest (last) stage: forward, backward = 2x forward
-    # (Megatron-3D sec. 5.1), plus recompute: a whole forward (full) or the attention core
-    # (selective, Korthikanti sec. 5). The head's V x h matmul sits on the last stage.
-    layer_fwd = _layer_fwd_flops_per_token(m) * tokens_mb / t
-    recompute = {"none": 0.0, "selective": 4 * s * h * tokens_mb / t, "full": layer_fwd}[
-        p.activation_checkpoint
-    ]
-    head_fwd = 2 * m.vocab_size * h * tokens_mb / t
-    flops_mb = layers * (3 * layer_fwd + recompute) + 3 * head_fwd
-    compute_mb = (
-        flops_mb / _compute_efficiency(m, p, c) + layers * _elementwise_flops(m, p, precision, c)
-    ) / (cluster.peak_tflops * 1e12)
 
+def _step_terms(
+    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
+    compute_mb: float, layers: int,
+) -> _StepTerms:  # fmt: skip
+    """The step's terms on `cluster`'s links (compute_mb fixed: the links change only these)."""
+    s, h, t, pp, v, mb, d = (m.seq_len, m.hidden_size, p.tp, p.pp, p.virtual_stages, p.num_microbatches, p.dp)
+    tokens_mb = p.micro_batch_size * s
     act_bytes = 2 if precision != "fp32" else 4
     # Tensor parallelism: 2 all-reduces forward and 2 backward per layer (Megatron-3D sec. 3.2,
     # fig. 5); with sequence parallelism each becomes reduce-scatter + all-gather, same bytes
@@ -187,13 +177,56 @@ def estimate(
         opt_params * OPTIMIZER_BYTES_PER_PARAM * c.elementwise_flops_per_byte / (cluster.peak_tflops * 1e12)
     )
 
+    return _StepTerms(stage_mb, tp_mb, bubble, p2p, dp_comm, dp_exposed, optimizer_s)
+
+
+def _on_node_links(cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster with every link as fast as the node's own: what the communication costs the
+    CPUs that drive it, without the time spent waiting on a slower wire."""
+    return cluster.model_copy(update={"inter_node_gbps": cluster.intra_node_gbps,
+                                      "inter_node_latency_us": cluster.intra_node_latency_us})  # fmt: skip
+
+
+def estimate(
+    m: GPTConfig,
+    p: ParallelConfig,
+    cluster: ClusterSpec,
+    precision: str = "bf16",
+    constants: ModelConstants | None = None,
+) -> Estimate:
+    c = constants or default_constants(cluster)
+    m = padded_model(m, p.tp)  # the vocabulary the layout builds (Megatron's padding)
+    mem = memory(m, p, precision, c)
+    s, h, t, pp, v, mb = m.seq_len, m.hidden_size, p.tp, p.pp, p.virtual_stages, p.num_microbatches
+    tokens_mb = p.micro_batch_size * s
+    layers = math.ceil(m.num_layers / (pp * v)) * v
+
+    # Compute of one micro-batch on the slowest (last) stage: forward, backward = 2x forward
+    # (Megatron-3D sec. 5.1), plus recompute: a whole forward (full) or the attention core
+    # (selective, Korthikanti sec. 5). The head's V x h matmul sits on the last stage.
+    layer_fwd = _layer_fwd_flops_per_token(m) * tokens_mb / t
+    recompute = {"none": 0.0, "selective": 4 * s * h * tokens_mb / t, "full": layer_fwd}[
+        p.activation_checkpoint
+    ]
+    head_fwd = 2 * m.vocab_size * h * tokens_mb / t
+    flops_mb = layers * (3 * layer_fwd + recompute) + 3 * head_fwd
+    compute_mb = (
+        flops_mb / _compute_efficiency(m, p, c) + layers * _elementwise_flops(m, p, precision, c)
+    ) / (cluster.peak_tflops * 1e12)
+
+    k = _step_terms(m, p, cluster, precision, c, compute_mb, layers)
+    stage_mb, tp_mb, bubble, p2p, dp_exposed = k.stage_mb, k.tp_mb, k.bubble, k.p2p, k.dp_exposed
     compute_total = mb * compute_mb
-    step = mb * stage_mb + bubble + p2p + dp_exposed + optimizer_s
+    step = mb * stage_mb + bubble + p2p + dp_exposed + k.optimizer_s
     if cluster.cores_per_node:
         # Ranks sharing cores: a rank idle in the bubble lends its core to the others, and gloo's
         # collectives are CPU work too, so the node's total busy time over its cores bounds the step.
+        # Only the CPU part of a collective counts: over a link slower than the node's own, the
+        # rank waits on the wire and its core is free (priced as if every link were on-node).
+        cpu = k if cluster.inter_node_gbps >= cluster.intra_node_gbps else _step_terms(
+            m, p, _on_node_links(cluster), precision, c, compute_mb, layers)  # fmt: skip
         ranks = min(p.world_size, cluster.gpus_per_node)
-        busy = mb * stage_mb + p2p + dp_comm + optimizer_s
+        busy = mb * cpu.stage_mb + cpu.p2p + cpu.dp_comm + cpu.optimizer_s
         step = max(step, busy * ranks / cluster.cores_per_node)
     tokens_per_s = p.global_batch_size * s / step
     tflops = m.flops_per_token * tokens_per_s / p.world_size / 1e12
