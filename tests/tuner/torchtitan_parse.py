@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.metadata
 import io
 import json
@@ -44,6 +45,10 @@ def stage_layers(parallelism, num_layers: int) -> list[list[int]]:
 def parse(module: str, config_fn: str, num_layers: int) -> dict:
     from torchtitan.config import ConfigManager
 
+    try:  # ConfigManager reports any ImportError inside the module as "Cannot import module"
+        importlib.import_module(module)
+    except ImportError as e:
+        return {"error": f"import {module}: {e!r}"}
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
