@@ -1,7 +1,7 @@
 // The dashboard: hash routes #/studies, #/study/<id>, #/best over the REST API. The token (when
 // the server wants one) lives in sessionStorage only and goes out as Authorization: Bearer.
 
-import { bestBySize, purge } from "./charts.js";
+import { bestBySize, chartFrame, purge } from "./charts.js";
 import { api, ApiError, el, fmt, isLive, loadPlotly, setToken, STUDY_STATES, statusBadge, token } from "./lib.js";
 import { showStudy } from "./study.js";
 
@@ -134,10 +134,10 @@ async function showBest(current) {
   const rows = await api("/api/best");
   if (current !== page) return;
   rows.sort((a, b) => a.num_params - b.num_params || a.gpus - b.gpus);
-  const chart = el("div", { class: "chart wide", dataset: { chart: "best" } });
+  const { node: figure, plot: chart } = chartFrame("best", "Tokens/s per device and MFU by model size", true);
   current.charts.push(chart);
   view.append(el("h1", {}, "Best layout per model size"),
-    el("p", { class: "muted" }, "The fastest measured layout per (model, cluster, GPUs) across all studies."), chart,
+    el("p", { class: "muted" }, "The fastest measured layout per (model, cluster, GPUs) across all studies."), figure,
     el("div", { class: "table-wrap" }, el("table", { class: "best" }, el("thead", {}, el("tr", {}, ["model", "parameters", "cluster", "GPUs", "tokens/s", "tokens/s per device",
       "TFLOP/s per device", "MFU", "peak memory", "layout", "study"].map((h) => el("th", {}, h)))),
     el("tbody", {}, rows.map((r) => el("tr", {}, el("td", {}, r.model), el("td", { class: "num" }, fmt.params(r.num_params)),

@@ -50,17 +50,27 @@ export function el(tag, attrs = {}, ...children) {
   return node;
 }
 
+// Sizes in the unit of their magnitude, decimal as the API counts them: 230 K parameters, 3.2 MB.
+export const UNITS = {
+  bytes: [["GB", 1e9], ["MB", 1e6], ["kB", 1e3], ["B", 1]],
+  params: [["B", 1e9], ["M", 1e6], ["K", 1e3], ["", 1]],
+};
+
+// [unit, size]: the largest unit of `units` not above x (the smallest one below it).
+export const unitOf = (x, units) => units.find(([, size]) => Math.abs(x) >= size) || units[units.length - 1];
+
+function scaled(x, units) {
+  const [unit, size] = unitOf(Number(x.toPrecision(3)), units); // 999,999 B is 1 MB, not 1,000 kB
+  const value = size === 1 ? Math.round(x) : Number((x / size).toPrecision(3));
+  return `${value.toLocaleString("en-US")}${unit ? ` ${unit}` : ""}`;
+}
+
 export const fmt = {
   int: (x) => (x === null || x === undefined ? "–" : Math.round(x).toLocaleString("en-US")),
   num: (x, digits = 3) => (x === null || x === undefined ? "–" : Number(x.toPrecision(digits)).toLocaleString("en-US")),
   pct: (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)} %`),
-  bytes(x) {
-    if (x === null || x === undefined) return "–";
-    const units = [["GB", 1e9], ["MB", 1e6], ["kB", 1e3]];
-    for (const [unit, size] of units) if (x >= size) return `${(x / size).toFixed(x >= 10 * size ? 1 : 2)} ${unit}`;
-    return `${x} B`;
-  },
-  params: (x) => (x >= 1e9 ? `${(x / 1e9).toFixed(2)} B` : `${(x / 1e6).toFixed(0)} M`),
+  bytes: (x) => (x === null || x === undefined ? "–" : scaled(x, UNITS.bytes)),
+  params: (x) => (x === null || x === undefined ? "–" : scaled(x, UNITS.params)),
   date: (x) => (x ? new Date(x).toLocaleString() : "–"),
   // measured / predicted - 1, signed: "+12 %" means faster than the model said.
   error: (measured, predicted) =>

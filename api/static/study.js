@@ -1,6 +1,7 @@
-// One study: its figures, five charts, the trial table (sort, filter, 100 rows a page) with a
-// detail panel, launch-config export, cancel, and live updates while the study is pending or
-// running (GET /trials?after=<n> every 2 s: new trials, and the ones still waiting or running).
+// One study: its figures, five charts (the model's predictions beside its calibrated model's once
+// the study has ended), the trial table (sort, filter, 100 rows a page) with a detail panel,
+// launch-config export, cancel, and live updates while the study is pending or running
+// (GET /trials?after=<n> every 2 s: new trials, and the ones still waiting or running).
 
 import * as charts from "./charts.js";
 import { api, el, fact, fmt, isLive, statusBadge, token } from "./lib.js";
@@ -42,12 +43,14 @@ export async function showStudy(current, id, ctx) {
   // --- skeleton ---
   const head = el("section", { class: "study-head" });
   const exportBox = el("section", { class: "export", hidden: true });
-  const divs = Object.fromEntries(["history", "memory", "predicted", "failures", "parcoords"].map((name) =>
-    [name, el("div", { class: name === "parcoords" ? "chart wide" : "chart", dataset: { chart: name } })]));
+  const frames = Object.fromEntries([["history", "Optimisation history"], ["memory", "Throughput vs peak memory per device"],
+    ["predicted", "Predicted vs measured tokens/s"], ["failures", "Failures by kind"], ["parcoords", "Layout knobs → tokens/s"]]
+    .map(([name, heading]) => [name, charts.chartFrame(name, heading, name === "parcoords")]));
+  const divs = Object.fromEntries(Object.entries(frames).map(([name, f]) => [name, f.plot]));
   current.charts.push(...Object.values(divs));
   const table = new TrialTable((number) => select(number));
   const detail = el("aside", { class: "detail", hidden: true, "aria-label": "trial detail" });
-  view.append(head, exportBox, el("section", { class: "charts" }, Object.values(divs)), table.node, detail);
+  view.append(head, exportBox, el("section", { class: "charts" }, Object.values(frames).map((f) => f.node)), table.node, detail);
 
   // --- header: figures, cancel, export ---
   function renderHead() {
@@ -69,7 +72,7 @@ export async function showStudy(current, id, ctx) {
         fact("best tokens/s", fmt.int(study.best_tokens_per_s)), fact("best MFU", fmt.pct(study.best_mfu)),
         fact("best layout", best ? `#${best.number} ${best.layout}` : "–", "wide"),
         ...payoffFacts(study.payoff),
-        fact("device memory", `${study.spec.cluster?.device_memory_gb ?? "–"} GB`),
+        fact("device memory", fmt.bytes(study.spec.cluster?.device_memory_gb * 1e9 || null)),
         fact("created", fmt.date(study.created_at)), fact("finished", fmt.date(study.finished_at)),
         study.lease ? fact("held by", `${study.lease.owner} (lease ${study.lease.expires_in_s >= 0
           ? `renewed ${Math.round(study.lease.renewed_s_ago)} s ago` : `expired ${Math.round(-study.lease.expires_in_s)} s ago`})`, "wide") : null,
@@ -149,7 +152,7 @@ export async function showStudy(current, id, ctx) {
   const draws = {
     history: () => charts.history(divs.history, trials),
     memory: () => charts.memory(divs.memory, trials, study.spec.cluster?.device_memory_gb),
-    predicted: () => charts.predicted(divs.predicted, trials),
+    predicted: () => charts.predicted(divs.predicted, trials, calibration),
     failures: () => charts.failures(divs.failures, trials),
     parcoords: () => charts.parcoords(divs.parcoords, trials),
   };
@@ -186,6 +189,10 @@ export async function showStudy(current, id, ctx) {
     renderCharts().catch((e) => ctx.fail(e, current));
   });
 
+  // The study's calibrated model: fitted when the study ends, read once more when it has.
+  let calibration = null;
+  const readCalibration = () => api(`/api/studies/${id}/calibration`);
+
   // --- live updates ---
   let lastNumber = -1;
   let polling = false;
@@ -202,7 +209,13 @@ export async function showStudy(current, id, ctx) {
       study = next;
       renderHead();
       if (items.length) lastNumber = Math.max(lastNumber, items[items.length - 1].number);
-      if (merge(items)) {
+      let fitted = false; // the study has ended: its calibration, read once
+      if (!isLive(study.status) && !calibration?.calibration) {
+        calibration = await readCalibration();
+        fitted = calibration.calibration !== null;
+      }
+      if (current !== ctx.page()) return;
+      if (merge(items) || fitted) {
         version += 1;
         if (!detail.hidden && items.some((t) => t.number === table.selected)) showDetail();
         renderCharts().catch((e) => ctx.fail(e, current));
@@ -214,9 +227,10 @@ export async function showStudy(current, id, ctx) {
   }
 
   // --- first load: study and all its trials in parallel; the table before plotly is ready ---
-  const [first, items] = await Promise.all([api(`/api/studies/${id}`), fetchTrials(id, -1)]);
+  const [first, items, fit] = await Promise.all([api(`/api/studies/${id}`), fetchTrials(id, -1), readCalibration()]);
   if (current !== ctx.page()) return;
   study = first;
+  calibration = fit;
   merge(items);
   performance.mark("tuner:trials-loaded");
   lastNumber = trials.length ? trials[trials.length - 1].number : -1;

@@ -1,6 +1,6 @@
 """The dashboard tests' machinery: `tuner serve` in a subprocess, a browser tab that collects
 console errors, and trials written to the database the way a worker writes them (made-up but
-plausible figures for gpt-1.3b on 8 x A100-80GB)."""
+plausible figures for gpt-1.3b on 8 x A100-80GB; test_real_study.py measures its own)."""
 
 from __future__ import annotations
 
@@ -60,15 +60,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(tmp: Path, read_auth: bool) -> Iterator[Server]:
+def serve(tmp: Path, read_auth: bool, worker: bool = False) -> Iterator[Server]:
+    """`tuner serve` on a free port over a fresh SQLite file; with `worker`, its embedded trial
+    worker runs the studies submitted (real trials, local processes)."""
     port = free_port()
     url = f"sqlite:///{tmp / 'db.sqlite'}"
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("TUNER_") or k == "TUNER_CACHE_DIR"}
     env = {**inherited, "TUNER_DATABASE_URL": url, "TUNER_API_TOKEN": TOKEN, "TUNER_WORK_DIR": str(tmp / "runs"),
            "TUNER_READ_AUTH": "1" if read_auth else "0"}  # fmt: skip
     log = (tmp / "server.log").open("w")
-    proc = subprocess.Popen([TUNER, "serve", "--no-worker", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen([TUNER, "serve", *([] if worker else ["--no-worker"]), "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=base, timeout=30, headers=AUTH) as http:
