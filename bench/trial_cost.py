@@ -1,7 +1,8 @@
 """Trial cost before and after adaptive measurement and pruning while running, side by side.
 
     .venv/bin/python bench/trial_cost.py [--spec studies/gpt-small-cpu.yaml] [--measure-steps N]
-                                         [--repeats R] [--json out.json]
+                                         [--global-batch B] [--repeats R] [--json out.json]
+    .venv/bin/python bench/trial_cost.py --report out.json      (summarize a saved run again)
 
 The same real study (local dispatch, the spec's sampler and seed) runs with `tuner run`, before
 and after alternating, R times each:
@@ -12,8 +13,9 @@ and after alternating, R times each:
 Each run gets its own database, so no run starts from another's calibration. From each database:
 device-seconds (world size x attempt time, summed as the device-hours budget sums them) until the
 trial of the study's best layout finished, and in total; the best layout; how many trials were
-pruned while running or stopped as stable. "Same best" compares each after run's best layout with
-the before run's of the same repeat.
+pruned while running or stopped as stable. Per repeat, the after run is charged the
+device-seconds until it had measured the before run's best layout (the same layout, whichever
+won in the after run), and "same best" says whether the after run's own best is that layout.
 """
 
 from __future__ import annotations
