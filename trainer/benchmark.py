@@ -278,11 +278,11 @@ def train(
                 break
 
     p = cfg.parallel
-    # Loss: mean over the global batch. Only last-stage ranks hold one; tp ranks hold copies.
+    # Loss: mean over the global batch. Only last-stage ranks hold one; tp (x tp_col) ranks hold copies.
     loss_sum = torch.stack(losses).to(torch.float64)
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
-    loss_values = (loss_sum / (p.tp * p.dp)).tolist()
+    loss_values = (loss_sum / (p.tp * p.tp_col * p.dp)).tolist()
     peak_bytes = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else cpu_peak
     per_rank = [0] * world_size
     per_rank[rank] = peak_bytes

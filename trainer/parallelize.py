@@ -1,7 +1,7 @@
 """Apply tensor parallelism, activation checkpointing, compile and data parallelism to a GPT.
 
-The order is fixed (torchtitan's): TP first, because it turns parameters into DTensors on the tp
-axis; then activation checkpointing, which wraps the (already parallel) blocks; then compile of
+The order is fixed (torchtitan's): TP first (1D Megatron-LM, or 2D over tp x tp_col), because it
+turns parameters into DTensors on the tensor-parallel axes; then activation checkpointing, which wraps the (already parallel) blocks; then compile of
 each block; then FSDP2 / replicate on the dp axes, which must see the final module tree.
 """
 
@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 from trainer.config import ParallelConfig
 from trainer.model import GPT
 from trainer.parallel_dims import ParallelDims
+from trainer.tp2d import apply_tp_2d
 
 
 def parallelize_gpt(
@@ -37,7 +38,9 @@ def parallelize_gpt(
     compile: bool = False,
 ) -> GPT:
     """Parallelise one model (or one pipeline stage of it) in place; returns it."""
-    if dims.tp > 1:
+    if dims.tp_col > 1:  # 2D: row x column groups (trainer/tp2d.py)
+        apply_tp_2d(model, mesh[dims.tensor_axes])
+    elif dims.tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel=parallel.sequence_parallel)
     if parallel.activation_checkpoint != "none":
         apply_ac(model, parallel.activation_checkpoint)

@@ -1,11 +1,12 @@
 """Where a layout's ranks sit: the one rule the trainer's mesh follows and the planner assumes.
 
-Ranks are numbered in mesh order, `MESH_AXES` outermost first (pp, dp_replicate, dp_shard, tp:
-tp innermost, torchtitan's order), and placed on nodes in blocks: rank r runs on node
+Ranks are numbered in mesh order, `MESH_AXES` outermost first (pp, dp_replicate, dp_shard, tp,
+tp_col: tensor parallelism innermost, torchtitan's order, with the column axis next to the row
+axis as in AxoNN, so that a tp x tp_col group is one block of neighbours), and placed on nodes in blocks: rank r runs on node
 r // ranks_per_node. That is Slurm's default task distribution (`--distribution=block`, which
 the job scripts and steps ask for explicitly) and torchrun's on one node. So a group of an axis
 is `size` ranks `stride` apart (stride = the product of the degrees inside it), and a tensor-
-parallel group sits inside one node whenever tp divides the ranks per node.
+parallel group sits inside one node whenever tp (x tp_col) divides the ranks per node.
 
 The trainer checks the placement it got against this rule and records it in its result
 (trainer/benchmark.py); the performance model prices each group at the link of the tier it spans
@@ -19,16 +20,18 @@ from collections.abc import Mapping, Sequence
 
 from trainer.config import ParallelConfig
 
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")  # outer to inner
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "tp_col")  # outer to inner
 
 
 def axis_sizes(p: ParallelConfig) -> dict[str, int]:
-    return {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
+    return {axis: getattr(p, axis) for axis in MESH_AXES}
 
 
 def axis_strides(p: ParallelConfig) -> dict[str, int]:
-    """Rank distance between neighbours of each axis: tp 1, dp_shard tp, dp_replicate
-    tp x dp_shard, pp tp x dp. The data-parallel axes together are one group of dp at stride tp."""
+    """Rank distance between neighbours of each axis: tp_col 1, tp tp_col, dp_shard t (the
+    tensor-parallel ranks, t = tp x tp_col), dp_replicate t x dp_shard, pp t x dp. Two groups span
+    several axes: "dp" (both data-parallel axes, dp ranks at stride t) and, with tp_col > 1,
+    "tensor" (the row x column group: t neighbouring ranks)."""
     sizes, strides, inner = axis_sizes(p), {}, 1
     for axis in reversed(MESH_AXES):
         strides[axis] = inner
@@ -57,18 +60,31 @@ def nodes_spanned(size: int, stride: int, ranks_per_node: int) -> int:
 
 def expected_spans(p: ParallelConfig, ranks_per_node: int) -> dict[str, int]:
     """Nodes a group of each axis of degree > 1 spans, by the rule; the data-parallel axes also as
-    one group ("dp")."""
-    sizes, strides = axis_sizes(p), axis_strides(p)
-    spans = {a: nodes_spanned(sizes[a], strides[a], ranks_per_node) for a in MESH_AXES if sizes[a] > 1}
-    if p.dp > 1:
-        spans["dp"] = nodes_spanned(p.dp, p.tp, ranks_per_node)
-    return spans
+    one group ("dp"), and the row x column tensor-parallel group ("tensor")."""
+    return {axis: nodes_spanned(*size_stride(p, axis), ranks_per_node) for axis in group_axes(p)}
+
+
+def group_axes(p: ParallelConfig) -> list[str]:
+    """The groups the placement rule covers: each axis of degree > 1, "dp" when dp > 1 and
+    "tensor" when tp_col > 1."""
+    sizes = axis_sizes(p)
+    out = [a for a in MESH_AXES if sizes[a] > 1]
+    return out + (["dp"] if p.dp > 1 else []) + (["tensor"] if p.tp_col > 1 else [])
+
+
+def size_stride(p: ParallelConfig, axis: str) -> tuple[int, int]:
+    """(ranks in one group, rank distance between its neighbours) of an axis or combined group."""
+    if axis == "dp":
+        return p.dp, p.tp * p.tp_col
+    if axis == "tensor":
+        return p.tp * p.tp_col, 1
+    return axis_sizes(p)[axis], axis_strides(p)[axis]
 
 
 def groups(p: ParallelConfig, axis: str) -> list[list[int]]:
-    """The ranks of every group of `axis` (or "dp": both data-parallel axes), in mesh order."""
-    sizes, strides = axis_sizes(p), axis_strides(p)
-    size, stride = (p.dp, p.tp) if axis == "dp" else (sizes[axis], strides[axis])
+    """The ranks of every group of `axis` (or "dp": both data-parallel axes; "tensor": row x
+    column), in mesh order."""
+    size, stride = size_stride(p, axis)
     span = size * stride
     return [[block + offset + k * stride for k in range(size)]
             for block in range(0, p.world_size, span) for offset in range(stride)]  # fmt: skip
@@ -84,17 +100,16 @@ def placement(p: ParallelConfig, hosts: Sequence[str]) -> dict:
         by_host.setdefault(host, []).append(rank)
     per_node = max(len(r) for r in by_host.values())
     expected = expected_spans(p, per_node)
-    sizes, strides = axis_sizes(p), axis_strides(p)
     axes = {}
     for axis, want in expected.items():
         got = max(len({hosts[r] for r in g}) for g in groups(p, axis))
-        size, stride = (p.dp, p.tp) if axis == "dp" else (sizes[axis], strides[axis])
+        size, stride = size_stride(p, axis)
         axes[axis] = {"size": size, "stride": stride, "nodes": got, "expected_nodes": want}
     blocks = all(hosts[r] == hosts[(r // per_node) * per_node] for r in range(len(hosts)))
     return {
         "hosts": by_host, "ranks_per_node": per_node, "axes": axes,
         "follows_rule": blocks and all(a["nodes"] == a["expected_nodes"] for a in axes.values()),
-        "tp_inside_node": axes.get("tp", {}).get("nodes", 1) == 1,
+        "tp_inside_node": axes.get("tensor", axes.get("tp", {})).get("nodes", 1) == 1,
     }  # fmt: skip
 
 

@@ -1,0 +1,166 @@
+"""2D tensor parallelism (trainer/tp2d.py): the column axis tp_col, alone and with every other
+technique, trains the same GPT as one process (loss and gradient-norm parity, test_parity.py's
+tolerance); its collectives are AxoNN's, one all-reduce per layer each way on the right group; its
+mesh follows the placement rule (trainer/topology.py)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from tests.trainer.helpers import GLOBAL_BATCH, TINY, assert_valid_result, tiny_config
+from tests.trainer.test_parity import REL_TOL, _relative
+from trainer import tp2d
+from trainer.benchmark import run
+from trainer.config import BenchmarkResult, GPTConfig, ParallelConfig
+from trainer.launch import run_local
+from trainer.model import GPT
+from trainer.parallel_dims import ParallelDims
+from trainer.parallelize import parallelize_gpt
+from trainer.topology import expected_spans, groups
+
+P = ParallelConfig
+
+# (id, layout): global batch 8 everywhere; row x column written tp x tp_col.
+LAYOUTS = [
+    ("2x2", P(tp=2, tp_col=2, micro_batch_size=8)),
+    ("2x2-fsdp2-depth2", P(tp=2, tp_col=2, dp_shard=2, zero_stage=3, micro_batch_size=4)),
+    ("col2-pp2", P(tp_col=2, pp=2, micro_batch_size=2, num_microbatches=4)),
+    ("col2-ac-full", P(tp_col=2, activation_checkpoint="full", micro_batch_size=8)),
+    ("col2-replicate2", P(tp_col=2, dp_replicate=2, micro_batch_size=4)),
+    ("col4", P(tp_col=4, micro_batch_size=8)),
+]
+_LAYOUTS = dict(LAYOUTS)
+
+
+@pytest.fixture(scope="module")
+def reference() -> BenchmarkResult:
+    result = run(tiny_config(P(micro_batch_size=GLOBAL_BATCH)))
+    assert result.status == "ok", result.error
+    return result
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, BenchmarkResult] = {}
+
+    def get(name: str) -> BenchmarkResult:
+        if name not in cache:
+            cache[name] = run_local(tiny_config(_LAYOUTS[name]), tmp_path_factory.mktemp(name), timeout_s=300)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "layout"), LAYOUTS, ids=[n for n, _ in LAYOUTS])
+def test_loss_parity(name: str, layout: ParallelConfig, reference: BenchmarkResult, measured) -> None:
+    assert layout.global_batch_size == GLOBAL_BATCH
+    result = measured(name)
+    assert_valid_result(result, tiny_config(layout))  # also: a peak memory for every rank
+    assert result.parallel["tp_col"] == layout.tp_col
+    for step, (got, want) in enumerate(zip(result.losses, reference.losses), start=1):
+        assert _relative(got, want) < REL_TOL, f"{name}: loss at step {step} is {got}, reference {want}"
+    assert _relative(result.grad_norms[0], reference.grad_norms[0]) < REL_TOL, (
+        f"{name}: step-1 gradient norm {result.grad_norms[0]}, reference {reference.grad_norms[0]}"
+    )
+    assert result.placement["tp_inside_node"] and result.placement["axes"]["tensor"]["size"] == (
+        layout.tp * layout.tp_col
+    )
+
+
+@pytest.mark.distributed
+def test_column_split_holds_less_per_rank(reference: BenchmarkResult, measured) -> None:
+    """Weights, gradients, Adam state and the block's activations are split 4 ways."""
+    assert measured("col4").peak_memory_bytes < 0.9 * reference.peak_memory_bytes
+
+
+class _Recorder:
+    """dist.all_reduce as trainer/tp2d.py calls it, recording (group ranks, shape) of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.real = dist.all_reduce
+
+    def __call__(self, tensor, *args, group=None, **kwargs):
+        self.calls.append((tuple(dist.get_process_group_ranks(group)), tuple(tensor.shape)))
+        return self.real(tensor, *args, group=group, **kwargs)
+
+    def take(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        calls, self.calls = self.calls, []
+        return sorted(calls)
+
+
+def test_block_collectives_are_axonns_schedule() -> None:
+    """One block on rank 1 of a 2x2 grid (torch's fake process group, one process): forward
+    all-reduces Y over the column group (q, k, v, MLP-up) or the row group (the transposed
+    out-proj and MLP-down) and the norms' statistics over the column group; backward all-reduces
+    dX over the other group. Nothing else communicates (no DTensor redistribution)."""
+    layout = P(tp=2, tp_col=2)
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    try:
+        dims = ParallelDims.from_config(layout, 4)
+        model = GPT(TINY)
+        parallelize_gpt(model, dims.build_mesh("cpu"), dims, layout, param_dtype=torch.float32)
+        b, t, h = 2, TINY.seq_len, TINY.hidden_size
+        x = torch.randn(b, t, h // 2, requires_grad=True)  # this rank's column of the residual stream
+        rec = _Recorder()
+        row, col = (1, 3), (0, 1)  # rank 1 = (row coordinate 0, column coordinate 1)
+        with mock.patch.object(tp2d.dist, "all_reduce", rec), CommDebugMode() as comm:
+            y = model.layers["0"](x)
+            forward = rec.take()
+            y.sum().backward()
+            backward = rec.take()
+        stats, hidden, ffn = (2, b, t), (b, t, h // 2), (b, t, TINY.ffn_size // 2)
+        # forward: norms; q, k, v and MLP-up over the column group; out-proj and MLP-down over rows
+        assert forward == sorted(
+            [(col, stats)] * 2 + [(col, hidden)] * 3 + [(col, ffn)] + [(row, hidden)] * 2
+        )
+        # backward: norms; dX of q, k, v and MLP-up over rows; of out-proj and MLP-down over columns
+        assert backward == sorted([(col, stats)] * 2 + [(row, hidden)] * 4 + [(col, hidden), (col, ffn)])
+        assert comm.get_total_counts() == len(forward) + len(backward)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [P(tp=2, tp_col=2, dp_shard=2, zero_stage=3), P(tp_col=4, pp=2, micro_batch_size=1, num_microbatches=2)],
+    ids=lambda p: p.describe(),
+)
+def test_mesh_follows_the_placement_rule(layout: P) -> None:
+    """tp_col is the innermost mesh axis, next to tp: a row x column group is neighbouring ranks."""
+    world = layout.world_size
+    for rank in (0, world - 1):
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        try:
+            dims = ParallelDims.from_config(layout, world)
+            mesh = dims.build_mesh("cpu")
+            assert mesh.mesh_dim_names[-1] == "tp_col"
+            for axis in dims.enabled_axes:
+                mine = next(g for g in groups(layout, axis) if rank in g)
+                assert dist.get_process_group_ranks(mesh.get_group(axis)) == mine, (axis, rank)
+            tensor = sorted(dist.get_process_group_ranks(mesh[dims.tensor_axes]._flatten().get_group()))
+            assert tensor == next(g for g in groups(layout, "tensor") if rank in g)
+        finally:
+            dist.destroy_process_group()
+    t = layout.tp * layout.tp_col
+    assert expected_spans(layout, ranks_per_node=t)["tensor"] == 1
+    assert expected_spans(layout, ranks_per_node=t // 2)["tensor"] == 2
+
+
+def test_layout_rules_and_keys() -> None:
+    assert P(tp=2, tp_col=2).world_size == 4 and P(tp=2, tp_col=2).describe().startswith("tp2x2 ")
+    assert "tp_col" not in P(tp=2).to_dict()  # old layouts keep their keys
+    assert P.from_dict(P(tp_col=2).to_dict()) == P(tp_col=2)
+    model = GPTConfig(num_layers=2, hidden_size=48, num_heads=4, vocab_size=256, seq_len=16)
+    rules = {rule for rule, _ in P(tp_col=32).violations(model)}
+    assert rules == {"tp_col must divide hidden_size"}
+    rules = {rule for rule, _ in P(tp=2, tp_col=2, sequence_parallel=True).violations(TINY)}
+    assert rules == {"sequence_parallel needs tp_col 1"}
+    assert {rule for rule, _ in P(tp_col=0).violations(TINY)} == {"tp_col must be >= 1"}
