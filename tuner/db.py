@@ -90,9 +90,10 @@ class Trial(Base):
     study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"), index=True)
     number: Mapped[int]
     state: Mapped[str] = mapped_column(String(16), index=True)
-    layout_key: Mapped[str] = mapped_column(String(200))
+    layout_key: Mapped[str] = mapped_column(String(300))
     config: Mapped[dict[str, Any]]
     tp: Mapped[int]
+    tp_col: Mapped[int] = mapped_column(default=1, server_default="1")  # 2D tensor parallelism's column
     pp: Mapped[int]
     dp: Mapped[int]
     micro_batch_size: Mapped[int]

@@ -52,6 +52,11 @@ def export_layout(
     ValueError when the model cannot run the layout or the stack cannot express it."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; valid: {list(FORMATS)}")
+    if config.tp_col > 1 and fmt != "sbatch":  # our own trainer runs it (trainer/tp2d.py)
+        raise ValueError(
+            f"{fmt}: cannot express layout {config.describe()}: tp_col {config.tp_col} is 2D tensor "
+            "parallelism (AxoNN's column axis), which neither Megatron-LM nor torchtitan implements"
+        )
     problems = config.problems(spec.gpt())
     if problems:
         raise ValueError(f"layout {config.describe()} cannot run the study's model: " + "; ".join(problems))

@@ -12,7 +12,7 @@ from tuner.spec import VOCAB_DIVISIBLE_BY, StudySpec, padded_vocab, parse_spec
 # What --config may pin, and how each value is read.
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 PIN_KEYS = {
-    "tp": int, "pp": int, "dp": int, "micro_batch_size": int, "num_microbatches": int, "zero_stage": int,
+    "tp": int, "tp_col": int, "pp": int, "dp": int, "micro_batch_size": int, "num_microbatches": int, "zero_stage": int,
     "activation_checkpoint": str, "sequence_parallel": lambda v: _BOOL[v.lower()],
     "pp_schedule": lambda v: v.replace("-", "_"), "virtual_stages": int,
 }  # fmt: skip
@@ -23,7 +23,7 @@ PIN_ALIASES = {
     "sp": "sequence_parallel",
 }
 # Pins that narrow the space's choices (the rest are derived and filtered afterwards).
-SPACE_PINS = {"tp", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint", "sequence_parallel",
+SPACE_PINS = {"tp", "tp_col", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint", "sequence_parallel",
               "pp_schedule", "virtual_stages"}  # fmt: skip
 
 
@@ -68,7 +68,7 @@ def candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
     return {
         "vocab_size": est.vocab_size,
         "config": {
-            "tp": config.tp, "pp": config.pp, "dp": config.dp, "micro_batch_size": config.micro_batch_size,
+            "tp": config.tp, "tp_col": config.tp_col, "pp": config.pp, "dp": config.dp, "micro_batch_size": config.micro_batch_size,
             "num_microbatches": config.num_microbatches, "zero_stage": config.zero_stage,
             "activation_checkpoint": config.activation_checkpoint, "sequence_parallel": config.sequence_parallel,
             "pp_schedule": config.pp_schedule, "virtual_stages": config.virtual_stages,

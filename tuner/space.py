@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from trainer.config import GPTConfig, ParallelConfig
 from tuner.spec import SpaceSpec, StudySpec, padded_model
 
-RULE_GPUS = "tp * pp must divide the GPU count"
+RULE_GPUS = "tp * pp must divide the GPU count"  # tp * tp_col * pp with a column axis
 RULE_BATCH = "global batch must be divisible by dp * micro_batch_size"
 RULE_CROSS_NODE_TP = "tp spans nodes (space.allow_cross_node_tp is false)"
+RULE_CROSS_NODE_TENSOR = "tp x tp_col spans nodes (space.allow_cross_node_tp is false)"
 
 
 def layout(tp: int, pp: int, dp: int, **knobs) -> ParallelConfig:
@@ -58,22 +59,24 @@ class SearchSpace:
     def _candidates(self) -> Iterator[ParallelConfig | tuple[str, str]]:
         """Every combination of the space's values, as a config or, where tp, pp and micro-batch
         cannot make a layout at all, as a (rule, message) rejection. pp = 1 has no schedule to
-        choose; tp = 1 has no sequence parallelism to choose."""
+        choose; tp = 1 has no sequence parallelism to choose. tp_col is the column degree of 2D
+        tensor parallelism: tp x tp_col ranks share each weight."""
         s = self.space
         schedules = [(sched, 1) for sched in s.pp_schedule if sched != "interleaved_1f1b"]
         if "interleaved_1f1b" in s.pp_schedule:
             schedules += [("interleaved_1f1b", v) for v in s.virtual_stages if v > 1]
-        for num_gpus, tp, pp in itertools.product(self.world_sizes, s.tp, s.pp):
+        for num_gpus, tp, tp_col, pp in itertools.product(self.world_sizes, s.tp, s.tp_col, s.pp):
             scheds = schedules if pp > 1 else [("1f1b", 1)]
             sps = s.sequence_parallel if tp > 1 else [False]
             combos = list(
                 itertools.product(scheds, s.micro_batch_size, s.zero_stage, s.activation_checkpoint, sps)
             )
-            if num_gpus % (tp * pp):
-                msg = f"tp ({tp}) * pp ({pp}) does not divide {num_gpus} GPUs"
+            if num_gpus % (tp * tp_col * pp):
+                col = f" * tp_col ({tp_col})" if tp_col > 1 else ""
+                msg = f"tp ({tp}){col} * pp ({pp}) does not divide {num_gpus} GPUs"
                 yield from itertools.repeat((RULE_GPUS, msg), len(combos))
                 continue
-            dp = num_gpus // (tp * pp)
+            dp = num_gpus // (tp * tp_col * pp)
             for (sched, v), mbs, zero, ac, sp in combos:
                 if self.global_batch_size % (dp * mbs):
                     msg = f"global batch {self.global_batch_size} not divisible by dp ({dp}) * micro_batch_size ({mbs})"
@@ -82,7 +85,7 @@ class SearchSpace:
                 yield layout(
                     tp, pp, dp, micro_batch_size=mbs, num_microbatches=self.global_batch_size // (dp * mbs),
                     zero_stage=zero, activation_checkpoint=ac, sequence_parallel=sp, pp_schedule=sched,
-                    virtual_stages=v,
+                    virtual_stages=v, tp_col=tp_col,
                 )  # fmt: skip
 
     def violations(self, config: ParallelConfig) -> list[tuple[str, str]]:
@@ -90,15 +93,21 @@ class SearchSpace:
         out = []
         if config.world_size not in self.world_sizes:
             sizes = " or ".join(map(str, self.world_sizes))
-            out.append((RULE_GPUS, f"tp*pp*dp = {config.world_size} != {sizes} GPUs in the study"))
+            col = "*tp_col" if config.tp_col > 1 else ""
+            out.append((RULE_GPUS, f"tp{col}*pp*dp = {config.world_size} != {sizes} GPUs in the study"))
         if config.global_batch_size != self.global_batch_size:
             out.append((
                 RULE_BATCH,
                 f"micro_batch_size * num_microbatches * dp = {config.global_batch_size} != global batch "
                 f"{self.global_batch_size}",
             ))  # fmt: skip
-        if config.tp > self.gpus_per_node and not self.space.allow_cross_node_tp:
-            out.append((RULE_CROSS_NODE_TP, f"tp ({config.tp}) > gpus_per_node ({self.gpus_per_node})"))
+        tensor = config.tp * config.tp_col  # one block of neighbouring ranks (trainer/topology.py)
+        if tensor > self.gpus_per_node and not self.space.allow_cross_node_tp:
+            if config.tp_col > 1:
+                msg = f"tp ({config.tp}) x tp_col ({config.tp_col}) = {tensor} > gpus_per_node ({self.gpus_per_node})"
+                out.append((RULE_CROSS_NODE_TENSOR, msg))
+            else:
+                out.append((RULE_CROSS_NODE_TP, f"tp ({config.tp}) > gpus_per_node ({self.gpus_per_node})"))
         if config.zero_stage == 1:  # the perf model can price it; the bundled trainer cannot run it
             out.append((
                 "zero_stage 1 not offered by the trainer",
@@ -107,7 +116,8 @@ class SearchSpace:
             ))  # fmt: skip
             config = ParallelConfig(**{**config.to_dict(), "zero_stage": 2})
         # The trainer builds the vocabulary padded for the layout's tp (tuner.spec.padded_model),
-        # so an unpadded tokenizer vocabulary (GPT-2's 50257) never rules a tp out.
+        # so an unpadded tokenizer vocabulary (GPT-2's 50257) never rules a tp out. The column
+        # axis splits the embedding and head by hidden dim, not vocabulary: tp alone pads it.
         return out + config.violations(padded_model(self.model, config.tp))
 
     def explain(self, config: ParallelConfig) -> list[str]:

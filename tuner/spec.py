@@ -203,6 +203,9 @@ class SpaceSpec(_Strict):
     """Allowed values of each knob; dp is what the GPUs leave, num_microbatches what the batch does."""
 
     tp: list[PositiveInt] = [1, 2, 4, 8]
+    # The column degree of 2D tensor parallelism (AxoNN's G_c; trainer/tp2d.py; tp is the row
+    # degree). [1]: 1D tensor parallelism only, as before the axis existed.
+    tp_col: list[PositiveInt] = [1]
     pp: list[PositiveInt] = [1, 2, 4, 8, 16, 32, 64]
     micro_batch_size: list[PositiveInt] = [1, 2, 4, 8]
     zero_stage: list[Literal[0, 1, 2, 3]] = [0, 2, 3]
@@ -222,7 +225,7 @@ class SpaceSpec(_Strict):
     def _schedule_aliases(cls, v: Any) -> Any:
         return [s.replace("-", "_") if isinstance(s, str) else s for s in v] if isinstance(v, list) else v
 
-    @field_validator("tp", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint",
+    @field_validator("tp", "tp_col", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint",
                      "sequence_parallel", "pp_schedule", "virtual_stages", "num_gpus")  # fmt: skip
     @classmethod
     def _non_empty_unique(cls, v: list | None) -> list | None:

@@ -206,7 +206,7 @@ def _compute_payoffs(session: Session, studies: list[Study]) -> dict[int, Payoff
     spent = dict(session.execute(select(Trial.study_id, func.sum(Trial.device_s)).where(Trial.study_id.in_(ids))
                                  .group_by(Trial.study_id)).all())  # fmt: skip
     measured: dict[int, list[Measured]] = {i: [] for i in ids}
-    q = select(Trial.study_id, Trial.tp * Trial.pp * Trial.dp, Trial.tokens_per_s, Trial.predicted_tokens_per_s).where(
+    q = select(Trial.study_id, Trial.tp * Trial.tp_col * Trial.pp * Trial.dp, Trial.tokens_per_s, Trial.predicted_tokens_per_s).where(
         Trial.study_id.in_(ids), Trial.state == TrialState.COMPLETE.value, Trial.tokens_per_s.is_not(None)
     )  # fmt: skip
     for study_id, world, tokens, predicted in session.execute(q):

@@ -31,7 +31,7 @@ def config_of(trial: Trial) -> ParallelConfig:
 
 
 def world_size(trial: Trial) -> int:
-    return trial.tp * trial.pp * trial.dp
+    return trial.tp * trial.tp_col * trial.pp * trial.dp
 
 
 def job_name(study: Study | int, number: int, attempt: int) -> str:
@@ -61,7 +61,7 @@ def add_trial(
     )
     trial = Trial(
         study_id=study.id, number=number, state=state.value, layout_key=layout_key(config),
-        config=config.to_dict(), tp=config.tp, pp=config.pp, dp=config.dp,
+        config=config.to_dict(), tp=config.tp, tp_col=config.tp_col, pp=config.pp, dp=config.dp,
         micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
         zero_stage=config.zero_stage, activation_checkpoint=config.activation_checkpoint,
         sequence_parallel=config.sequence_parallel, pp_schedule=config.pp_schedule,
@@ -242,7 +242,7 @@ def usage(
 ) -> Usage:
     now = now or utcnow()
     rows = session.execute(
-        select(Trial.state, Trial.tp * Trial.pp * Trial.dp, Trial.started_at, Trial.device_s, Trial.told,
+        select(Trial.state, Trial.tp * Trial.tp_col * Trial.pp * Trial.dp, Trial.started_at, Trial.device_s, Trial.told,
                Trial.tokens_per_s, Trial.failure_kind)
         .where(Trial.study_id == study.id).order_by(Trial.finished_at, Trial.id)
     ).all()  # fmt: skip

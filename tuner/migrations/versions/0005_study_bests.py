@@ -27,10 +27,16 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["trial_id"], ["trials.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("study_id", "world_size"),
     )
-    from tuner.store import REBUILD_BESTS_SQL
-
-    for statement in REBUILD_BESTS_SQL.strip().split(";"):
-        op.execute(statement)
+    # The rebuild as it was at this revision (tuner/store/results.py's REBUILD_BESTS_SQL then):
+    # the live one names later columns (tp_col, 0007) that do not exist yet here.
+    op.execute("""
+INSERT INTO study_bests (study_id, world_size, trial_id, tokens_per_s)
+SELECT study_id, world, id, tokens_per_s FROM (
+    SELECT id, study_id, tp * pp * dp AS world, tokens_per_s,
+           ROW_NUMBER() OVER (PARTITION BY study_id, tp * pp * dp ORDER BY tokens_per_s DESC, id) AS r
+    FROM trials WHERE state = 'COMPLETE' AND tokens_per_s IS NOT NULL
+) ranked WHERE r = 1
+""")
 
 
 def downgrade() -> None:

@@ -1,0 +1,87 @@
+"""The column degree of 2D tensor parallelism (tp_col) in the tuner: the search space enumerates it
+when the spec asks for it (default [1]: studies without it are unchanged), every rejection with its
+reason; exports to stacks that cannot run it refuse it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.records import record_trial
+from trainer.config import GPTConfig, ParallelConfig
+from tuner import store
+from tuner.db import connect
+from tuner.export import export_layout
+from tuner.outcome import Outcome
+from tuner.space import RULE_CROSS_NODE_TENSOR, RULE_GPUS, SearchSpace
+from tuner.spec import SpaceSpec, parse_spec
+
+MODEL = GPTConfig(num_layers=4, hidden_size=72, num_heads=6, vocab_size=1000, seq_len=64)
+KNOBS = {"pp": [1], "micro_batch_size": [1], "zero_stage": [0], "activation_checkpoint": ["none"]}
+
+
+def _space(**space) -> SearchSpace:
+    return SearchSpace(MODEL, num_gpus=16, gpus_per_node=8, global_batch_size=16, space=SpaceSpec(**space))
+
+
+def test_default_space_has_no_column_axis() -> None:
+    assert SpaceSpec().tp_col == [1]
+    assert all(c.tp_col == 1 for c in _space(tp=[1, 2], **KNOBS).enumerate().valid)
+
+
+def test_column_degrees_enumerated_with_reasons() -> None:
+    space = _space(tp=[1, 2, 4], tp_col=[1, 2, 4, 16, 32], sequence_parallel=[False, True], **KNOBS)
+    result = space.enumerate()
+    grids = {(c.tp, c.tp_col) for c in result.valid}
+    # 6 heads: tp 4 never; hidden 72: tp_col 16 never; 32 GPUs: tp_col 32 never
+    assert grids == {(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (2, 4)}
+    for c in result.valid:
+        assert c.world_size == 16 and c.dp == 16 // (c.tp * c.tp_col)
+        assert not (c.sequence_parallel and c.tp_col > 1)
+    assert {"tp must divide num_heads", "tp_col must divide hidden_size", RULE_GPUS} <= set(result.rejected)
+    assert "sequence_parallel needs tp_col 1" in result.rejected
+    assert result.space_size == len(result.valid) + result.num_rejected
+    # the vocabulary is split by tp alone: padded for tp (1000 -> 1024 at tp 2), never for tp_col
+    assert "tp must divide vocab_size" not in result.rejected
+
+
+def test_row_by_column_group_inside_a_node_unless_allowed() -> None:
+    knobs = {**KNOBS, "tp": [2], "tp_col": [8]}
+    kept = _space(allow_cross_node_tp=False, **{**knobs, "tp": [2], "tp_col": [2, 8]}).enumerate()
+    assert {c.tp_col for c in kept.valid} == {2}
+    assert kept.rejected[RULE_CROSS_NODE_TENSOR] > 0
+    assert "tp (2) x tp_col (8) = 16 > gpus_per_node (8)" in kept.examples[RULE_CROSS_NODE_TENSOR]
+    model = GPTConfig(num_layers=4, hidden_size=96, num_heads=8, vocab_size=1000, seq_len=64)
+    allowed = SearchSpace(model, 16, 8, 16, SpaceSpec(allow_cross_node_tp=True, **knobs)).enumerate()
+    assert [(c.tp, c.tp_col) for c in allowed.valid] == [(2, 8)]
+
+
+@pytest.mark.parametrize("fmt", ["torchtitan", "megatron"])
+def test_exports_refuse_a_column_axis(fmt: str) -> None:
+    spec = parse_spec({"name": "s", "model": "gpt-tiny", "num_gpus": 4, "training": {"global_batch_size": 4}, "space": {"tp": [1, 2]},
+                       "cluster": {"preset": "cpu-local", "gpus_per_node": 4}})  # fmt: skip
+    layout = ParallelConfig(tp=2, tp_col=2, micro_batch_size=4)
+    with pytest.raises(ValueError, match="neither Megatron-LM nor torchtitan implements"):
+        export_layout(fmt, spec, layout)
+    assert "tp_col" in export_layout("sbatch", spec, layout)  # our trainer runs it
+
+
+def test_store_counts_the_column_axis_in_the_device_count(database_url: str) -> None:
+    """World size is tp x tp_col x pp x dp in SQL too (bests per device count, incremental and
+    rebuilt from the trials): tp_col is a trial column (migration 0007), not only config JSON."""
+    spec = parse_spec({"name": "s", "model": "gpt-tiny", "cluster": {"preset": "cpu-local", "gpus_per_node": 4}, "num_gpus": 4,
+                       "training": {"global_batch_size": 8}, "space": {"tp": [1, 2], "tp_col": [1, 2]}})  # fmt: skip
+    grid, flat = ParallelConfig(tp=2, tp_col=2, micro_batch_size=8), ParallelConfig(tp=2, micro_batch_size=8)
+    sessions = connect(database_url)
+    with sessions.begin() as s:
+        study = store.create_study(s, spec)
+        for config, tps in ((grid, 300.0), (flat, 100.0)):
+            record_trial(s, study, config, Outcome(ok=True, tokens_per_s=tps, tflops_per_device=0.01, mfu=0.1,
+                                                   peak_memory_bytes=10, step_time_s=0.5))  # fmt: skip
+    for rebuilt in (False, True):
+        if rebuilt:
+            with sessions.begin() as s:
+                store.rebuild_bests(s)
+        with sessions() as s:
+            assert {(r["gpus"], r["tokens_per_s"]) for r in store.best_rows(s)} == {(4, 300.0), (2, 100.0)}
+            (trial,) = [t for t in store.trials(s, store.get_study(s, "s")) if t.tp_col == 2]
+            assert store.config_of(trial) == grid and store.world_size(trial) == 4
