@@ -95,23 +95,41 @@ def cpu_peak_tflops(dtype: torch.dtype = torch.float32) -> float:
 class LiveBytesTracker(TorchDispatchMode):
     """Peak bytes of live tensor storages on CPU, where no allocator statistics exist and process
     RSS is mostly torch itself. Every op's outputs are registered by storage; a storage counts
-    until it is freed, at its current size (FSDP2 frees all-gather buffers by resizing storages
-    to 0, so sizes are re-read rather than remembered). Deterministic for a deterministic step."""
+    until it is freed, at its current size. Deterministic for a deterministic step.
+
+    The live total is kept incrementally (the memory oracle steps models of thousands of
+    storages): a storage's size is re-read when an op that may mutate it runs and when its
+    `resize_` is called (FSDP2 frees all-gather buffers by resizing storages to 0); the peak is
+    taken after each op. `_recount()` is the same total summed from scratch.
+
+    A wrapper tensor subclass (DTensor; the AsyncCollectiveTensor a functional collective returns
+    in a real world) counts by the tensors it wraps: its own storage holds no data."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._storages: dict[int, weakref.ref] = {}
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}  # key -> (storage, bytes as last read)
+        self._live = 0
         self.peak_bytes = 0
 
     def track(self, t: torch.Tensor) -> None:
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        if t.device.type == "meta":
-            return
-        st = t.untyped_storage()
+        for st in _storages(t):
+            self._read(st)
+
+    def _read(self, st: torch.UntypedStorage) -> None:
         key = id(st)  # torch keeps one Python object per live storage
-        if key not in self._storages:
-            self._storages[key] = weakref.ref(st, lambda _, k=key: self._storages.pop(k, None))
+        entry = self._storages.get(key)
+        nbytes = st.nbytes()
+        if entry is None:
+            self._storages[key] = (weakref.ref(st, lambda _, k=key: self._forget(k)), nbytes)
+            self._live += nbytes
+        elif entry[1] != nbytes:
+            self._storages[key] = (entry[0], nbytes)
+            self._live += nbytes - entry[1]
+
+    def _forget(self, key: int) -> None:
+        entry = self._storages.pop(key, None)
+        if entry is not None:
+            self._live -= entry[1]
 
     def track_all(self, tensors) -> None:
         for t in tensors:
@@ -120,23 +138,53 @@ class LiveBytesTracker(TorchDispatchMode):
         self._update()
 
     def live_bytes(self) -> int:
-        total = 0
-        for ref in list(self._storages.values()):
-            st = ref()
-            if st is not None:
-                total += st.nbytes()
-        return total
+        return self._live
+
+    def _recount(self) -> int:
+        return sum(st.nbytes() for ref, _ in list(self._storages.values()) if (st := ref()) is not None)
 
     def _update(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+        self.peak_bytes = max(self.peak_bytes, self._live)
+
+    def __enter__(self):
+        tracker, original = self, torch.UntypedStorage.resize_
+
+        def resize_(storage, *args, **kwargs):
+            out = original(storage, *args, **kwargs)
+            if id(storage) in tracker._storages:
+                tracker._read(storage)
+            return out
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
+        if func._schema.is_mutable:  # an op may resize what it mutates (resize_, set_, out=)
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    for st in _storages(t):
+                        if id(st) in self._storages:
+                            self._read(st)
         self._update()
         return out
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding a tensor's data: a wrapper subclass's inner tensors' (recursively)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]
+        return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
+    return [] if t.device.type == "meta" else [t.untyped_storage()]
 
 
 def grad_norm_(

@@ -1,0 +1,421 @@
+"""The memory oracle: a trial's own build of one layout, at full size, on fake tensors.
+
+FakeTensorMode gives every tensor its shape, dtype and storage size but no data, and torch's fake
+process group ("fake" backend) answers every collective of a world of any size without sending
+anything. Under both, `trainer.benchmark.Trainer` builds the model, applies TP/SP, activation
+checkpointing and FSDP2/replicate on the same DeviceMesh and cuts the same pipeline stages as a
+real trial, and steps it with the schedule's in-flight micro-batches and the AdamW step; the
+trainer's own LiveBytesTracker (`memory_tracker`) counts the live tensor bytes. torchtitan's
+memory estimator takes the same approach for FSDP. Where a fake world behaves unlike a real one,
+trainer/fakeworld.py makes it behave like the real one.
+
+One rank is simulated per forked child: torch.distributed and DTensor keep per-world state
+(process groups, sharding caches keyed by mesh) that must not leak from one rank into the next;
+children run in parallel. By default the first and the last pipeline rank at dp and tp coordinate
+0: the first stage holds the embedding and the most micro-batches in flight, the last the head and
+the logits; a middle stage holds no more layers (stage_layer_ranges gives the remainder to the
+first) and fewer micro-batches, and dp/tp rank 0 holds the largest shard (torch.chunk rounds up
+first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import multiprocessing
+import os
+import time
+import traceback
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.tensor import DTensor
+
+from trainer import benchmark
+from trainer.benchmark import Trainer, _dtype, memory_step, memory_tracker
+from trainer.config import BenchmarkConfig, GPTConfig, ParallelConfig
+from trainer.fakeworld import as_in_a_real_world
+from trainer.metrics import LiveBytesTracker
+from trainer.topology import MESH_AXES, axis_sizes, axis_strides
+
+# What a rank's live bytes at its peak are, in this order of precedence (a storage counts once).
+# gathered_parameters: FSDP2's unsharded (all-gathered, compute-dtype) parameters; activations:
+# everything else (saved activations, pipeline buffers, logits, temporaries).
+CATEGORIES = ("parameters", "optimizer", "gradients", "gathered_parameters", "batch", "activations")
+# Phases of Trainer.step, each with its own peak: the schedule or gradient accumulation; the last
+# pipeline stage concatenating every micro-batch's logits (torch's schedule.step returns them);
+# gradient norm, clipping, AdamW and zero_grad. Extrapolation extends each phase on its own.
+PHASES = ("forward_backward", "merge_outputs", "optimizer")
+# A GPU trial's peak covers every step; the first creates AdamW's state, later ones repeat the second.
+GPU_STEPS = 2
+
+
+class MemcheckError(RuntimeError):
+    """The trainer could not build or step this layout on fake tensors; the message has the
+    child's traceback."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    coords: dict[str, int]  # mesh coordinate per axis (pp, dp_replicate, dp_shard, tp)
+    phases: dict[str, dict[str, int]]  # PHASES -> CATEGORIES -> bytes live at the phase's peak
+    seconds: float  # simulation time (both simulations when extrapolated)
+
+    @property
+    def phase(self) -> str:
+        """The phase the peak falls in."""
+        return max(self.phases, key=lambda k: sum(self.phases[k].values()))
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        return self.phases[self.phase]
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.breakdown.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"peak_bytes": self.peak_bytes, "phase": self.phase}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankMemory:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Peak live bytes per simulated rank of one layout, as a trial on `device` would measure."""
+
+    model: GPTConfig
+    parallel: ParallelConfig
+    device: str  # "cpu": a CPU trial exactly; "cuda": a GPU trial's tensors (bf16, foreach AdamW)
+    dtype: str
+    ranks: list[RankMemory] = field(default_factory=list)
+    seconds: float = 0.0  # wall time
+    microbatches_simulated: tuple[int, int] | None = None  # extrapolated from these two counts
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.worst.peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.to_dict(), "parallel": self.parallel.to_dict(), "device": self.device,
+            "dtype": self.dtype, "peak_bytes": self.peak_bytes, "worst_rank": self.worst.rank,
+            "breakdown": self.worst.breakdown, "ranks": [r.to_dict() for r in self.ranks],
+            "seconds": self.seconds, "microbatches_simulated": self.microbatches_simulated,
+        }  # fmt: skip
+
+
+def rank_of(p: ParallelConfig, **coords: int) -> int:
+    """Global rank of a mesh coordinate (trainer/topology.py: pp outermost, tp innermost)."""
+    strides = axis_strides(p)
+    return sum(coords.get(axis, 0) * strides[axis] for axis in MESH_AXES)
+
+
+def coords_of(p: ParallelConfig, rank: int) -> dict[str, int]:
+    sizes = axis_sizes(p)
+    return {axis: rank // stride % sizes[axis] for axis, stride in axis_strides(p).items()}
+
+
+def default_ranks(p: ParallelConfig, all_stages: bool = False) -> list[int]:
+    """The first and last pipeline rank (every pipeline rank with all_stages), dp and tp rank 0."""
+    stages = range(p.pp) if all_stages else sorted({0, p.pp - 1})
+    return [rank_of(p, pp=s) for s in stages]
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """One rank of one (simulated) configuration: what a child process runs."""
+
+    cfg: BenchmarkConfig
+    rank: int
+    gpu: bool
+
+
+def memcheck(
+    cfg: BenchmarkConfig,
+    *,
+    ranks: Sequence[int] | None = None,
+    all_stages: bool = False,
+    extrapolate: bool = False,
+    simulator: Simulator | None = None,
+) -> MemoryReport:
+    """Peak memory per rank of `cfg` as its trial would measure it, without allocating it.
+
+    cfg.device "cpu": a CPU trial to the byte, i.e. the live-tensor peak of the trial's measured
+    step window (fp32 unless cfg.dtype says otherwise). "cuda" (or "auto" on a GPU machine):
+    what a GPU trial's torch.cuda.max_memory_allocated sees, less the allocator's rounding: every
+    tensor allocated since the model was built counts, over the first two steps (every later step
+    repeats the second); bf16 mixed precision by default, and AdamW's foreach implementation
+    (CUDA's default; on CPU AdamW loops over the parameters). The tensors are fake and on the CPU
+    either way.
+
+    extrapolate ("cuda" only): simulate the step with two micro-batch counts n1 < n2
+    (extrapolation_points) and extend each phase's peak linearly to the layout's count, then take
+    the largest. Past the pipeline's warm-up every extra micro-batch adds the same bytes to a
+    phase (its pipeline receive buffers, batch rows and kept logits under 1F1B, also its
+    activations under GPipe), but phases grow at different rates: the last stage's peak moves
+    from the backward to the concatenation of the kept logits as micro-batches are added.
+    tests/trainer/test_memcheck.py checks the extension against full simulations."""
+    problems = cfg.parallel.problems(cfg.model)
+    if problems:
+        raise ValueError("; ".join(problems))
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if extrapolate and device != "cuda":
+        raise ValueError("extrapolate needs device 'cuda': a CPU trial's window counts only what it touches")
+    dtype = _dtype(cfg, torch.device(device))
+    # Simulated on CPU tensors, built whole from the seed ("exact"): initialisation happens before
+    # the measured step and does not change it; a fake parameter cannot be moved to another device.
+    sim = dataclasses.replace(
+        cfg, device="cpu", dtype="bf16" if dtype == torch.bfloat16 else "fp32", init="exact", compile=False
+    )
+    started, gpu = time.perf_counter(), device == "cuda"
+    ranks = list(ranks) if ranks is not None else default_ranks(cfg.parallel, all_stages)
+    counts = extrapolation_points(cfg.parallel) if extrapolate else None
+    simulator = simulator or Simulator()
+    if counts is None:
+        results = simulator.run([Simulation(sim, r, gpu) for r in ranks])
+    else:
+        n1, n2 = (_with_microbatches(sim, n) for n in counts)
+        done = simulator.run([Simulation(c, r, gpu) for r in ranks for c in (n1, n2)])
+        results = [
+            _extend(a, b, counts, cfg.parallel.num_microbatches) for a, b in zip(done[::2], done[1::2])
+        ]
+    return MemoryReport(
+        model=cfg.model, parallel=cfg.parallel, device=device, dtype=str(dtype).removeprefix("torch."),
+        ranks=results, seconds=time.perf_counter() - started, microbatches_simulated=counts,
+    )  # fmt: skip
+
+
+def extrapolation_points(p: ParallelConfig) -> tuple[int, int] | None:
+    """Two micro-batch counts from which on every phase's peak grows by the same bytes per extra
+    micro-batch, or None when the layout has no more than those. Found by simulating counts up to
+    3-4 x pp on 8-layer models: the step is linear from 2 micro-batches without a pipeline (the
+    second is the first to accumulate gradients), from 2pp - 1 with 1F1B and GPipe (the last
+    count at which the peak still moves within the steady state) and from 3pp interleaved."""
+    if p.pp_schedule == "interleaved_1f1b" and p.pp > 1:
+        counts = (3 * p.pp, 4 * p.pp)  # multiples of pp: valid rounds for the interleaved schedule
+    else:
+        first = max(2, 2 * p.pp - 1)
+        counts = (first, first + 1)
+    return counts if p.num_microbatches > counts[1] else None
+
+
+def _with_microbatches(cfg: BenchmarkConfig, n: int) -> BenchmarkConfig:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, num_microbatches=n))
+
+
+def _extend(a: RankMemory, b: RankMemory, counts: tuple[int, int], n: int) -> RankMemory:
+    """Each phase's bytes by category on the line through its values at counts[0] and counts[1]."""
+    scale = (n - counts[0]) / (counts[1] - counts[0])
+    phases = {
+        phase: {k: v + round((b.phases[phase][k] - v) * scale) for k, v in at_a.items()}
+        for phase, at_a in a.phases.items()
+        if phase in b.phases
+    }
+    return dataclasses.replace(a, phases=phases, seconds=a.seconds + b.seconds)
+
+
+class Simulator:
+    """Runs simulations in forked children (a fresh torch.distributed world each), `processes` at
+    a time (default: one per CPU core). `cache=True` remembers each result: layouts that differ
+    only in their micro-batch count share extrapolation points."""
+
+    def __init__(self, processes: int | None = None, cache: bool = False) -> None:
+        self.processes = max(1, processes or os.cpu_count() or 1)
+        self.cache: dict[Simulation, RankMemory] | None = {} if cache else None
+
+    def run(self, sims: Sequence[Simulation]) -> list[RankMemory]:
+        known = self.cache if self.cache is not None else {}
+        todo = list(dict.fromkeys(s for s in sims if s not in known))
+        known.update(zip(todo, self._in_children(todo), strict=True))
+        return [known[s] for s in sims]
+
+    def _in_children(self, sims: list[Simulation]) -> list[RankMemory]:
+        ctx = multiprocessing.get_context("fork")
+        results: dict[int, RankMemory] = {}
+        running: dict[Any, tuple[int, Any]] = {}  # receiving end -> (index, process)
+        pending = list(enumerate(sims))
+        while pending or running:
+            while pending and len(running) < self.processes:
+                index, sim = pending.pop(0)
+                receive, send = ctx.Pipe(duplex=False)
+                child = ctx.Process(target=_child_main, args=(send, sim), daemon=True)
+                child.start()
+                send.close()
+                running[receive] = (index, child)
+            for receive in wait(list(running)):
+                index, child = running.pop(receive)
+                try:
+                    status, payload = receive.recv()
+                except EOFError:
+                    status, payload = "error", "the simulating process died without a result"
+                child.join()
+                if status != "ok":
+                    sim = sims[index]
+                    raise MemcheckError(f"rank {sim.rank} of {sim.cfg.parallel.describe()}: {payload}")
+                results[index] = payload
+        return [results[i] for i in range(len(sims))]
+
+
+def _child_main(conn, sim: Simulation) -> None:
+    try:
+        conn.send(("ok", simulate_rank(sim.cfg, sim.rank, gpu=sim.gpu)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc(limit=-12)))
+    finally:
+        conn.close()
+        os._exit(0)  # a fork: no atexit handlers, no teardown of the parent's state
+
+
+def simulate_rank(cfg: BenchmarkConfig, rank: int, *, gpu: bool = False) -> RankMemory:
+    """One rank of cfg's trial on fake tensors, in this process (which it leaves with a
+    destroyed process group; `memcheck` runs it in a fresh child). gpu: see memcheck."""
+    warnings.filterwarnings("ignore")  # timeouts on a fake group, deprecations
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # DTensor's plan notes
+    started, world, window = time.perf_counter(), cfg.parallel.world_size, memory_step(cfg)
+    if world > 1:  # as in a real trial: one rank alone has no process group
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    tracker = BreakdownTracker()
+    try:
+        with (
+            FakeTensorMode(),
+            as_in_a_real_world(cfg),
+            _marking_phases(tracker),
+            tracker if gpu else contextlib.nullcontext(),
+        ):
+            torch.manual_seed(cfg.seed)
+            trainer = Trainer(cfg, world, torch.device("cpu"))
+            tracker.watch(trainer)
+            if gpu:  # as torch.cuda.reset_peak_memory_stats after the build; AdamW as on CUDA
+                tracker.reset_peak()
+                for group in trainer.optimizer.param_groups:
+                    group["foreach"] = True
+            for step in range(GPU_STEPS if gpu else window + 1):
+                tracker.phase = PHASES[0]
+                x, y = tracker.batch = trainer.batch(step)
+                window_tracker = (
+                    memory_tracker(trainer, x, y, tracker) if step == window and not gpu else None
+                )
+                with window_tracker or contextlib.nullcontext():
+                    trainer.step(x, y)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    memory = RankMemory(rank, coords_of(cfg.parallel, rank), tracker.phases, time.perf_counter() - started)
+    assert memory.peak_bytes == tracker.peak_bytes, (memory.phases, tracker.peak_bytes)
+    return memory
+
+
+class BreakdownTracker(LiveBytesTracker):
+    """LiveBytesTracker (its peak unchanged) that also keeps, for each phase of a step (PHASES),
+    the bytes live at its peak sorted into CATEGORIES, once it watches a trainer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trainer: Trainer | None = None
+        self.batch: tuple[torch.Tensor, ...] = ()
+        self.phase = PHASES[0]
+        self.phases: dict[str, dict[str, int]] = {}  # phase -> breakdown at its peak
+        self._fsdp: list[Any] = []
+
+    def watch(self, trainer: Trainer) -> None:
+        self.trainer, self._fsdp = trainer, list(_fsdp_params(trainer.modules))
+
+    def reset_peak(self) -> None:
+        self.peak_bytes, self.phases = 0, {}
+        self._update()
+
+    def _update(self) -> None:
+        super()._update()
+        seen = self.phases.get(self.phase)
+        if self.trainer is not None and (seen is None or self._live > sum(seen.values())):
+            self.phases[self.phase] = self._categorise()
+
+    def _categorise(self) -> dict[str, int]:
+        kinds = self._kinds()
+        out = dict.fromkeys(CATEGORIES, 0)
+        for key, (_, nbytes) in self._storages.items():
+            out[kinds.get(key, "activations")] += nbytes
+        return out
+
+    def _kinds(self) -> dict[int, str]:
+        """Category per storage key; later entries win (CATEGORIES' precedence)."""
+        assert self.trainer is not None
+        kinds: dict[int, str] = {_key(t): "batch" for t in self.batch}
+        for fsdp_param in self._fsdp:
+            for t in getattr(fsdp_param, "all_gather_outputs", None) or []:
+                kinds[_key(t)] = "gathered_parameters"
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                kinds[_key(unsharded)] = "gathered_parameters"
+                if unsharded.grad is not None:
+                    kinds[_key(unsharded.grad)] = "gradients"
+            if fsdp_param.unsharded_accumulated_grad is not None:  # fp32, kept between micro-batches
+                kinds[_key(fsdp_param.unsharded_accumulated_grad)] = "gradients"
+        for p in self.trainer.params:
+            if p.grad is not None:
+                kinds[_key(p.grad)] = "gradients"
+        kinds |= {_key(t): "optimizer" for t in _optimizer_state(self.trainer.optimizer)}
+        kinds |= {_key(p): "parameters" for p in self.trainer.params}
+        return kinds
+
+
+@contextlib.contextmanager
+def _marking_phases(tracker: BreakdownTracker) -> Iterator[None]:
+    """Tell the tracker which phase of Trainer.step runs (it sets "forward_backward" itself)."""
+
+    def marked(fn, phase: str, after: str | None = None):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            tracker.phase = phase
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tracker.phase = after or tracker.phase
+
+        return inner
+
+    merge = marked(_PipelineSchedule._merge_outputs, "merge_outputs", after="forward_backward")
+    with (
+        mock.patch.object(benchmark, "grad_norm_", marked(benchmark.grad_norm_, "optimizer")),
+        mock.patch.object(_PipelineSchedule, "_merge_outputs", merge),
+    ):
+        yield
+
+
+def _key(t: torch.Tensor) -> int:
+    """The tracker's key of a tensor's storage (LiveBytesTracker.track)."""
+    return id((t._local_tensor if isinstance(t, DTensor) else t).untyped_storage())
+
+
+def _optimizer_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _fsdp_params(modules: list[torch.nn.Module]) -> Iterator[Any]:
+    """FSDP2 / replicate parameter records of every managed module."""
+    for module in modules:
+        for sub in module.modules():
+            get_state = getattr(sub, "_get_fsdp_state", None)
+            group = getattr(get_state(), "_fsdp_param_group", None) if get_state else None
+            if group is not None:
+                yield from group.fsdp_params
