@@ -244,7 +244,8 @@ class Simulator:
     def run(self, sims: Sequence[Simulation]) -> list[RankMemory]:
         known = self.cache if self.cache is not None else {}
         todo = list(dict.fromkeys(s for s in sims if s not in known))
-        known.update(zip(todo, self._in_children(todo), strict=True))
+        if todo:
+            known.update(zip(todo, self._in_children(todo), strict=True))
         return [known[s] for s in sims]
 
     def _in_children(self, sims: list[Simulation]) -> list[RankMemory]:

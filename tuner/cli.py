@@ -113,20 +113,31 @@ def plan(
         bool, typer.Option(help="also list layouts predicted to run out of memory")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+    verify_memory: Annotated[
+        bool, typer.Option("--verify-memory", help="check each listed layout with the memory oracle (needs torch)")
+    ] = False,
 ) -> None:
     """Rank every valid layout by the performance model, without running any."""
     flags = dict(locals())
     data = _spec_from_flags(**flags)
     try:
         study = parse_spec(data, str(spec) if spec else "plan")
-        result = run_plan(study, pins=parse_pins(config), top=top, include_unfit=include_unfit,
-                          constants=_stored_constants(study.cluster.name))  # fmt: skip
-    except (SpecError, PlanError) as e:
+        constants = _stored_constants(study.cluster.name)
+        result = run_plan(study, pins=parse_pins(config), top=top, include_unfit=include_unfit, constants=constants)
+        if verify_memory:
+            from tuner.cli_memcheck import verify_candidates
+
+            verify_candidates(study, result, constants)
+    except (SpecError, PlanError, ValueError) as e:
         _fail(str(e))
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
     _print_plan(study, result)
+    if verify_memory:
+        from tuner.cli_memcheck import print_verified
+
+        print_verified(result)
 
 
 def _stored_constants(cluster_name: str):
@@ -190,10 +201,11 @@ def _register_plugins() -> None:
         ep.load()(app)
 
 
-from tuner import cli_results, cli_study  # noqa: E402  (commands that use the database or a server)
+from tuner import cli_memcheck, cli_results, cli_study  # noqa: E402  (commands that use the database or a server)
 
 cli_study.register(app)
 cli_results.register(app)
+cli_memcheck.register(app)
 _register_plugins()
 
 if __name__ == "__main__":

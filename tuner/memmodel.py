@@ -1,13 +1,20 @@
-"""The analytic memory model: bytes per device of a layout's fullest rank (weights, gradients,
-optimizer state, activations), from Korthikanti et al. 2022 (activations, table 2 and sec. 4),
-ZeRO (model states) and Megatron-3D (in-flight micro-batches). `tuner.perfmodel.estimate` uses it;
-`fits` compares it with the device's memory. The memory oracle (tuner memcheck) checks it against
-the trainer's own build on fake tensors."""
+"""The analytic memory model: bytes on a layout's fullest device as the trainer (trainer/) holds
+them, at the peak of the phase of a step that holds the most. `tuner.perfmodel.estimate` uses it;
+`fits` compares it with the device's memory.
+
+The terms are the trainer's tensors, checked against its build on fake tensors (the memory
+oracle: trainer/memcheck.py, bench/memory_oracle.py; docs/perfmodel.md says where they differ
+from Megatron-LM's): ZeRO's model states (Rajbhandari et al. 2020) as FSDP2 keeps them, the
+activations one layer stores (Korthikanti et al. 2022, table 2, for this trainer's modules), the
+micro-batches in flight of each pipeline schedule (Narayanan et al. 2021 sec. 2.2; Korthikanti
+sec. 4.2.3), and what torch's pipelining and FSDP2 keep besides. What no tensor shows (allocator
+fragmentation and reserve, communication buffers, the CUDA context) is the calibrated part:
+workspace_bytes and memory_scale.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainer.config import GPTConfig, ParallelConfig
@@ -15,21 +22,36 @@ from trainer.config import GPTConfig, ParallelConfig
 if TYPE_CHECKING:
     from tuner.perfmodel import ModelConstants
 
+PARTS = ("weights", "grads", "optimizer", "activations")
 
-def _activation_bytes_per_layer(m: GPTConfig, p: ParallelConfig, act_bytes: int, c: ModelConstants) -> float:
-    """Stored activations of one layer for one micro-batch (Korthikanti, table 2; its 16-bit
-    byte counts scaled by act_bytes / 2)."""
-    s, b, h, a, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp
-    scores = 0.0 if c.flash_attention else 5 * a * s / h  # softmax, its dropout mask, scores
+
+def activation_bytes_per_token(
+    m: GPTConfig, p: ParallelConfig, cb: int, c: ModelConstants, residual: int | None = None
+) -> float:
+    """Bytes one layer stores per token of one micro-batch, as the trainer's block saves them;
+    cb: the compute dtype's bytes, residual: the residual stream's (fp32 under autocast).
+
+    Without recompute (Korthikanti table 2 has 10 + 24/t 16-bit bytes x h): the layer input, the
+    residual after attention and both norm outputs, replicated (8h in 16 bit); with sequence
+    parallelism the first two are sharded (4h/t) but the norm outputs are kept all-gathered (4h):
+    torch's SequenceParallel all-gathers before the linears, which save the gathered input, where
+    Megatron-LM saves its shard and gathers again in backward. Sharded over tp: q, k, v, the
+    attention output (one tensor for SDPA and the out-projection), the MLP's 4h GeLU input and
+    output: 24h/t. No dropout masks (dropout 0), no s x s scores (SDPA; `flash_attention` False
+    adds Korthikanti's 5as/h), SDPA's fp32 log-sum-exp per head, the norms' fp32 mean and rstd.
+    Selective recompute (the attention core checkpointed) drops the log-sum-exp only: SDPA keeps
+    nothing else an attention core would recompute. Full recompute keeps the layer input."""
+    h, a, t, s = m.hidden_size, m.num_heads, p.tp, m.seq_len
+    res = residual or cb
+    shard = t if p.sequence_parallel else 1
     if p.activation_checkpoint == "full":
-        per = 2 * s * b * h / (t if p.sequence_parallel else 1)  # only the layer input (sec. 4.1)
-    elif p.sequence_parallel:
-        attn = 0.0 if p.activation_checkpoint == "selective" else scores
-        per = s * b * h / t * (34 + attn)  # eq. in sec. 4.2.2
-    else:
-        attn = 0.0 if p.activation_checkpoint == "selective" else scores / t
-        per = s * b * h * (10 + 24 / t + attn)  # eq. in sec. 4.2.1
-    return per * act_bytes / 2
+        return res * h / shard
+    stream = 2 * res * h / shard + 2 * cb * h  # layer input, residual; the two norm outputs
+    sharded = 12 * cb * h / t
+    lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
+    stats = 2 * 8 / shard  # two norms' mean and rstd, fp32
+    scores = 0.0 if c.flash_attention else 5 * a * s / t * cb / 2  # Korthikanti's 5as/h x h, 16 bit
+    return stream + sharded + lse + stats + scores
 
 
 def _layer_params(m: GPTConfig, tp: int) -> float:
@@ -39,10 +61,11 @@ def _layer_params(m: GPTConfig, tp: int) -> float:
 def model_state_bytes(
     num_params: float, precision: str, zero_stage: int, dp: int
 ) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes per device. ZeRO sec. 3.1: mixed precision
-    keeps 2 + 2 + 12 bytes per parameter (fp16 weights, fp16 gradients, fp32 master + Adam m, v);
-    fp32 keeps 4 + 4 + 8. ZeRO sec. 5: stage 1 divides the optimizer state by dp, stage 2 also
-    the gradients, stage 3 also the weights."""
+    """(weights, gradients, optimizer state) bytes per device as ZeRO counts them (sec. 3.1:
+    2 + 2 + 12 bytes per parameter in mixed precision, 4 + 4 + 8 in fp32; sec. 5: stage 1 divides
+    the optimizer state by dp, stage 2 also the gradients, stage 3 also the weights). The trainer
+    keeps its own split (fp32 master weights and gradients, bf16 copies while computing; `memory`
+    counts that one): the same 16 bytes between steps."""
     w, g, o = (2, 2, 12) if precision != "fp32" else (4, 4, 8)
     return (
         num_params * w / (dp if zero_stage >= 3 else 1),
@@ -52,43 +75,147 @@ def model_state_bytes(
 
 
 def memory(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants) -> dict[str, float]:
-    """Bytes on the fullest device: the first pipeline rank (embedding, most in-flight
-    micro-batches) or the last (head, logits), whichever holds more."""
-    act_bytes = 2 if precision != "fp32" else 4
-    d, t, pp, v, mb = p.dp, p.tp, p.pp, p.virtual_stages, p.num_microbatches
-    s, b, h, vocab = m.seq_len, p.micro_batch_size, m.hidden_size, m.vocab_size
-    layers = math.ceil(m.num_layers / (pp * v)) * v  # layers on the fullest rank
-    per_layer = _activation_bytes_per_layer(m, p, act_bytes, c)
-    working = 0.0  # recomputing one layer brings back its full activations for a moment
-    if p.activation_checkpoint == "full":
-        working = _activation_bytes_per_layer(
-            m, dataclasses.replace(p, activation_checkpoint="none"), act_bytes, c
-        )
-    # In-flight micro-batches (Megatron-3D sec. 2.2): GPipe keeps all of them; 1F1B at most pp on
-    # the first stage and one on the last; gradient accumulation one at a time. Interleaving
-    # multiplies the first stage's by 1 + (p-1)/(p*v) (Korthikanti sec. 4.2.3).
-    gpipe = p.pp_schedule == "gpipe"
-    interleave = 1 + (pp - 1) / (pp * v) if v > 1 else 1.0
-    first_inflight = 1 if pp == 1 else mb if gpipe else min(pp, mb) * interleave
-    last_inflight = 1 if pp == 1 or not gpipe else mb
-    logits = 4 * s * b * vocab / t  # Korthikanti sec. 4.3: output layer + cross-entropy in fp32
-    embed, head = vocab * h / t + s * h, vocab * h / t + 2 * h
-    layer_params = layers * _layer_params(m, t)
+    """Bytes on the fullest device: the first or the last pipeline rank in its fullest phase,
+    times memory_scale, plus workspace_bytes; split into weights (fp32 master and compute-dtype
+    working copies), gradients, optimizer state (with AdamW's temporary) and activations (with
+    pipeline buffers, logits and the batch)."""
+    phases = [
+        parts for stage in sorted({0, p.pp - 1}) for parts in phase_bytes(m, p, precision, c, stage).values()
+    ]
+    worst = max(phases, key=lambda parts: sum(parts.values()))
+    return {
+        "memory_bytes": sum(worst.values()) * c.memory_scale + c.workspace_bytes,
+        **{f"{k}_bytes": v for k, v in worst.items()},
+        "workspace_bytes": c.workspace_bytes,
+    }
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """What one pipeline rank holds, in bytes (see phase_bytes)."""
+
+    params: float  # its parameters, after tp, before dp sharding
+    d: int  # how many ways FSDP2 shards them (1: replicated)
+    cb: int  # bytes per value of the compute dtype
+    whole: float  # compute-dtype copies of every parameter
+    root: float  # ... of the root unit (embedding, head), never resharded between passes
+    unit: float  # ... of one layer
+    layer: float  # one micro-batch's activations in one layer
+    layers: float  # ... in all its layers (and the stage's kept output)
+    vocab_grad: float  # the vocab-parallel embedding's gradient beyond its shard (DTensor: whole)
+    head: float  # one micro-batch's on the last stage: the head's input, the fp32 log-softmax
+    flow: float  # gradients flowing back inside a layer, with recompute its activations
+    loss: float  # the loss's transient: logits in bf16 and fp32, or their gradients
+    buffers: float  # pipeline receive buffers and the batch, all step long
+    kept: float  # the last stage's outputs, one per micro-batch, until the next step
+    sent: float  # sends not yet waited for (interleaved schedule)
+
+
+def phase_bytes(
+    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int
+) -> dict[str, dict[str, float]]:
+    """Tensor bytes of the rank at pipeline coordinate `stage` at the peak of each phase of a step
+    (trainer/memcheck.py's PHASES: forward and backward; the last stage concatenating its kept
+    logits; the optimizer step) as {phase: {PARTS: bytes}}."""
+    r = _rank(m, p, precision, c, stage)
+    master, adam, grads = 4 * r.params / r.d, 8 * r.params / r.d, 4 * r.params / r.d
+    after_step = {"weights": master, "grads": grads, "optimizer": adam, "activations": r.buffers + r.kept}
+    weights, grads_fb, acts = _forward_backward(p, r, stage, grads)
+    fb = {"weights": master + weights, "grads": grads_fb, "optimizer": adam,
+          "activations": acts + r.buffers + r.kept + r.sent}  # fmt: skip
+    # foreach AdamW: one fp32 temporary of every parameter (sqrt of v)
+    phases = {"forward_backward": fb, "optimizer": {**after_step, "optimizer": adam + 4 * r.params / r.d}}
+    if stage == p.pp - 1 and p.pp > 1:  # torch.cat of the kept outputs, once they are all there
+        phases["merge_outputs"] = {**after_step, "activations": r.buffers + 2 * r.kept}
+    return phases
+
+
+def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int) -> _Rank:
+    low = precision != "fp32"
+    cb = 2 if low else 4  # compute dtype: activations, FSDP2's gathered parameters
+    residual = 4 if low and p.dp == 1 else cb  # autocast (no FSDP2) leaves the residual adds in fp32
+    s, b, h, v, n, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.vocab_size, p.num_microbatches, p.tp
+    first, last = stage == 0, stage == p.pp - 1
+    embed = v * h / t + s * h if first else 0.0
+    head = v * h / t + 2 * h if last else 0.0
+    params = _stage_layers(m.num_layers, p, stage) * _layer_params(m, t) + embed + head
+    tokens, shard = s * b, t if p.sequence_parallel else 1
+    boundary = tokens * h / shard * residual  # what one stage sends the next per micro-batch
+    chunks = range(stage, p.num_stages, p.pp)
+    receiving = sum(i > 0 for i in chunks)  # chunks with a previous stage (receive activations)
+    sending = sum(i < p.num_stages - 1 for i in chunks)  # ... with a next (receive gradients)
+    layer = activation_bytes_per_token(m, p, cb, c, residual) * tokens
+    # A received input is its receive buffer; a stage's output is kept for its backward (held by
+    # its send when interleaved, counted in `sent`).
+    own = sending * boundary if p.virtual_stages == 1 else 0.0
+    layers = layer * _stage_layers(m.num_layers, p, stage) + (own - receiving * boundary) / p.virtual_stages
+    logits = tokens * v / t  # per micro-batch, vocab-sharded
+    recompute = 0.0
+    if p.activation_checkpoint == "full":  # recomputing a layer brings its activations back
+        plain = ParallelConfig(**{**p.to_dict(), "activation_checkpoint": "none"})
+        recompute = activation_bytes_per_token(m, plain, cb, c, residual) * tokens
+    # Transient: the fp32 copy of the bf16 logits (forward), or the log-softmax's gradient and the
+    # logits' (backward; loss_parallel computes the second in place).
+    loss = max(4 + (cb if cb < 4 else 0), 8 if t == 1 else 4) * logits
+    return _Rank(
+        params=params, d=p.dp_shard if p.zero_stage else 1, cb=cb,
+        whole=cb * params if p.dp > 1 or low else 0.0,  # FSDP2's copies, or autocast's weight cache
+        root=cb * (embed + head), unit=cb * _layer_params(m, t), layer=layer, layers=layers,
+        vocab_grad=4 * v * h * (1 - 1 / t) if first else 0.0,
+        head=tokens * h * (1 / shard + 1) * residual + 4 * logits if last else 0.0,
+        flow=tokens * (2 * h + 4 * h / t) * residual + recompute, loss=loss,
+        buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens,
+        kept=n * logits * cb if last and p.pp > 1 else 0.0,
+        sent=n * boundary * (receiving + sending) if p.virtual_stages > 1 else 0.0,
+    )  # fmt: skip
+
+
+def _forward_backward(
+    p: ParallelConfig, r: _Rank, stage: int, sharded_grads: float
+) -> tuple[float, float, float]:
+    """(working copies, gradients, activations) at the forward/backward peak: the largest of a
+    few moments of a micro-batch's passes."""
+    # Gradients accumulate whole, in fp32, across micro-batches without synchronising: pipeline
+    # stages (torch's pipelining syncs only the last backward), replicated DP (the trainer's
+    # no_sync), no DP; FSDP2 reduce-scatters each micro-batch otherwise.
+    accumulates = p.pp > 1 or p.zero_stage == 0
+    accumulated = 4 * r.params + r.vocab_grad if accumulates else sharded_grads
+    n, inflight = p.num_microbatches, _in_flight(p, stage)
+    first_backward = n == 1 or (p.pp > 1 and p.pp_schedule == "gpipe")  # the peak can precede it
+    grads = 0.0 if first_backward else accumulated
+    working = r.root + 2 * r.unit if p.zero_stage == 3 else r.whole  # zero 3 prefetches the next layer
+    held = r.layers + r.head
+    moments = [  # (working copies, gradients, activations)
+        (working, grads, held * (inflight - 1) + r.layers + r.flow),  # in a layer's backward
+    ]
+    if r.head:  # the loss, every layer's activations still there
+        moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held * inflight + r.loss))
+    if first_backward and n > 1:  # GPipe: the next backward, with the first's gradients
+        moments.append((working, accumulated, held * (inflight - 2) + r.layers + r.flow))
+    if p.zero_stage == 3 and p.pp > 1:  # a backward that does not sync leaves its layers
+        # gathered until their next forward: all of them at its last layer
+        moments.append((r.whole, accumulated, held * (inflight - 1) + r.layer + r.flow))
+    return max(moments, key=sum)
+
+
+def _stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> int:
+    """Layers on the rank at pipeline coordinate `stage` (trainer/pipeline.py: contiguous
+    ranges, earlier stages take the remainder; interleaved ranks hold stages r, r + pp, ...)."""
+    base, extra = divmod(num_layers, p.num_stages)
+    return sum(base + (1 if s < extra else 0) for s in range(stage, p.num_stages, p.pp))
+
+
+def _in_flight(p: ParallelConfig, stage: int) -> float:
+    """Micro-batches whose activations a rank holds at once (Narayanan et al. 2021 sec. 2.2):
+    all of them with GPipe; with 1F1B min(pp - stage, m); interleaved, the first rank's warm-up of
+    2(pp - 1) + (v - 1) pp + 1 chunks of L/(pp v) layers, i.e. x (1 + (pp - 1)/(pp v))
+    (Korthikanti sec. 4.2.3); gradient accumulation one at a time."""
+    n, pp, v = p.num_microbatches, p.pp, p.virtual_stages
     if pp == 1:
-        ranks = [(layer_params + embed + head, per_layer * layers + working + logits)]
-    else:
-        ranks = [
-            (layer_params + embed, per_layer * layers * first_inflight + working),
-            (layer_params + head, per_layer * layers * last_inflight + working + logits),
-        ]
-    best: dict[str, float] = {}
-    for params, activations in ranks:
-        weights, grads, optimizer = model_state_bytes(params, precision, p.zero_stage, d)
-        if p.zero_stage == 3:  # gathered working set: the layer computing and the one prefetched
-            weights += 2 * _layer_params(m, t) * (2 if precision != "fp32" else 4)
-        total = (weights + grads + optimizer + activations) * c.memory_scale + c.workspace_bytes
-        if total > best.get("memory_bytes", -1.0):
-            best = {"memory_bytes": total, "weights_bytes": weights, "grads_bytes": grads,
-                    "optimizer_bytes": optimizer, "activations_bytes": activations,
-                    "workspace_bytes": c.workspace_bytes}  # fmt: skip
-    return best
+        return 1.0
+    if p.pp_schedule == "gpipe":
+        return float(n)
+    if v > 1:
+        warmup = 2 * (pp - 1 - stage) + (v - 1) * pp + 1
+        return min(warmup, n * v) / v
+    return float(min(pp - stage, n))

@@ -1,0 +1,271 @@
+"""The analytic memory model (tuner/memmodel.py) against the memory oracle (trainer/memcheck.py):
+22B, 175B and 1T on 1024-3072 A100-80GB GPUs, in Korthikanti/Narayanan-style layouts.
+
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --json
+
+For every layout the oracle builds the trainer at full size on fake tensors ("cuda" mode: bf16
+mixed precision, AdamW's foreach step, every step's peak) for the first and the last pipeline rank,
+with two micro-batch counts extended linearly to the layout's (trainer/memcheck.py). Layouts that
+differ only in their global batch share those simulations. Each simulation is recorded in
+--records (JSON lines), so a re-run simulates only what is missing and `--no-simulate` compares
+the model with the recorded oracle alone (tests/tuner/test_memmodel.py does that).
+
+Error: |analytic - oracle| / oracle of the tensor bytes on the fullest rank (the model's
+memory_bytes less its calibrated workspace_bytes, memory_scale 1). Fit: the same calibrated terms
+added to both sides against the device's memory less the margin; a disagreement is a layout the
+oracle says fits and the model says does not (the other direction, an OOM the model misses, is
+counted apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig  # noqa: E402
+from trainer.memcheck import RankMemory, Simulation, Simulator, memcheck  # noqa: E402
+from tuner.memmodel import memory  # noqa: E402
+from tuner.perfconstants import ModelConstants  # noqa: E402
+from tuner.spec import ClusterSpec, cluster_preset, padded_model  # noqa: E402
+
+RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle.jsonl"
+CLUSTER = "a100-80gb"
+
+# (tp, pp, schedule, virtual stages, micro-batch, checkpointing, sequence parallel, zero stage):
+# tp 8 within a node with SP and selective recompute is Korthikanti's recipe, pp as deep as the
+# model needs (Narayanan table 1: 175B t8 p16 on 1024 GPUs, 1T t8 p64 on 3072), and around it
+# what a planner weighs: less tp, full or no recompute, FSDP2 stages, GPipe and interleaving.
+SHAPES: dict[str, list[tuple]] = {
+    "gpt-22b": [
+        (8, 1, "1f1b", 1, 1, "selective", True, 0),
+        (8, 1, "1f1b", 1, 2, "selective", True, 3),
+        (8, 1, "1f1b", 1, 4, "full", True, 2),
+        (8, 1, "1f1b", 1, 1, "none", False, 3),
+        (4, 1, "1f1b", 1, 1, "selective", True, 2),
+        (4, 2, "1f1b", 1, 1, "none", True, 0),
+        (8, 2, "1f1b", 1, 2, "selective", False, 2),
+        (4, 4, "interleaved_1f1b", 2, 1, "selective", True, 0),
+        (2, 4, "gpipe", 1, 1, "full", False, 3),
+    ],
+    "gpt-175b": [
+        (8, 16, "1f1b", 1, 1, "selective", True, 0),
+        (8, 8, "1f1b", 1, 1, "selective", True, 2),
+        (8, 8, "interleaved_1f1b", 2, 1, "selective", True, 0),
+        (8, 12, "1f1b", 1, 2, "full", True, 3),
+        (4, 16, "1f1b", 1, 1, "full", False, 0),
+        (8, 4, "1f1b", 1, 1, "full", True, 3),
+        (8, 32, "1f1b", 1, 1, "none", True, 0),
+    ],
+    "gpt-1t": [
+        (8, 64, "1f1b", 1, 1, "selective", True, 0),
+        (8, 32, "1f1b", 1, 1, "full", True, 2),
+        (8, 32, "interleaved_1f1b", 2, 1, "selective", True, 0),
+        (8, 16, "1f1b", 1, 1, "full", True, 3),
+        (8, 64, "1f1b", 1, 2, "full", False, 0),
+    ],
+}
+GPUS = {"gpt-22b": (1024, 2048), "gpt-175b": (1024, 2048), "gpt-1t": (2048, 3072)}
+GLOBAL_BATCHES = {
+    "gpt-22b": (1024, 2048, 4096),
+    "gpt-175b": (1536, 3072, 6144),
+    "gpt-1t": (3072, 6144, 12288),
+}
+
+# The small suite: a model whose activations and parameters both weigh (8 layers, h 128, s 256),
+# every schedule, ZeRO stage and recompute mode the trainer has, simulated whole in seconds, as a
+# GPU ("cuda": bf16) and a CPU trial (fp32, exactly what the trainer measures on CPU).
+SMALL = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
+SMALL_LAYOUTS = [
+    dict(dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=1),
+    dict(dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=3),
+    dict(dp_shard=2, zero_stage=2, micro_batch_size=2, num_microbatches=3),
+    dict(dp_replicate=2, micro_batch_size=2, num_microbatches=3),
+    dict(tp=2, dp_replicate=2, micro_batch_size=2, num_microbatches=3, sequence_parallel=True, activation_checkpoint="selective"),
+    dict(tp=2, dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=2, activation_checkpoint="full"),
+    dict(pp=2, dp_replicate=2, micro_batch_size=2, num_microbatches=6),
+    dict(pp=2, dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=6, activation_checkpoint="full"),
+    dict(pp=4, tp=2, dp_shard=2, zero_stage=2, micro_batch_size=1, num_microbatches=8, sequence_parallel=True),
+    dict(pp=2, tp=2, dp_replicate=2, micro_batch_size=1, num_microbatches=8, pp_schedule="gpipe", activation_checkpoint="selective"),
+    dict(pp=2, dp_replicate=2, micro_batch_size=1, num_microbatches=8, pp_schedule="interleaved_1f1b", virtual_stages=2),
+    dict(pp=4, tp=2, dp_shard=2, zero_stage=3, micro_batch_size=1, num_microbatches=12, sequence_parallel=True, activation_checkpoint="selective"),
+    dict(pp=3, tp=2, dp_shard=2, zero_stage=2, micro_batch_size=1, num_microbatches=6, activation_checkpoint="full", sequence_parallel=True),
+    dict(pp=2, dp_shard=2, zero_stage=3, micro_batch_size=4, num_microbatches=4, pp_schedule="gpipe", activation_checkpoint="full"),
+    dict(tp=2, pp=2, dp_replicate=2, micro_batch_size=1, num_microbatches=8, pp_schedule="interleaved_1f1b", virtual_stages=2,
+         sequence_parallel=True, activation_checkpoint="selective"),
+    dict(micro_batch_size=2, num_microbatches=2),
+    dict(tp=2, dp_replicate=2, dp_shard=2, zero_stage=3, micro_batch_size=1, num_microbatches=4),
+]  # fmt: skip
+
+
+def layouts(suite: str = "large") -> list[tuple[str, GPTConfig, ParallelConfig, str]]:
+    """Every (label, model, layout, device) of a suite, valid for the trainer."""
+    if suite == "small":
+        return [
+            ("small", SMALL, ParallelConfig(**k), device) for device in ("cuda", "cpu") for k in SMALL_LAYOUTS
+        ]
+    out = []
+    for name, shapes in SHAPES.items():
+        for shape, gpus, gbs in itertools.product(shapes, GPUS[name], GLOBAL_BATCHES[name]):
+            tp, pp, schedule, v, mbs, ac, sp, zero = shape
+            dp = gpus // (tp * pp)
+            if gpus % (tp * pp) or gbs % (dp * mbs):
+                continue
+            p = ParallelConfig(
+                tp=tp, pp=pp, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, micro_batch_size=mbs,
+                num_microbatches=gbs // (dp * mbs), zero_stage=zero, activation_checkpoint=ac, sequence_parallel=sp,
+                pp_schedule=schedule, virtual_stages=v,
+            )  # fmt: skip
+            model = padded_model(MODEL_PRESETS[name], tp)
+            if not p.problems(model):
+                out.append((name, model, p, "cuda"))
+    return out
+
+
+def compare(rows: list[dict[str, Any]], c: ModelConstants, cluster: ClusterSpec) -> dict[str, Any]:
+    """Errors and fit agreement of the analytic model on oracle rows."""
+    budget = cluster.device_memory_bytes * (1 - c.memory_margin)
+    errors, disagree, missed = [], [], []
+    for row in rows:
+        model, p = GPTConfig.from_dict(row["model"]), ParallelConfig.from_dict(row["parallel"])
+        mem = memory(model, p, "bf16" if row["device"] == "cuda" else "fp32", c)
+        predicted = (mem["memory_bytes"] - c.workspace_bytes) / c.memory_scale
+        oracle = row["oracle_bytes"]
+        row["analytic_bytes"] = round(predicted)
+        row["error"] = (predicted - oracle) / oracle
+        errors.append(abs(row["error"]))
+        oracle_fits = oracle * c.memory_scale + c.workspace_bytes <= budget
+        model_fits = mem["memory_bytes"] <= budget
+        if oracle_fits and not model_fits:
+            disagree.append(row)
+        if model_fits and not oracle_fits:
+            missed.append(row)
+    return {
+        "layouts": len(rows),
+        "median_error": statistics.median(errors),
+        "max_error": max(errors),
+        "fit_disagreements": len(disagree),
+        "missed_ooms": len(missed),
+        "disagreements": [_label(r) for r in disagree + missed],
+    }
+
+
+def _label(row: dict[str, Any]) -> str:
+    p = ParallelConfig.from_dict(row["parallel"])
+    return f"{row['name']} {row['gpus']} GPUs {p.describe()}: oracle {row['oracle_bytes'] / 2**30:.1f} GiB, model {row['analytic_bytes'] / 2**30:.1f} GiB"
+
+
+class RecordingSimulator(Simulator):
+    """A Simulator whose results are kept in a JSON-lines file across runs."""
+
+    def __init__(self, path: Path, simulate: bool = True) -> None:
+        super().__init__(cache=True)
+        self.path, self.simulate, self.simulated_s = path, simulate, 0.0
+        lines = path.read_text().splitlines() if path.exists() else []
+        for record in map(json.loads, lines):
+            sim = record["simulation"]
+            key = Simulation(BenchmarkConfig.from_dict(sim["cfg"]), sim["rank"], sim["gpu"])
+            self.cache[key] = RankMemory.from_dict(record["memory"])
+
+    def _in_children(self, sims: list[Simulation]) -> list[RankMemory]:
+        if not self.simulate:
+            raise LookupError(f"{len(sims)} simulations are not recorded in {self.path}")
+        started = time.perf_counter()
+        done = super()._in_children(sims)
+        self.simulated_s += time.perf_counter() - started
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            for sim, result in zip(sims, done, strict=True):
+                record = {
+                    "simulation": dataclasses.asdict(sim),
+                    "memory": result.to_dict(),
+                    "torch": torch.__version__,
+                }
+                f.write(json.dumps(record) + "\n")
+        return done
+
+
+def run_oracle(
+    todo: list[tuple[str, GPTConfig, ParallelConfig, str]], records: Path, simulate: bool
+) -> list[dict[str, Any]]:
+    """One row per layout from the recorded simulations, simulating the missing ones."""
+    simulator = RecordingSimulator(records, simulate=simulate)
+    rows = []
+    for i, (name, model, p, device) in enumerate(todo):
+        cfg = BenchmarkConfig(
+            model=model, parallel=p, device=device, dtype="bf16" if device == "cuda" else "fp32"
+        )
+        before = simulator.simulated_s
+        try:
+            report = memcheck(cfg, extrapolate=device == "cuda", simulator=simulator)
+        except LookupError:  # --no-simulate and not recorded
+            continue
+        worst = report.worst
+        rows.append({
+            "name": name, "model": model.to_dict(), "gpus": p.world_size, "parallel": p.to_dict(), "device": device,
+            "oracle_bytes": worst.peak_bytes, "worst_rank": worst.rank, "phase": worst.phase,
+            "breakdown": worst.breakdown, "microbatches_simulated": report.microbatches_simulated,
+            "oracle_cpu_s": sum(r.seconds for r in report.ranks), "wall_s": report.seconds,
+            "simulated_s": simulator.simulated_s - before,
+        })  # fmt: skip
+        if simulate:
+            print(f"[{i + 1}/{len(todo)}] {name} {p.describe()}: {worst.peak_bytes / 2**30:.2f} GiB "
+                  f"({worst.phase}), {report.seconds:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--suite", choices=("large", "small"), default="large", help="which layouts (default large)"
+    )
+    parser.add_argument("--records", type=Path, default=RECORDS, help="recorded simulations (JSON lines)")
+    parser.add_argument("--no-simulate", action="store_true", help="use the recorded simulations only")
+    parser.add_argument("--models", default=",".join(SHAPES), help="large suite: comma-separated subset")
+    parser.add_argument("--rows", type=Path, help="also write every layout's row here (JSON)")
+    args = parser.parse_args(argv)
+    todo = [x for x in layouts(args.suite) if args.suite == "small" or x[0] in args.models.split(",")]
+    started = time.perf_counter()
+    rows = run_oracle(todo, args.records, simulate=not args.no_simulate)
+    if not rows:
+        print("no layout has a recorded simulation; run without --no-simulate", file=sys.stderr)
+        return 1
+    summary = compare(rows, ModelConstants(), ClusterSpec(**cluster_preset(CLUSTER)))
+    cold = [r["wall_s"] for r in rows if r["simulated_s"] > 0]  # simulated now, not recorded before
+    names = dict.fromkeys(r["name"] for r in rows)
+    summary |= {
+        "oracle_s_per_layout": statistics.median(cold) if cold else None,
+        "oracle_cpu_s_per_layout": statistics.median(r["oracle_cpu_s"] for r in rows),
+        "oracle_cpu_s_per_layout_by_model": {
+            n: statistics.median(r["oracle_cpu_s"] for r in rows if r["name"] == n) for n in names
+        },
+        "simulated_now": len(cold),
+        "wall_s": time.perf_counter() - started,
+        "cluster": CLUSTER,
+    }  # fmt: skip
+    if args.rows:
+        args.rows.write_text(json.dumps(rows, indent=1))
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        for key, value in summary.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The analytic memory model (tuner/memmodel.py): the papers' numbers where the trainer agrees with
+them, the memory oracle's recorded simulations where it does not (bench/memory_oracle.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainer.config import GPTConfig, ParallelConfig
+from tuner.memmodel import _in_flight, activation_bytes_per_token, model_state_bytes
+from tuner.perfmodel import ModelConstants, estimate
+from tuner.spec import ClusterSpec, cluster_preset
+
+GPT3 = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048, vocab_size=51200)
+FLASH, NO_FLASH = ModelConstants(), ModelConstants(flash_attention=False)
+SBH = 2048 * 1 * 12288  # Korthikanti table 2's unit for GPT-3 175B, micro-batch 1: 25,165,824
+
+
+def a100(nodes: int) -> ClusterSpec:
+    return ClusterSpec(**{**cluster_preset("a100-80gb"), "num_nodes": nodes})
+
+
+@pytest.mark.parametrize(
+    ("zero", "gb"),
+    # ZeRO (Rajbhandari et al. 2020) figure 1: a 7.5B-parameter model, 64-way data parallel,
+    # K = 12: baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB per device.
+    [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)],
+)
+def test_model_state_matches_zero_figure_1(zero: int, gb: float) -> None:
+    assert sum(model_state_bytes(7.5e9, "bf16", zero, 64)) / 1e9 == pytest.approx(gb, abs=0.05)
+
+
+def _layer(tp: int = 8, **knobs) -> float:
+    """One GPT-3 layer's activation bytes for one micro-batch of 1 sequence, bf16."""
+    p = ParallelConfig(tp=tp, **knobs)
+    return activation_bytes_per_token(GPT3, p, 2, FLASH) * 2048
+
+
+def test_full_recompute_keeps_the_layer_input_as_korthikanti_counts_it() -> None:
+    """Korthikanti sec. 4.1 / table 2: 2sbh per layer with full recompute, 2sbh/t with SP."""
+    assert _layer(activation_checkpoint="full") == 2 * SBH
+    assert _layer(activation_checkpoint="full", sequence_parallel=True) == 2 * SBH / 8
+
+
+def test_without_recompute_the_layer_stores_korthikanti_less_dropout_masks() -> None:
+    """Table 2: sbh (10 + 24/t + 5as/(ht)) bytes. Dropout 0 stores no masks (2 sbh), SDPA no
+    scores (5as/(ht) sbh); it stores its fp32 log-sum-exp (4as/t bytes) and the norms their fp32
+    mean and rstd (16 s b bytes) instead."""
+    extra = 4 * 96 / 8 * 2048 + 16 * 2048
+    assert _layer() == pytest.approx(SBH * (10 + 24 / 8) - 2 * SBH + extra)
+    scores = 5 * 96 * 2048 / (12288 * 8) * SBH
+    no_flash = activation_bytes_per_token(GPT3, ParallelConfig(tp=8), 2, NO_FLASH) * 2048
+    assert no_flash - _layer() == pytest.approx(scores)
+
+
+def test_sequence_parallel_keeps_the_gathered_norm_outputs() -> None:
+    """Korthikanti sec. 4.2.2: 34 sbh/t with SP. torch's SequenceParallel keeps the two
+    all-gathered norm outputs (2 x 2sbh) where Megatron-LM keeps their shards (2 x 2sbh/t)."""
+    sp = _layer(sequence_parallel=True, activation_checkpoint="selective")
+    korthikanti = 34 * SBH / 8 - 2 * SBH / 8  # less the dropout masks' 2 sbh/t
+    assert sp - 16 * 2048 / 8 == pytest.approx(korthikanti + 2 * 2 * SBH * (1 - 1 / 8))
+
+
+def test_selective_recompute_saves_only_the_log_sum_exp_under_sdpa() -> None:
+    assert _layer() - _layer(activation_checkpoint="selective") == pytest.approx(4 * 96 / 8 * 2048)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "stage", "inflight"),
+    [("gpipe", 1, 0, 64), ("1f1b", 1, 0, 8), ("1f1b", 1, 7, 1), ("1f1b", 1, 3, 5),
+     # Korthikanti sec. 4.2.3: the first rank x (1 + (p - 1)/(p v))
+     ("interleaved_1f1b", 2, 0, 8 * (1 + 7 / 16)), ("interleaved_1f1b", 4, 0, 8 * (1 + 7 / 32))],
+)  # fmt: skip
+def test_microbatches_in_flight_follow_the_schedule(schedule: str, v: int, stage: int, inflight: float) -> None:
+    """Narayanan et al. 2021 sec. 2.2: GPipe keeps all m, 1F1B at most pp - stage."""
+    p = ParallelConfig(tp=8, pp=8, num_microbatches=64, pp_schedule=schedule, virtual_stages=v)
+    assert _in_flight(p, stage) == pytest.approx(inflight)
+
+
+def test_175b_on_one_node_does_not_fit_but_on_64_gpus_it_can() -> None:
+    one_node = estimate(GPT3, ParallelConfig(tp=8, micro_batch_size=1, num_microbatches=8), a100(1))
+    assert not one_node.fits  # 175B x 16 bytes / 8 GPUs = 350 GB each
+    spread = ParallelConfig(tp=8, pp=8, dp_shard=8, zero_stage=3, micro_batch_size=1, num_microbatches=16,
+                            activation_checkpoint="selective", sequence_parallel=True)  # fmt: skip
+    assert estimate(GPT3, spread, a100(64)).fits
+
+
+def test_gpipe_holds_every_microbatch_1f1b_pp() -> None:
+    base = ParallelConfig(tp=8, pp=8, dp_replicate=8, micro_batch_size=1, num_microbatches=64)
+    one_f = estimate(GPT3, base, a100(64))
+    gpipe = estimate(GPT3, dataclasses.replace(base, pp_schedule="gpipe"), a100(64))
+    assert gpipe.activations_bytes > 6 * one_f.activations_bytes

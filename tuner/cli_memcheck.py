@@ -1,0 +1,161 @@
+"""`tuner memcheck` and `tuner plan --verify-memory`: a layout's memory from the memory oracle
+(trainer/memcheck.py: the trainer built at full size on fake tensors), beside the analytic model's.
+
+The oracle needs torch (the trainer extra); it is imported only when a check runs, so the CLI stays
+torch-free. What the oracle cannot see (allocator, communication buffers, CUDA context) is added
+as the analytic model adds it: tensor bytes x memory_scale + workspace_bytes, the calibrated part.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Annotated, Any
+
+import typer
+
+from trainer.config import ParallelConfig
+from tuner.perfmodel import ModelConstants, default_constants, estimate
+from tuner.plan import PlanError, parse_pins
+from tuner.plan import plan as run_plan
+from tuner.spec import SpecError, StudySpec, benchmark_config, parse_spec
+
+
+def check(
+    study: StudySpec,
+    config: ParallelConfig,
+    constants: ModelConstants,
+    *,
+    all_stages: bool = False,
+    exact: bool = False,
+    processes: int | None = None,
+) -> dict[str, Any]:
+    """The oracle's and the analytic model's memory of one layout of the study."""
+    try:
+        from trainer.memcheck import Simulator, memcheck
+    except ImportError as e:  # the CLI runs without torch; the oracle does not
+        raise PlanError(f"the memory oracle needs torch (pip install 'parallel-tuner[trainer]'): {e}") from None
+    cfg = benchmark_config(study, config)
+    gpu = cfg.device == "cuda"
+    report = memcheck(cfg, all_stages=all_stages, extrapolate=gpu and not exact, simulator=Simulator(processes))
+    c, cluster = constants, study.cluster
+    est = estimate(study.gpt(), config, cluster, study.training.precision, c)
+    total = report.peak_bytes * c.memory_scale + c.workspace_bytes
+    budget = cluster.device_memory_bytes * (1 - c.memory_margin)
+    worst = report.worst
+    return {
+        "oracle": {
+            "tensor_bytes": report.peak_bytes, "memory_bytes": total, "fits": total <= budget,
+            "worst_rank": worst.rank, "coords": worst.coords, "phase": worst.phase, "breakdown": worst.breakdown,
+            "ranks": [{"rank": r.rank, "coords": r.coords, "tensor_bytes": r.peak_bytes, "phase": r.phase}
+                      for r in report.ranks],
+            "device": report.device, "dtype": report.dtype, "microbatches_simulated": report.microbatches_simulated,
+            "seconds": report.seconds,
+        },
+        "predicted": {
+            "tensor_bytes": (est.memory_bytes - c.workspace_bytes) / c.memory_scale, "memory_bytes": est.memory_bytes,
+            "fits": est.fits,
+        },
+        "calibrated": {"workspace_bytes": c.workspace_bytes, "memory_scale": c.memory_scale,
+                       "budget_bytes": budget},
+    }  # fmt: skip
+
+
+def verify_candidates(study: StudySpec, result: dict[str, Any], constants: ModelConstants | None) -> None:
+    """Add the oracle's check to every candidate of a `tuner plan` result (in place)."""
+    c = constants or default_constants(study.cluster)
+    for cand in result["candidates"]:
+        config = _config_of(cand["config"])
+        cand["memcheck"] = check(study, config, c)
+
+
+def _config_of(knobs: dict[str, Any]) -> ParallelConfig:
+    """A candidate's ParallelConfig (plan lists dp; the space splits it by zero stage)."""
+    dp, zero = knobs["dp"], knobs["zero_stage"]
+    rest = {k: v for k, v in knobs.items() if k != "dp"}
+    return ParallelConfig(**rest, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def print_check(config: ParallelConfig, result: dict[str, Any]) -> None:
+    o, pred, cal = result["oracle"], result["predicted"], result["calibrated"]
+    error = (pred["tensor_bytes"] - o["tensor_bytes"]) / o["tensor_bytes"]
+    where = " ".join(f"{k}={v}" for k, v in o["coords"].items() if getattr(config, k) > 1) or "the only rank"
+    simulated = f", micro-batches extended from {o['microbatches_simulated']}" if o["microbatches_simulated"] else ""
+    typer.echo(f"{config.describe()}: peak {_size(o['tensor_bytes'])} of tensors on rank {o['worst_rank']} "
+               f"({where}) during {o['phase']} [{o['device']} {o['dtype']}{simulated}; {o['seconds']:.0f} s]")  # fmt: skip
+    for name, value in o["breakdown"].items():
+        typer.echo(f"  {name:<20} {_size(value):>12}")
+    verdict = "fits" if o["fits"] else "does NOT fit"
+    typer.echo(f"  + calibrated workspace {_size(cal['workspace_bytes'])}, x memory_scale {cal['memory_scale']:g}: "
+               f"{_size(o['memory_bytes'])} of {_size(cal['budget_bytes'])} usable: {verdict}")  # fmt: skip
+    typer.echo(f"  analytic model: {_size(pred['tensor_bytes'])} of tensors ({error:+.1%}), "
+               f"{'fits' if pred['fits'] else 'does not fit'}")  # fmt: skip
+    if len(o["ranks"]) > 1:
+        typer.echo("  per rank: " + ", ".join(f"{r['rank']}: {_size(r['tensor_bytes'])} ({r['phase']})"
+                                              for r in o["ranks"]))  # fmt: skip
+
+
+def memcheck(ctx: typer.Context, **flags: Any) -> None:
+    """Check one layout's memory with the memory oracle: the trainer built at full size on fake
+    tensors and a fake process group, stepped once with the schedule's micro-batches and the
+    optimizer; peak per rank (worst stage) and what it holds. Model, cluster and precision as
+    `tuner plan` takes them; --config pins the layout (the planner's best among the layouts that
+    agree with the pins is checked)."""
+    from tuner.cli import _fail, _spec_from_flags, _stored_constants
+
+    data = _spec_from_flags(**flags)
+    try:
+        study = parse_spec(data, str(flags["spec"]) if flags["spec"] else "memcheck")
+        constants = _stored_constants(study.cluster.name) or default_constants(study.cluster)
+        ranked = run_plan(study, pins=parse_pins(flags["config"]), top=1, include_unfit=True, constants=constants)
+        if not ranked["candidates"]:
+            raise PlanError("no valid layout agrees with --config")
+        config = _config_of(ranked["candidates"][0]["config"])
+        result = check(study, config, constants, all_stages=flags["all_stages"], exact=flags["exact"],
+                       processes=flags["processes"])  # fmt: skip
+    except (SpecError, PlanError, ValueError) as e:
+        _fail(str(e))
+    if flags["as_json"]:
+        typer.echo(json.dumps({"config": config.to_dict(), **result}, indent=1))
+        return
+    print_check(config, result)
+
+
+def _with_plan_flags(fn):
+    """`fn` taking `tuner plan`'s model/cluster/training flags (one definition, tuner/cli.py)
+    followed by its own; typer reads the combined signature."""
+    from tuner.cli import plan
+
+    shared = [p for name, p in inspect.signature(plan, eval_str=True).parameters.items() if name not in _NOT_SHARED]
+    own = [
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+        *shared,
+        _option("all_stages", bool, False, "--all-stages", help="every pipeline rank, not only the first and last"),
+        _option("exact", bool, False, "--exact", help="simulate every micro-batch (default on GPUs: extend two counts)"),
+        _option("processes", int | None, None, help="ranks simulated at once (default: the CPU cores)"),
+        _option("as_json", bool, False, "--json", help="print the check as JSON"),
+    ]
+    fn.__signature__ = inspect.Signature(own)
+    return fn
+
+
+_NOT_SHARED = {"top", "include_unfit", "as_json", "verify_memory"}
+
+
+def _option(name: str, kind: Any, default: Any, *decls: str, help: str) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[kind, typer.Option(*decls, help=help)])  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(_with_plan_flags(memcheck))
+
+
+def print_verified(result: dict[str, Any]) -> None:
+    typer.echo("\nmemory oracle (the trainer on fake tensors) for the layouts listed:")
+    for cand in result["candidates"]:
+        print_check(_config_of(cand["config"]), cand["memcheck"])
