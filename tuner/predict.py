@@ -91,11 +91,8 @@ def predicted_best(session: Session, model: str, *, cluster: str | None = None, 
             spec = confirm_spec(StudySpec.model_validate(template.spec), model, gpus, global_batch)
         except SpecError:  # the template's space cannot hold this model (e.g. tp values the heads refuse)
             continue
-        row = session.scalars(
-            select(Calibration).where(Calibration.cluster_key == name)
-            .order_by(Calibration.created_at.desc(), Calibration.id.desc()).limit(1)
-        ).first()  # fmt: skip
-        constants = store.latest_constants(session, name)
+        row = store.latest_calibration(session, cluster_key=name)
+        constants = store.constants_of(row)
         gpt = spec.gpt()
         scored = [(c, estimate(gpt, c, spec.cluster, spec.training.precision, constants))
                   for c in SearchSpace.from_spec(spec).enumerate().valid]  # fmt: skip

@@ -5,7 +5,6 @@ the same types (tuner/backend.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import statistics
 from typing import Annotated, Any, Literal
@@ -15,10 +14,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tuner import store
-from tuner.db import Calibration, Study, StudyBest, Trial, aware, utcnow
+from tuner.db import Study, StudyBest, Trial, aware, utcnow
 from tuner.outcome import TrialState
 from tuner.payoff import Measured, Payoff, payoff
-from tuner.perfmodel import ModelConstants, estimate
+from tuner.perfmodel import estimate
 from tuner.predict import CalibrationOut
 from tuner.spec import StudySpec
 
@@ -206,7 +205,7 @@ def _compute_payoffs(session: Session, studies: list[Study]) -> dict[int, Payoff
     spent = dict(session.execute(select(Trial.study_id, func.sum(Trial.device_s)).where(Trial.study_id.in_(ids))
                                  .group_by(Trial.study_id)).all())  # fmt: skip
     measured: dict[int, list[Measured]] = {i: [] for i in ids}
-    q = select(Trial.study_id, Trial.tp * Trial.tp_col * Trial.pp * Trial.dp, Trial.tokens_per_s, Trial.predicted_tokens_per_s).where(
+    q = select(Trial.study_id, store.TRIAL_WORLD, Trial.tokens_per_s, Trial.predicted_tokens_per_s).where(
         Trial.study_id.in_(ids), Trial.state == TrialState.COMPLETE.value, Trial.tokens_per_s.is_not(None)
     )  # fmt: skip
     for study_id, world, tokens, predicted in session.execute(q):
@@ -308,16 +307,12 @@ def _median_error(pairs: list[tuple[float | None, float]]) -> float | None:
 def study_calibration(session: Session, study: Study) -> StudyCalibration:
     """Every completed trial priced by the study's latest calibration (tuner/calibration.py fits
     one when the study ends), beside the prediction stored when it was proposed."""
-    row = session.scalars(
-        select(Calibration).where(Calibration.study_id == study.id)
-        .order_by(Calibration.created_at.desc(), Calibration.id.desc()).limit(1)
-    ).first()  # fmt: skip
+    row = store.latest_calibration(session, study_id=study.id)
     if row is None:
         return StudyCalibration(
             calibration=None, trials=[], median_error_proposed=None, median_error_calibrated=None
         )
-    known = {f.name for f in dataclasses.fields(ModelConstants)}
-    constants = ModelConstants(**{k: v for k, v in row.constants.items() if k in known})
+    constants = store.constants_of(row)
     spec = StudySpec.model_validate(study.spec)
     gpt, precision = spec.gpt(), spec.training.precision
     out = []

@@ -11,9 +11,11 @@ from tuner.store.results import (
     best_configs,
     best_rows,
     best_trial,
+    constants_of,
     duration_histogram,
     export_calibrations,
     import_calibrations,
+    latest_calibration,
     latest_constants,
     rebuild_bests,
     save_calibration,
@@ -44,6 +46,7 @@ from tuner.store.studies import (
     transition,
 )
 from tuner.store.trials import (
+    TRIAL_WORLD,
     Usage,
     add_trial,
     attach_job,
@@ -68,6 +71,7 @@ from tuner.store.trials import (
 __all__ = [
     "DEFAULT_LEASE_S",
     "REBUILD_BESTS_SQL",
+    "TRIAL_WORLD",
     "Best",
     "CancelResult",
     "ClaimRefused",
@@ -87,6 +91,7 @@ __all__ = [
     "claim",
     "claim_next",
     "config_of",
+    "constants_of",
     "count_dispatch_failure",
     "create_study",
     "describe_lease",
@@ -99,6 +104,7 @@ __all__ = [
     "holds",
     "import_calibrations",
     "job_name",
+    "latest_calibration",
     "latest_constants",
     "layout_key",
     "lease_expired",

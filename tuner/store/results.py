@@ -111,17 +111,28 @@ def save_calibration(
     return row
 
 
-def latest_constants(session: Session, cluster_key: str) -> ModelConstants | None:
-    """The constants last fitted on this cluster, or None."""
-    q = (
-        select(Calibration).where(Calibration.cluster_key == cluster_key)
-        .order_by(Calibration.created_at.desc(), Calibration.id.desc()).limit(1)
-    )  # fmt: skip
-    row = session.scalars(q).first()
-    if row is None:
-        return None
+def latest_calibration(
+    session: Session, *, cluster_key: str | None = None, study_id: int | None = None
+) -> Calibration | None:
+    """The calibration last fitted on this cluster (or to this study), or None."""
+    q = select(Calibration).order_by(Calibration.created_at.desc(), Calibration.id.desc()).limit(1)
+    if cluster_key is not None:
+        q = q.where(Calibration.cluster_key == cluster_key)
+    if study_id is not None:
+        q = q.where(Calibration.study_id == study_id)
+    return session.scalars(q).first()
+
+
+def constants_of(row: Calibration) -> ModelConstants:
+    """A stored calibration's constants (fields this version no longer knows are dropped)."""
     known = {f.name for f in dataclasses.fields(ModelConstants)}
     return ModelConstants(**{k: v for k, v in row.constants.items() if k in known})
+
+
+def latest_constants(session: Session, cluster_key: str) -> ModelConstants | None:
+    """The constants last fitted on this cluster, or None."""
+    row = latest_calibration(session, cluster_key=cluster_key)
+    return constants_of(row) if row is not None else None
 
 
 def export_calibrations(session: Session) -> list[dict[str, Any]]:

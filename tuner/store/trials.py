@@ -30,6 +30,9 @@ def config_of(trial: Trial) -> ParallelConfig:
     return ParallelConfig.from_dict(trial.config)
 
 
+TRIAL_WORLD = Trial.tp * Trial.tp_col * Trial.pp * Trial.dp  # a trial's device count, in SQL
+
+
 def world_size(trial: Trial) -> int:
     return trial.tp * trial.tp_col * trial.pp * trial.dp
 
@@ -242,7 +245,7 @@ def usage(
 ) -> Usage:
     now = now or utcnow()
     rows = session.execute(
-        select(Trial.state, Trial.tp * Trial.tp_col * Trial.pp * Trial.dp, Trial.started_at, Trial.device_s, Trial.told,
+        select(Trial.state, TRIAL_WORLD, Trial.started_at, Trial.device_s, Trial.told,
                Trial.tokens_per_s, Trial.failure_kind)
         .where(Trial.study_id == study.id).order_by(Trial.finished_at, Trial.id)
     ).all()  # fmt: skip
