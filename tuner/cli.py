@@ -114,7 +114,8 @@ def plan(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
     verify_memory: Annotated[
-        bool, typer.Option("--verify-memory", help="check each listed layout with the memory oracle (needs torch)")
+        bool,
+        typer.Option("--verify-memory", help="check each listed layout with the memory oracle (needs torch)"),
     ] = False,
 ) -> None:
     """Rank every valid layout by the performance model, without running any."""
@@ -123,7 +124,9 @@ def plan(
     try:
         study = parse_spec(data, str(spec) if spec else "plan")
         constants = _stored_constants(study.cluster.name)
-        result = run_plan(study, pins=parse_pins(config), top=top, include_unfit=include_unfit, constants=constants)
+        result = run_plan(
+            study, pins=parse_pins(config), top=top, include_unfit=include_unfit, constants=constants
+        )
         if verify_memory:
             from tuner.cli_memcheck import verify_candidates
 

@@ -34,10 +34,14 @@ def check(
     try:
         from trainer.memcheck import Simulator, memcheck
     except ImportError as e:  # the CLI runs without torch; the oracle does not
-        raise PlanError(f"the memory oracle needs torch (pip install 'parallel-tuner[trainer]'): {e}") from None
+        raise PlanError(
+            f"the memory oracle needs torch (pip install 'parallel-tuner[trainer]'): {e}"
+        ) from None
     cfg = benchmark_config(study, config)
     gpu = cfg.device == "cuda"
-    report = memcheck(cfg, all_stages=all_stages, extrapolate=gpu and not exact, simulator=Simulator(processes))
+    report = memcheck(
+        cfg, all_stages=all_stages, extrapolate=gpu and not exact, simulator=Simulator(processes)
+    )
     c, cluster = constants, study.cluster
     est = estimate(study.gpt(), config, cluster, study.training.precision, c)
     total = report.peak_bytes * c.memory_scale + c.workspace_bytes
@@ -84,7 +88,9 @@ def print_check(config: ParallelConfig, result: dict[str, Any]) -> None:
     o, pred, cal = result["oracle"], result["predicted"], result["calibrated"]
     error = (pred["tensor_bytes"] - o["tensor_bytes"]) / o["tensor_bytes"]
     where = " ".join(f"{k}={v}" for k, v in o["coords"].items() if getattr(config, k) > 1) or "the only rank"
-    simulated = f", micro-batches extended from {o['microbatches_simulated']}" if o["microbatches_simulated"] else ""
+    simulated = (
+        f", micro-batches extended from {o['microbatches_simulated']}" if o["microbatches_simulated"] else ""
+    )
     typer.echo(f"{config.describe()}: peak {_size(o['tensor_bytes'])} of tensors on rank {o['worst_rank']} "
                f"({where}) during {o['phase']} [{o['device']} {o['dtype']}{simulated}; {o['seconds']:.0f} s]")  # fmt: skip
     for name, value in o["breakdown"].items():
@@ -111,7 +117,9 @@ def memcheck(ctx: typer.Context, **flags: Any) -> None:
     try:
         study = parse_spec(data, str(flags["spec"]) if flags["spec"] else "memcheck")
         constants = _stored_constants(study.cluster.name) or default_constants(study.cluster)
-        ranked = run_plan(study, pins=parse_pins(flags["config"]), top=1, include_unfit=True, constants=constants)
+        ranked = run_plan(
+            study, pins=parse_pins(flags["config"]), top=1, include_unfit=True, constants=constants
+        )
         if not ranked["candidates"]:
             raise PlanError("no valid layout agrees with --config")
         config = _config_of(ranked["candidates"][0]["config"])
@@ -130,12 +138,22 @@ def _with_plan_flags(fn):
     followed by its own; typer reads the combined signature."""
     from tuner.cli import plan
 
-    shared = [p for name, p in inspect.signature(plan, eval_str=True).parameters.items() if name not in _NOT_SHARED]
+    shared = [
+        p for name, p in inspect.signature(plan, eval_str=True).parameters.items() if name not in _NOT_SHARED
+    ]
     own = [
         inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
         *shared,
-        _option("all_stages", bool, False, "--all-stages", help="every pipeline rank, not only the first and last"),
-        _option("exact", bool, False, "--exact", help="simulate every micro-batch (default on GPUs: extend two counts)"),
+        _option(
+            "all_stages", bool, False, "--all-stages", help="every pipeline rank, not only the first and last"
+        ),
+        _option(
+            "exact",
+            bool,
+            False,
+            "--exact",
+            help="simulate every micro-batch (default on GPUs: extend two counts)",
+        ),
         _option("processes", int | None, None, help="ranks simulated at once (default: the CPU cores)"),
         _option("as_json", bool, False, "--json", help="print the check as JSON"),
     ]

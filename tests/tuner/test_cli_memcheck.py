@@ -39,7 +39,10 @@ def test_plan_verify_memory_checks_each_listed_layout() -> None:
         check = cand["memcheck"]
         assert check["oracle"]["device"] == "cuda" and check["oracle"]["dtype"] == "bfloat16"
         # a GPU adds the calibrated workspace the tensors do not show
-        assert check["oracle"]["memory_bytes"] == check["oracle"]["tensor_bytes"] + check["calibrated"]["workspace_bytes"]
+        assert (
+            check["oracle"]["memory_bytes"]
+            == check["oracle"]["tensor_bytes"] + check["calibrated"]["workspace_bytes"]
+        )
         assert abs(check["predicted"]["tensor_bytes"] / check["oracle"]["tensor_bytes"] - 1) < 0.1
 
 

@@ -72,7 +72,9 @@ def test_selective_recompute_saves_only_the_log_sum_exp_under_sdpa() -> None:
      # Korthikanti sec. 4.2.3: the first rank x (1 + (p - 1)/(p v))
      ("interleaved_1f1b", 2, 0, 8 * (1 + 7 / 16)), ("interleaved_1f1b", 4, 0, 8 * (1 + 7 / 32))],
 )  # fmt: skip
-def test_microbatches_in_flight_follow_the_schedule(schedule: str, v: int, stage: int, inflight: float) -> None:
+def test_microbatches_in_flight_follow_the_schedule(
+    schedule: str, v: int, stage: int, inflight: float
+) -> None:
     """Narayanan et al. 2021 sec. 2.2: GPipe keeps all m, 1F1B at most pp - stage."""
     p = ParallelConfig(tp=8, pp=8, num_microbatches=64, pp_schedule=schedule, virtual_stages=v)
     assert _in_flight(p, stage) == pytest.approx(inflight)
