@@ -197,7 +197,7 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
 
 def _register_plugins() -> None:
     """Commands other packages of the distribution add through the `parallel_tuner.cli` entry
-    point group: `tuner serve` comes from api/cli.py, so this package never imports the API."""
+    point group: `tuner serve` is registered by the API package (its cli module), so this package never imports it."""
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="parallel_tuner.cli"):
