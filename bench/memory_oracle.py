@@ -106,6 +106,12 @@ SMALL_LAYOUTS = [
          sequence_parallel=True, activation_checkpoint="selective"),
     dict(micro_batch_size=2, num_microbatches=2),
     dict(tp=2, dp_replicate=2, dp_shard=2, zero_stage=3, micro_batch_size=1, num_microbatches=4),
+    # 2D tensor parallelism (tp_col, trainer/tp2d.py)
+    dict(tp_col=2, micro_batch_size=2, num_microbatches=2),
+    dict(tp=2, tp_col=2, dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=2),
+    dict(tp_col=2, pp=2, micro_batch_size=1, num_microbatches=4),
+    dict(tp_col=2, dp_replicate=2, micro_batch_size=2, num_microbatches=2, activation_checkpoint="full"),
+    dict(tp_col=4, micro_batch_size=2, num_microbatches=2),
 ]  # fmt: skip
 
 

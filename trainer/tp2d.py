@@ -10,11 +10,14 @@ them; heads and the MLP's ffn are split over the row group.
 
 Collectives per linear layer, as AxoNN schedules them (not DTensor's default plan, which on the
 same placements picks reduce-scatters and all-gathers): forward one all-reduce of Y over its
-reduce group, backward one all-reduce of dX over the other. Activations are plain local tensors
+reduce group, backward one all-reduce of dX over the other. q, k and v read the same input, so
+their three dX are summed first and all-reduced once (AxoNN's fused QKV layer: one all-reduce of
+h/tp_col per token over the row group, not three). Activations are plain local tensors
 between layers (the pattern of torch's ColwiseParallel/RowwiseParallel); only parameters are
 DTensors, so FSDP2, replicate, the optimizer and the gradient norm see them as usual. Overlap: the
-backward all-reduce of dX runs asynchronously while dW = dY^T X is computed; the forward
-all-reduce of Y blocks (the next op needs Y). With FSDP2 its own all-gather prefetch and
+backward all-reduce of dX runs asynchronously while dW = dY^T X is computed (attention-out,
+MLP-up and MLP-down; q, k and v's shared one starts once their three weight gradients are done,
+and does not overlap); the forward all-reduce of Y blocks (the next op needs Y). With FSDP2 its own all-gather prefetch and
 reduce-scatter overlap as in every other layout.
 
 Everything else keeps the model the same GPT: LayerNorm over the column-split hidden dim reduces
@@ -74,6 +77,22 @@ class _AllReduceForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        return dy, None
+
+
+class _AllReduceBackward(torch.autograd.Function):
+    """Megatron's f: identity in forward, all-reduce in backward. Put before q, k and v (whose own
+    backward does not reduce), it all-reduces the sum of their three input gradients once."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        dy = dy.contiguous().clone()
+        dist.all_reduce(dy, group=ctx.group)
         return dy, None
 
 
@@ -160,8 +179,12 @@ def apply_tp_2d(model: GPT, mesh: DeviceMesh) -> None:
         model.embed.pos = plan.embedding(model.embed.pos, vocab_split=False)
     for block in model.layers.values():
         block.attn_norm, block.mlp_norm = plan.norm(block.attn_norm), plan.norm(block.mlp_norm)
-        for name in ("wq", "wk", "wv"):
-            setattr(block.attn, name, plan.linear(getattr(block.attn, name), transposed=False))
+        for name in ("wq", "wk", "wv"):  # their dX all-reduced once, at the attention's input
+            setattr(
+                block.attn, name, plan.linear(getattr(block.attn, name), transposed=False, reduce_dx=False)
+            )
+        if plan.row is not None:
+            block.attn.register_forward_pre_hook(plan.reduce_input_gradient)
         block.attn.wo = plan.linear(block.attn.wo, transposed=True)
         block.mlp.fc = plan.linear(block.mlp.fc, transposed=False)
         block.mlp.proj = plan.linear(block.mlp.proj, transposed=True)
@@ -186,14 +209,22 @@ class _Plan:
         placements = [by_axis[a] for a in self.mesh.mesh_dim_names]
         return nn.Parameter(distribute_tensor(p.data, self.mesh, placements, src_data_rank=None))
 
-    def linear(self, layer: nn.Linear, *, transposed: bool, logits: bool = False) -> Linear2D:
+    def reduce_input_gradient(self, module: nn.Module, args: tuple) -> tuple:
+        """Forward pre-hook: the module's input through Megatron's f over the row group."""
+        return (_AllReduceBackward.apply(args[0], self.row), *args[1:])
+
+    def linear(
+        self, layer: nn.Linear, *, transposed: bool, logits: bool = False, reduce_dx: bool = True
+    ) -> Linear2D:
         assert layer.bias is None, "the GPT's linear layers have no bias"
         if transposed:  # in-features over the row group, out over the column group
             w = self._param(layer.weight, Shard(1), Shard(0))
             return Linear2D(w, fwd_group=self.row, bwd_group=self.col, logits_mesh=None)
         w = self._param(layer.weight, Shard(0), Shard(1))
         logits_mesh = self.mesh["tp"] if logits and self.row is not None else None
-        return Linear2D(w, fwd_group=self.col, bwd_group=self.row, logits_mesh=logits_mesh)
+        return Linear2D(
+            w, fwd_group=self.col, bwd_group=self.row if reduce_dx else None, logits_mesh=logits_mesh
+        )
 
     def norm(self, norm: nn.LayerNorm) -> LayerNorm2D:
         weight = self._param(norm.weight, Replicate(), Shard(0))

@@ -172,7 +172,7 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
     typer.echo(
         f"space {result['space_size']}, valid {result['num_valid']}, predicted to fit {result['num_fit']}\n"
     )
-    head = (f"{'tp':>3} {'pp':>3} {'dp':>5} {'mbs':>3} {'nmb':>5} {'zero':>4} {'ckpt':>9} {'sp':>3} "
+    head = (f"{'tp':>5} {'pp':>3} {'dp':>5} {'mbs':>3} {'nmb':>5} {'zero':>4} {'ckpt':>9} {'sp':>3} "
             f"{'schedule':>18} {'vocab':>7} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")  # fmt: skip
     typer.echo(head)
     for cand in result["candidates"]:
@@ -183,12 +183,17 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
             else "-"
         )
         flag = "" if p["fits"] else "  (does not fit)"
+        tp = f"{k['tp']}x{k['tp_col']}" if k.get("tp_col", 1) > 1 else str(k["tp"])  # row x column
         typer.echo(
-            f"{k['tp']:>3} {k['pp']:>3} {k['dp']:>5} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
+            f"{tp:>5} {k['pp']:>3} {k['dp']:>5} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
             f"{k['zero_stage']:>4} {k['activation_checkpoint']:>9} {'y' if k['sequence_parallel'] else 'n':>3} "
             f"{sched:>18} {cand['vocab_size']:>7} {p['memory_bytes'] / 2**30:>8.1f} {p['tflops_per_device']:>8.1f} {p['mfu']:>6.1%} "
             f"{p['tokens_per_s']:>11.0f}{flag}"
         )
+    if result.get("column"):
+        typer.echo("\n2D tensor parallelism (tp x tp_col), the fastest layout of each column degree:")
+        for entry in result["column"]:
+            typer.echo(f"  tp_col {entry['tp_col']}: {entry['layout'] or '-'}: {entry['why']}")
     if result["rejected"]:
         typer.echo("\nrejected layouts by reason:")
         for reason, count in result["rejected"].items():

@@ -40,9 +40,18 @@ def activation_bytes_per_token(
     output: 24h/t. No dropout masks (dropout 0), no s x s scores (SDPA; `flash_attention` False
     adds Korthikanti's 5as/h), SDPA's fp32 log-sum-exp per head, the norms' fp32 mean and rstd.
     Selective recompute (the attention core checkpointed) drops the log-sum-exp only: SDPA keeps
-    nothing else an attention core would recompute. Full recompute keeps the layer input."""
+    nothing else an attention core would recompute. Full recompute keeps the layer input.
+
+    2D tensor parallelism (tp_col > 1, trainer/tp2d.py): the residual stream is split over the
+    column group (h/tp_col), q, k, v, the attention output and the MLP's ffn over the row group
+    only (the same 24h/t on every column rank). Its layer norm is written out in torch ops, which
+    keep the fp32 input (the layer input itself when it is fp32), the centred input in fp32, the
+    normalised output and the norm's output (the next linear's input), and per token its mean
+    and rstd and the stacked sums."""
     h, a, t, s = m.hidden_size, m.num_heads, p.tp, m.seq_len
     res = residual or cb
+    if p.tp_col > 1:
+        return _activation_bytes_per_token_2d(m, p, cb, c, res)
     shard = t if p.sequence_parallel else 1
     if p.activation_checkpoint == "full":
         return res * h / shard
@@ -54,8 +63,28 @@ def activation_bytes_per_token(
     return stream + sharded + lse + stats + scores
 
 
-def _layer_params(m: GPTConfig, tp: int) -> float:
-    return (4 * m.hidden_size**2 + 2 * m.hidden_size * m.ffn_size) / tp + 4 * m.hidden_size
+def _activation_bytes_per_token_2d(
+    m: GPTConfig, p: ParallelConfig, cb: int, c: ModelConstants, res: int
+) -> float:
+    h, a, t, s, k = m.hidden_size, m.num_heads, p.tp, m.seq_len, p.tp_col
+    if p.activation_checkpoint == "full":
+        return res * h / k
+    # per norm: fp32 input (a copy unless the input is fp32, then the layer input or the residual
+    # after attention), centred fp32, normalised and output in the input's dtype
+    norms = 2 * (4 + 4 + 2 * res) * h / k
+    sharded = 12 * cb * h / t
+    lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
+    stats = 2 * 4 * 4  # per norm: mean, rstd, and the two all-reduced sums, fp32
+    scores = 0.0 if c.flash_attention else 5 * a * s / t * cb / 2
+    return norms + sharded + lse + stats + scores
+
+
+def _layer_params(m: GPTConfig, tp: int, tp_col: int = 1) -> float:
+    """One layer's parameters on a rank: the four h x h and two h x ffn weights over tp x tp_col,
+    the two norms' weight and bias (replicated over tp, split over tp_col)."""
+    return (4 * m.hidden_size**2 + 2 * m.hidden_size * m.ffn_size) / (
+        tp * tp_col
+    ) + 4 * m.hidden_size / tp_col
 
 
 def model_state_bytes(
@@ -136,10 +165,11 @@ def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, st
     residual = 4 if low and p.dp == 1 else cb  # autocast (no FSDP2) leaves the residual adds in fp32
     s, b, h, v, n, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.vocab_size, p.num_microbatches, p.tp
     first, last = stage == 0, stage == p.pp - 1
-    embed = v * h / t + s * h if first else 0.0
-    head = v * h / t + 2 * h if last else 0.0
-    params = _stage_layers(m.num_layers, p, stage) * _layer_params(m, t) + embed + head
-    tokens, shard = s * b, t if p.sequence_parallel else 1
+    k = p.tp_col  # 2D: every weight over tp x tp_col, the residual stream over tp_col
+    embed = (v * h / t + s * h) / k if first else 0.0
+    head = (v * h / t + 2 * h) / k if last else 0.0
+    params = _stage_layers(m.num_layers, p, stage) * _layer_params(m, t, k) + embed + head
+    tokens, shard = s * b, t if p.sequence_parallel else k
     boundary = tokens * h / shard * residual  # what one stage sends the next per micro-batch
     chunks = range(stage, p.num_stages, p.pp)
     receiving = sum(i > 0 for i in chunks)  # chunks with a previous stage (receive activations)
@@ -159,11 +189,14 @@ def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, st
     loss = max(4 + (cb if cb < 4 else 0), 8 if t == 1 else 4) * logits
     return _Rank(
         params=params, d=p.dp_shard if p.zero_stage else 1, cb=cb,
-        whole=cb * params if p.dp > 1 or low else 0.0,  # FSDP2's copies, or autocast's weight cache
-        root=cb * (embed + head), unit=cb * _layer_params(m, t), layer=layer, layers=layers,
-        vocab_grad=4 * v * h * (1 - 1 / t) if first else 0.0,
-        head=tokens * h * (1 / shard + 1) * residual + 4 * logits if last else 0.0,
-        flow=tokens * (2 * h + 4 * h / t) * residual + recompute, loss=loss,
+        # FSDP2's copies, or autocast's weight cache (which 2D's local views of the weights bypass)
+        whole=cb * params if p.dp > 1 or (low and k == 1) else 0.0,
+        root=cb * (embed + head), unit=cb * _layer_params(m, t, k), layer=layer, layers=layers,
+        # 2D: the embedding looks up its local block, its gradient is local too
+        vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
+        head=(tokens * h * (1 / shard + 1) * residual if k == 1 else tokens * (8 + 8 + 2 * residual) * h / k)
+        + 4 * logits if last else 0.0,
+        flow=tokens * (2 * h / k + 4 * h / t) * residual + recompute, loss=loss,
         buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens,
         kept=n * logits * cb if last and p.pp > 1 else 0.0,
         sent=n * boundary * (receiving + sending) if p.virtual_stages > 1 else 0.0,

@@ -80,12 +80,21 @@ def _group_link(cluster: ClusterSpec, size: int, stride: int) -> tuple[float, fl
 def _layer_fwd_flops_per_token(m: GPTConfig) -> float:
     """2 FLOPs per weight per token plus attention's 4*s*h (PaLM appendix B: 6N + 12Lhs over
     forward and backward, a third of it forward)."""
-    return 2 * (4 * m.hidden_size**2 + 2 * m.hidden_size * m.ffn_size) + 4 * m.seq_len * m.hidden_size
+    return _gemm_fwd_flops_per_token(m) + _attention_fwd_flops_per_token(m)
+
+
+def _gemm_fwd_flops_per_token(m: GPTConfig) -> float:
+    return 2 * (4 * m.hidden_size**2 + 2 * m.hidden_size * m.ffn_size)
+
+
+def _attention_fwd_flops_per_token(m: GPTConfig) -> float:
+    return 4 * m.seq_len * m.hidden_size
 
 
 def _compute_efficiency(m: GPTConfig, p: ParallelConfig, c: ModelConstants) -> float:
-    """Fraction of peak a layer's GEMMs reach: small micro-batches or thin shards run slower."""
-    size = p.micro_batch_size * m.seq_len * m.hidden_size / p.tp
+    """Fraction of peak a layer's GEMMs reach: small micro-batches or thin shards run slower.
+    size: a micro-batch's GEMM work per rank over h, b*s*h / (tp x tp_col)."""
+    size = p.micro_batch_size * m.seq_len * m.hidden_size / (p.tp * p.tp_col)
     return c.compute_efficiency * size / (size + c.compute_half_size)
 
 
@@ -97,16 +106,82 @@ def _elementwise_flops(m: GPTConfig, p: ParallelConfig, precision: str, c: Model
     forward, twice in backward, and again by recompute."""
     s, b, h, a, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp
     scores = 0.0 if c.flash_attention else 5 * a * s / h
-    per_token = h / t * (34 + scores) if p.sequence_parallel else h * (10 + (24 + scores) / t)
+    # 2D tensor parallelism: the residual stream (the 10) is split over the column group, the
+    # heads and the MLP's ffn (the 24) over the row group only, repeated on every column rank.
+    per_token = h / t * (34 + scores) if p.sequence_parallel else h * (10 / p.tp_col + (24 + scores) / t)
     passes = {"none": 3.0, "selective": 3.0 + scores / (34 + scores), "full": 4.0}[p.activation_checkpoint]
     act_bytes = 1 if precision != "fp32" else 2  # table 2 counts 16-bit values as 2 bytes
     return s * b * per_token * act_bytes * passes * c.elementwise_flops_per_byte
 
 
+def _collective_s(nbytes: float, n: int, link: tuple[float, float], c: ModelConstants) -> float:
+    """One all-reduce of `nbytes` over `n` ranks on `link` (GB/s, latency us), with the software
+    cost of a collective, which grows with the rounds it synchronises (log2 n)."""
+    if n <= 1:
+        return 0.0
+    return _ring_allreduce_s(nbytes, n, *link, c) + c.collective_overhead_s * math.log2(n)
+
+
+def _tensor_1d_comm(
+    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, act_bytes: int, c: ModelConstants, layers: int
+) -> float:
+    """Megatron's tensor parallelism, one micro-batch on a stage: 2 all-reduces forward and 2
+    backward per layer (Megatron-3D sec. 3.2, fig. 5); with sequence parallelism each becomes
+    reduce-scatter + all-gather, same bytes (Korthikanti sec. 4.2.2); full recompute repeats the
+    forward ones. None overlaps compute."""
+    t = p.tp
+    if t <= 1:
+        return 0.0
+    n_collectives = 4 + (2 if p.activation_checkpoint == "full" else 0)
+    tokens_mb = p.micro_batch_size * m.seq_len
+    per = _collective_s(tokens_mb * m.hidden_size * act_bytes, t, _group_link(cluster, t, 1), c)
+    return layers * n_collectives * per
+
+
+def _tensor_2d_comm(
+    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, act_bytes: int, c: ModelConstants, layers: int,
+    dw_mb: float,
+) -> tuple[float, float]:  # fmt: skip
+    """2D tensor parallelism (trainer/tp2d.py, AxoNN's schedule), one micro-batch on the last
+    stage: (exposed seconds, seconds hidden behind compute).
+
+    Each linear layer all-reduces its output Y over one group in forward and its input gradient dX
+    over the other in backward. Normal layers (q, k, v, MLP-up: Y of h/t or ffn/t per token) reduce
+    Y over the column group (tp_col ranks, neighbours) and dX (h/tp_col) over the row group (tp
+    ranks tp_col apart); transposed layers (attention-out, MLP-down) the other way round; q, k and
+    v's dX are summed and reduced once. A layer per token: forward 3h/t + ffn/t over the column
+    group and 2h/c over the row group; backward 2h/c over the row group and h/t + ffn/t over the
+    column group; each layer norm reduces two fp32 sums per token over the column group, forward
+    and backward; full recompute repeats the forward ones. The head reduces its vocab/t logits
+    over the column group (forward) and h/c over the row group (backward). Each group is priced on
+    the link of the tier it spans (the trainer's placement rule). Overlap: the backward all-reduces
+    of attention-out, MLP-up, MLP-down and the head run while the layer computes its weight
+    gradient (trainer/tp2d.py), so they hide behind up to the stage's weight-gradient time
+    (`dw_mb`); the forward ones, q/k/v's shared one and the norms' block."""
+    t, k, h, f = p.tp, p.tp_col, m.hidden_size, m.ffn_size
+    tokens = p.micro_batch_size * m.seq_len
+    col, row = _group_link(cluster, k, 1), _group_link(cluster, t, k)
+
+    def ar(values_per_token: float, n: int, link: tuple[float, float], dtype_bytes: int = act_bytes) -> float:
+        return _collective_s(tokens * values_per_token * dtype_bytes, n, link, c)
+
+    norms = 2 * ar(2, k, col, 4)  # two layer norms, one stacked all-reduce of (sum x, sum x^2) each
+    fwd = 3 * ar(h / t, k, col) + ar(f / t, k, col) + 2 * ar(h / k, t, row) + norms
+    bwd_blocking = ar(h / k, t, row) + norms  # q/k/v's summed dX
+    bwd_overlapped = ar(h / k, t, row) + ar(h / t, k, col) + ar(f / t, k, col)
+    repeats = 2 if p.activation_checkpoint == "full" else 1
+    head_fwd = ar(m.vocab_size / t, k, col) + ar(2, k, col, 4)  # the logits, the final norm
+    forward = layers * fwd * repeats + head_fwd + ar(2, k, col, 4)  # + the final norm's backward
+    overlapped = layers * bwd_overlapped + ar(h / k, t, row)  # + the head's dX
+    hidden = min(overlapped, dw_mb)
+    return forward + layers * bwd_blocking + overlapped - hidden, hidden
+
+
 @dataclass(frozen=True)
 class _StepTerms:
     stage_mb: float  # one micro-batch on the slowest stage: compute (or the floor) + tp + bookkeeping
-    tp_mb: float
+    tp_mb: float  # exposed
+    tp_hidden: float  # tensor-parallel traffic overlapped with compute (2D only)
     bubble: float
     p2p: float
     dp_comm: float
@@ -116,24 +191,18 @@ class _StepTerms:
 
 def _step_terms(
     m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
-    compute_mb: float, layers: int,
+    compute_mb: float, layers: int, dw_mb: float = 0.0,
 ) -> _StepTerms:  # fmt: skip
-    """The step's terms on `cluster`'s links (compute_mb fixed: the links change only these)."""
+    """The step's terms on `cluster`'s links (compute_mb fixed: the links change only these);
+    dw_mb: the weight-gradient GEMMs' share of compute_mb (what 2D tensor parallelism overlaps)."""
     s, h, t, pp, v, mb, d = (m.seq_len, m.hidden_size, p.tp, p.pp, p.virtual_stages, p.num_microbatches, p.dp)
+    tc = t * p.tp_col  # ranks that share each weight (the tensor-parallel block)
     tokens_mb = p.micro_batch_size * s
     act_bytes = 2 if precision != "fp32" else 4
-    # Tensor parallelism: 2 all-reduces forward and 2 backward per layer (Megatron-3D sec. 3.2,
-    # fig. 5); with sequence parallelism each becomes reduce-scatter + all-gather, same bytes
-    # (Korthikanti sec. 4.2.2); full recompute repeats the forward ones.
-    tp_gbps, tp_lat = _group_link(cluster, t, 1)
-    n_collectives = 4 + (2 if p.activation_checkpoint == "full" else 0)
-    tp_mb = 0.0
-    if t > 1:
-        # the software cost of a collective grows with the rounds it synchronises (log2 t)
-        per = _ring_allreduce_s(
-            tokens_mb * h * act_bytes, t, tp_gbps, tp_lat, c
-        ) + c.collective_overhead_s * math.log2(t)
-        tp_mb = layers * n_collectives * per
+    if p.tp_col > 1:
+        tp_mb, tp_hidden = _tensor_2d_comm(m, p, cluster, act_bytes, c, layers, dw_mb)
+    else:
+        tp_mb, tp_hidden = _tensor_1d_comm(m, p, cluster, act_bytes, c, layers), 0.0
 
     stage_mb = max(compute_mb, layers * c.layer_floor_s) + tp_mb + c.microbatch_overhead_s
     # Pipeline: the bubble is (p-1) stage-times, divided by v when interleaved (Megatron-3D sec. 2.2).
@@ -141,8 +210,9 @@ def _step_terms(
     bubble = (pp - 1) / v * (stage_mb - c.microbatch_overhead_s)
     p2p = 0.0
     if pp > 1:
-        pp_gbps, pp_lat = _group_link(cluster, pp, t * d)
-        msg = tokens_mb * h * act_bytes / (t if p.sequence_parallel else 1)  # scatter/gather: sec. 4.1
+        pp_gbps, pp_lat = _group_link(cluster, pp, tc * d)
+        # scatter/gather: sec. 4.1; 2D: the residual stream is split over the column group
+        msg = tokens_mb * h * act_bytes / (t if p.sequence_parallel else p.tp_col)
         # forward activation + backward gradient per micro-batch per chunk, on the critical path
         per = msg / (pp_gbps * 1e9 * c.comm_efficiency) + pp_lat * 1e-6
         p2p = 2 * (mb * v + pp - 1) * per
@@ -150,8 +220,8 @@ def _step_terms(
     # Data parallelism: gradients all-reduced once per step; ZeRO/FSDP splits it into
     # reduce-scatter + all-gather (same bytes, ZeRO sec. 7); ZeRO-3 gathers parameters for
     # forward and again for backward of every micro-batch (1.5x, ZeRO sec. 7.2.2).
-    dp_gbps, dp_lat = _group_link(cluster, d, t)
-    params_rank = layers * _layer_params(m, t) + m.vocab_size * h / t
+    dp_gbps, dp_lat = _group_link(cluster, d, tc)
+    params_rank = layers * _layer_params(m, t, p.tp_col) + m.vocab_size * h / tc
     full_ar = _ring_allreduce_s(params_rank * act_bytes, d, dp_gbps, dp_lat, c)
     if p.zero_stage == 3:
         halves = 2 * mb + (mb if pp == 1 else 1)
@@ -177,7 +247,7 @@ def _step_terms(
         opt_params * OPTIMIZER_BYTES_PER_PARAM * c.elementwise_flops_per_byte / (cluster.peak_tflops * 1e12)
     )
 
-    return _StepTerms(stage_mb, tp_mb, bubble, p2p, dp_comm, dp_exposed, optimizer_s)
+    return _StepTerms(stage_mb, tp_mb, tp_hidden, bubble, p2p, dp_comm, dp_exposed, optimizer_s)
 
 
 def _on_node_links(cluster: ClusterSpec) -> ClusterSpec:
@@ -198,23 +268,26 @@ def estimate(
     m = padded_model(m, p.tp)  # the vocabulary the layout builds (Megatron's padding)
     mem = memory(m, p, precision, c)
     s, h, t, pp, v, mb = m.seq_len, m.hidden_size, p.tp, p.pp, p.virtual_stages, p.num_microbatches
+    tc = t * p.tp_col
     tokens_mb = p.micro_batch_size * s
     layers = math.ceil(m.num_layers / (pp * v)) * v
 
     # Compute of one micro-batch on the slowest (last) stage: forward, backward = 2x forward
     # (Megatron-3D sec. 5.1), plus recompute: a whole forward (full) or the attention core
-    # (selective, Korthikanti sec. 5). The head's V x h matmul sits on the last stage.
-    layer_fwd = _layer_fwd_flops_per_token(m) * tokens_mb / t
-    recompute = {"none": 0.0, "selective": 4 * s * h * tokens_mb / t, "full": layer_fwd}[
-        p.activation_checkpoint
-    ]
-    head_fwd = 2 * m.vocab_size * h * tokens_mb / t
+    # (selective, Korthikanti sec. 5). The head's V x h matmul sits on the last stage. With 2D
+    # tensor parallelism the GEMMs split over tp x tp_col ranks, the attention core over the row
+    # group's heads only: every column rank repeats it (trainer/tp2d.py).
+    gemm_fwd = _gemm_fwd_flops_per_token(m) * tokens_mb / tc
+    attn_fwd = _attention_fwd_flops_per_token(m) * tokens_mb / t
+    layer_fwd = gemm_fwd + attn_fwd
+    recompute = {"none": 0.0, "selective": attn_fwd, "full": layer_fwd}[p.activation_checkpoint]
+    head_fwd = 2 * m.vocab_size * h * tokens_mb / tc
     flops_mb = layers * (3 * layer_fwd + recompute) + 3 * head_fwd
-    compute_mb = (
-        flops_mb / _compute_efficiency(m, p, c) + layers * _elementwise_flops(m, p, precision, c)
-    ) / (cluster.peak_tflops * 1e12)
+    efficiency, peak = _compute_efficiency(m, p, c), cluster.peak_tflops * 1e12
+    compute_mb = (flops_mb / efficiency + layers * _elementwise_flops(m, p, precision, c)) / peak
+    dw_mb = (layers * gemm_fwd + head_fwd) / efficiency / peak  # the weight gradients' GEMMs
 
-    k = _step_terms(m, p, cluster, precision, c, compute_mb, layers)
+    k = _step_terms(m, p, cluster, precision, c, compute_mb, layers, dw_mb)
     stage_mb, tp_mb, bubble, p2p, dp_exposed = k.stage_mb, k.tp_mb, k.bubble, k.p2p, k.dp_exposed
     compute_total = mb * compute_mb
     step = mb * stage_mb + bubble + p2p + dp_exposed + k.optimizer_s
@@ -223,10 +296,11 @@ def estimate(
         # collectives are CPU work too, so the node's total busy time over its cores bounds the step.
         # Only the CPU part of a collective counts: over a link slower than the node's own, the
         # rank waits on the wire and its core is free (priced as if every link were on-node).
+        # The overlapped part of 2D tensor parallelism's traffic keeps a core busy too.
         cpu = k if cluster.inter_node_gbps >= cluster.intra_node_gbps else _step_terms(
-            m, p, _on_node_links(cluster), precision, c, compute_mb, layers)  # fmt: skip
+            m, p, _on_node_links(cluster), precision, c, compute_mb, layers, dw_mb)  # fmt: skip
         ranks = min(p.world_size, cluster.gpus_per_node)
-        busy = mb * cpu.stage_mb + cpu.p2p + cpu.dp_comm + cpu.optimizer_s
+        busy = mb * (cpu.stage_mb + cpu.tp_hidden) + cpu.p2p + cpu.dp_comm + cpu.optimizer_s
         step = max(step, busy * ranks / cluster.cores_per_node)
     tokens_per_s = p.global_batch_size * s / step
     tflops = m.flops_per_token * tokens_per_s / p.world_size / 1e12

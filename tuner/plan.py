@@ -76,8 +76,56 @@ def candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
         "predicted": {
             "memory_bytes": int(est.memory_bytes), "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
             "tflops_per_device": est.tflops_per_device, "mfu": est.mfu, "fits": est.fits,
+            "terms": {k: getattr(est, k) for k in STEP_TERMS},
         },
     }  # fmt: skip
+
+
+# The parts of a predicted step (tuner.perfmodel.Estimate), as the plan explains a layout's rank.
+STEP_TERMS = {"compute_s": "compute", "tp_comm_s": "tensor-parallel comm", "pp_bubble_s": "pipeline bubble",
+              "pp_p2p_s": "pipeline sends", "dp_comm_s": "data-parallel comm"}  # fmt: skip
+
+
+def column_comparison(scored: list[tuple[ParallelConfig, Estimate]]) -> list[dict[str, Any]]:
+    """For each column degree (2D tensor parallelism's tp_col) among the layouts: its fastest
+    layout predicted to fit, against the fastest with tp_col 1, and why it wins or loses: the
+    step's terms that differ most (seconds, + where the column layout spends more)."""
+    best: dict[int, tuple[ParallelConfig, Estimate]] = {}
+    for config, est in scored:
+        if est.fits and (config.tp_col not in best or est.tokens_per_s > best[config.tp_col][1].tokens_per_s):
+            best[config.tp_col] = (config, est)
+    cols = sorted({c.tp_col for c, _ in scored})
+    if cols == [1]:
+        return []
+    base = best.get(1)
+    out = []
+    for col in cols:
+        if col == 1:
+            continue
+        if col not in best:
+            out.append(
+                {"tp_col": col, "layout": None, "why": f"no layout with tp_col {col} is predicted to fit"}
+            )
+            continue
+        config, est = best[col]
+        entry: dict[str, Any] = {"tp_col": col, "layout": config.describe(), "tokens_per_s": est.tokens_per_s}
+        if base is None:
+            entry["why"] = "no layout without a column axis is predicted to fit"
+        else:
+            ref_config, ref = base
+            deltas = {k: getattr(est, k) - getattr(ref, k) for k in STEP_TERMS}
+            speedup = est.tokens_per_s / ref.tokens_per_s
+            parts = [f"{STEP_TERMS[k]} {d:+.3g} s" for k, d in sorted(deltas.items(), key=lambda kd: -abs(kd[1]))
+                     if abs(d) >= 0.005 * ref.step_time_s][:3]  # fmt: skip
+            verdict = "wins" if speedup > 1 else "loses"
+            entry |= {
+                "versus": ref_config.describe(), "speedup": speedup, "term_deltas_s": deltas,
+                "why": f"{verdict} ({speedup:.2f}x the best without a column axis, {ref_config.describe()}): "
+                + (", ".join(parts) if parts else "the same step to within 0.5 %")
+                + f" per step of {ref.step_time_s:.3g} s",
+            }  # fmt: skip
+        out.append(entry)
+    return out
 
 
 def plan(
@@ -115,6 +163,7 @@ def plan(
         "rejected": dict(enum.rejected.most_common()),
         "vocab": vocab_dict(model.vocab_size, sorted({c.tp for c in valid})),
         "candidates": [candidate_dict(c, e) for c, e in shown[:top]],
+        "column": column_comparison(scored),
     }
 
 

@@ -49,6 +49,8 @@ REAL_RUN_LAYOUTS = [
         id="tp2-pp2-interleaved-sp",
     ),
     pytest.param(P(tp=2, dp_replicate=2, micro_batch_size=2, num_microbatches=2), id="tp2-dp2-replicated"),
+    # 2D tensor parallelism: the column-split stream crosses the pipeline boundary (b, s, h/tp_col)
+    pytest.param(P(tp_col=2, pp=2, micro_batch_size=1, num_microbatches=4), id="col2-pp2"),
 ]
 
 

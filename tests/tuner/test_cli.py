@@ -73,7 +73,8 @@ def test_plan_json_has_the_documented_shape_and_valid_candidates() -> None:
     proc = tuner(*ACCEPTANCE, "--json", "--top", "20")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert set(doc) == {"space_size", "num_valid", "num_fit", "rejected", "vocab", "candidates"}
+    assert set(doc) == {"space_size", "num_valid", "num_fit", "rejected", "vocab", "candidates", "column"}
+    assert doc["column"] == []  # the space offers no column axis (tp_col [1])
     assert doc["vocab"] == {"vocab_size": 50304, "divisible_by": 128,
                             "padded_by_tp": {"1": 50304, "2": 50432, "4": 50688, "8": 51200}}  # fmt: skip
     assert doc["space_size"] >= doc["num_valid"] >= doc["num_fit"] >= len(doc["candidates"]) == 20
@@ -90,7 +91,11 @@ def test_plan_json_has_the_documented_shape_and_valid_candidates() -> None:
             "tflops_per_device",
             "mfu",
             "fits",
+            "terms",
         }
+        terms = cand["predicted"]["terms"]
+        assert set(terms) == {"compute_s", "tp_comm_s", "pp_bubble_s", "pp_p2p_s", "dp_comm_s"}
+        assert 0 < sum(terms.values()) <= cand["predicted"]["step_time_s"] * 1.0001
         assert cand["predicted"]["fits"] is True and cand["predicted"]["memory_bytes"] <= 64e9
         assert cand["vocab_size"] == int(doc["vocab"]["padded_by_tp"][str(k["tp"])])
         config = layout(k.pop("tp"), k.pop("pp"), k.pop("dp"), **k)

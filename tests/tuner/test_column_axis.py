@@ -1,6 +1,7 @@
 """The column degree of 2D tensor parallelism (tp_col) in the tuner: the search space enumerates it
 when the spec asks for it (default [1]: studies without it are unchanged), every rejection with its
-reason; exports to stacks that cannot run it refuse it."""
+reason; exports to stacks that cannot run it refuse it; the performance model prices it and the
+plan says why a column layout wins or loses."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from tuner import store
 from tuner.db import connect
 from tuner.export import export_layout
 from tuner.outcome import Outcome
+from tuner.perfmodel import estimate
+from tuner.plan import plan
 from tuner.space import RULE_CROSS_NODE_TENSOR, RULE_GPUS, SearchSpace
-from tuner.spec import SpaceSpec, parse_spec
+from tuner.spec import ClusterSpec, SpaceSpec, cluster_preset, parse_spec
 
 MODEL = GPTConfig(num_layers=4, hidden_size=72, num_heads=6, vocab_size=1000, seq_len=64)
 KNOBS = {"pp": [1], "micro_batch_size": [1], "zero_stage": [0], "activation_checkpoint": ["none"]}
@@ -85,3 +88,67 @@ def test_store_counts_the_column_axis_in_the_device_count(database_url: str) -> 
             assert {(r["gpus"], r["tokens_per_s"]) for r in store.best_rows(s)} == {(4, 300.0), (2, 100.0)}
             (trial,) = [t for t in store.trials(s, store.get_study(s, "s")) if t.tp_col == 2]
             assert store.config_of(trial) == grid and store.world_size(trial) == 4
+
+
+# --- the performance model prices the column axis (tuner/perfmodel.py, tuner/plan.py) -----------
+
+GPT80B = GPTConfig(num_layers=64, hidden_size=10240, num_heads=80, seq_len=2048, vocab_size=51200)
+
+
+def _a100(nodes: int) -> ClusterSpec:
+    return ClusterSpec(**{**cluster_preset("a100-80gb"), "num_nodes": nodes})
+
+
+def _est(tp: int, tp_col: int, **knobs):
+    p = ParallelConfig(
+        tp=tp, tp_col=tp_col, pp=8, dp_replicate=8, micro_batch_size=1, num_microbatches=4, **knobs
+    )
+    return estimate(GPT80B, p, _a100(128))
+
+
+def test_column_axis_splits_the_weights_not_the_attention_core() -> None:
+    """GEMM FLOPs divide by tp x tp_col; the attention core (the row group's heads) and the
+    residual stream's elementwise work do not: compute of tp 8 x 2 lies between tp 16 (with
+    sequence parallelism) and tp 8, its parameters' memory is close to tp 16's."""
+    tp8, tp8x2, tp16 = _est(8, 1, sequence_parallel=True), _est(8, 2), _est(16, 1, sequence_parallel=True)
+    assert tp16.compute_s < tp8x2.compute_s < tp8.compute_s
+    assert tp8x2.weights_bytes == pytest.approx(tp16.weights_bytes, rel=0.02)
+
+
+def test_column_alone_moves_more_than_megatron_but_crossing_nodes_it_moves_less() -> None:
+    """Column only (tp 1 x 8) all-reduces whole q, k, v and ffn outputs (12h per token per layer,
+    Megatron 4h; part of it hidden behind dW): more tensor-parallel time than tp 8 in a node. Past a node the row group's traffic shrinks by tp_col: tp 8 x 2
+    spends less on tensor-parallel communication than tp 16 over two nodes."""
+    assert _est(1, 8).tp_comm_s > 1.5 * _est(8, 1).tp_comm_s
+    assert _est(8, 2).tp_comm_s < _est(16, 1).tp_comm_s
+
+
+def test_backward_traffic_overlaps_weight_gradients() -> None:
+    """trainer/tp2d.py overlaps the backward all-reduces with dW: on links slow enough that they
+    exceed it, the hidden part is capped by the weight-gradient compute."""
+    slow = ClusterSpec(**{**cluster_preset("a100-80gb"), "num_nodes": 128, "intra_node_gbps": 5.0})
+    p = ParallelConfig(tp=4, tp_col=2, pp=8, dp_replicate=16, micro_batch_size=1, num_microbatches=4)
+    fast_est, slow_est = estimate(GPT80B, p, _a100(128)), estimate(GPT80B, p, slow)
+    assert slow_est.tp_comm_s > 5 * fast_est.tp_comm_s
+    assert slow_est.step_time_s > fast_est.step_time_s
+
+
+def test_plan_says_why_the_column_axis_wins_or_loses() -> None:
+    spec = parse_spec(
+        {
+            "name": "x", "model": {"num_layers": 64, "hidden_size": 10240, "num_heads": 80, "vocab_size": 51200},
+            "cluster": {"preset": "perlmutter-a100-40gb", "num_nodes": 256},
+            "training": {"global_batch_size": 32},
+            "space": {"tp": [4, 8, 16], "tp_col": [1, 2, 4], "pp": [4, 8], "micro_batch_size": [1],
+                      "zero_stage": [0], "activation_checkpoint": ["none"]},
+        }
+    )  # fmt: skip
+    result = plan(spec, top=50)
+    assert any(c["config"]["tp_col"] > 1 for c in result["candidates"])
+    by_col = {e["tp_col"]: e for e in result["column"]}
+    assert set(by_col) == {2, 4}
+    for entry in by_col.values():
+        assert entry["why"].startswith(("wins", "loses")) and "s per step" in entry["why"]
+        assert entry["versus"] and entry["speedup"] > 0
+        terms = result["candidates"][0]["predicted"]["terms"]
+        assert set(entry["term_deltas_s"]) == set(terms)

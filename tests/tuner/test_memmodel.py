@@ -93,3 +93,33 @@ def test_gpipe_holds_every_microbatch_1f1b_pp() -> None:
     one_f = estimate(GPT3, base, a100(64))
     gpipe = estimate(GPT3, dataclasses.replace(base, pp_schedule="gpipe"), a100(64))
     assert gpipe.activations_bytes > 6 * one_f.activations_bytes
+
+
+# 2D tensor parallelism against the memory oracle, simulated here (a few seconds each): the
+# column-split stream and norms, the row-split heads and ffn repeated on every column rank.
+COLUMN_LAYOUTS = [
+    pytest.param(ParallelConfig(tp_col=2, micro_batch_size=2, num_microbatches=2), id="col2"),
+    pytest.param(
+        ParallelConfig(tp=2, tp_col=2, dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=2),
+        id="2x2-zero3",
+    ),
+    pytest.param(ParallelConfig(tp_col=2, pp=2, micro_batch_size=1, num_microbatches=4), id="col2-pp2"),
+    pytest.param(
+        ParallelConfig(tp_col=4, activation_checkpoint="full", micro_batch_size=2, num_microbatches=2),
+        id="col4-full-ac",
+    ),
+]
+
+
+@pytest.mark.parametrize("parallel", COLUMN_LAYOUTS)
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_column_degree_matches_the_oracle(parallel: ParallelConfig, device: str) -> None:
+    from trainer.config import BenchmarkConfig
+    from trainer.memcheck import memcheck
+    from tuner.memmodel import memory
+
+    model = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
+    oracle = memcheck(BenchmarkConfig(model=model, parallel=parallel, device=device)).peak_bytes
+    c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
+    predicted = memory(model, parallel, "bf16" if device == "cuda" else "fp32", c)["memory_bytes"]
+    assert abs(predicted - oracle) / oracle < 0.03, (predicted, oracle)
