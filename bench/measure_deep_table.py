@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.measure_table import COLUMNS  # noqa: E402
+from bench.measure_table import OWN_COLUMNS  # noqa: E402
 from trainer.config import BenchmarkConfig, GPTConfig  # noqa: E402
 from trainer.launch import run_local  # noqa: E402
 from tuner.space import SearchSpace  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> None:
     print(f"{len(layouts)} layouts x {args.repeats} repeats -> {args.out}", flush=True)
     start = time.monotonic()
     with args.out.open("w", newline="") as f, tempfile.TemporaryDirectory() as tmp:
-        writer = csv.DictWriter(f, COLUMNS)
+        writer = csv.DictWriter(f, OWN_COLUMNS)
         writer.writeheader()
         for i, layout in enumerate(layouts):
             model = padded_model(MODEL, layout.tp)  # what the tuner's trials build (here: unchanged)

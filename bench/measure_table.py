@@ -51,8 +51,18 @@ from tuner.space import SearchSpace  # noqa: E402
 from tuner.spec import SpaceSpec  # noqa: E402
 
 COLUMNS = ["source", "table_id", "model_name", "num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "seq_len", "vocab_size", "global_batch_size", "num_gpus", "gpu_type", "gpus_per_node", "tp", "pp", "dp", "micro_batch_size", "grad_accum_steps", "activation_checkpoint", "zero_stage", "framework", "measured_metric_name", "measured_value", "status", "alt_metric_name", "alt_value", "peak_memory_gb", "notes"]  # fmt: skip
+# Our tables add one column to the shared format: 2D tensor parallelism's column degree (tp_col;
+# num_gpus = tp x tp_col x pp x dp). bench/validation_data.py reads it as 1 where it is absent.
+OWN_COLUMNS = [*COLUMNS, "tp_col"]
 SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2, 4], micro_batch_size=[1, 2, 4], zero_stage=[0, 3],
                   activation_checkpoint=["none"], sequence_parallel=[False], pp_schedule=["1f1b"])  # fmt: skip
+# `--space column`: strong scaling, where 2D tensor parallelism could win. With a global batch of
+# 2-4 sequences on 8 ranks, data parallelism and pipelining run out of sequences, so every layout
+# splits the weights over 2-8 ranks, and on the 4-node cluster that group crosses nodes: 1D as
+# Megatron's tp, or 2D as tp x tp_col (the column pairs inside a node, the row group across).
+COLUMN_SPACE = SpaceSpec(tp=[1, 2, 4, 8], tp_col=[1, 2, 4, 8], pp=[1, 2], micro_batch_size=[1, 2], zero_stage=[0],
+                         activation_checkpoint=["none"], sequence_parallel=[False], pp_schedule=["1f1b"])  # fmt: skip
+SPACES = {"default": SPACE, "column": COLUMN_SPACE}
 RANKS_PER_NODE = 2  # scripts/slurm-local.sh advertises 2 CPUs on each node of a multi-node cluster
 TRIAL_TIMEOUT_S = 600  # a layout across 200 Mbit/s links takes 1-2 s per step; start-up ~20 s
 INFRA_ATTEMPTS = 3  # a job lost to the cluster (not the layout) runs again, at most this often
@@ -95,7 +105,7 @@ def table_row(
         "num_layers": model.num_layers, "hidden_size": model.hidden_size, "num_heads": model.num_heads,
         "ffn_hidden_size": model.ffn_size, "seq_len": model.seq_len, "vocab_size": model.vocab_size,
         "global_batch_size": layout.global_batch_size, "num_gpus": layout.world_size,
-        "gpu_type": gpu_type, "gpus_per_node": gpus_per_node, "tp": layout.tp, "pp": layout.pp,
+        "gpu_type": gpu_type, "gpus_per_node": gpus_per_node, "tp": layout.tp, "tp_col": layout.tp_col, "pp": layout.pp,
         "dp": layout.dp, "micro_batch_size": layout.micro_batch_size, "grad_accum_steps": layout.num_microbatches,
         "activation_checkpoint": "yes" if layout.activation_checkpoint == "full" else "no",
         "zero_stage": layout.zero_stage, "framework": "parallel-tuner trainer (torch 2.13 gloo), fp32",
@@ -204,6 +214,12 @@ def main() -> None:
     parser.add_argument("--slurm", action="store_true", help="run on a local Slurm cluster (needs root)")
     parser.add_argument("--nodes", type=int, default=4, help="with --slurm: nodes of 2 ranks each")
     parser.add_argument("--inter-node-mbit", type=int, help="with --slurm: shape links between nodes")
+    parser.add_argument(
+        "--space",
+        choices=sorted(SPACES),
+        default="default",
+        help="the layouts: default, or column (strong scaling with 2D tensor parallelism)",
+    )
     args = parser.parse_args()
     if args.report:
         for path in args.report:
@@ -216,7 +232,10 @@ def main() -> None:
     if args.slurm and args.ranks != args.nodes * RANKS_PER_NODE:
         parser.error(f"--ranks {args.ranks} != --nodes {args.nodes} x {RANKS_PER_NODE} ranks per node")
     model = MODEL_PRESETS[args.model]
-    layouts = SearchSpace(model, args.ranks, args.ranks, args.global_batch, SPACE).enumerate().valid
+    gpus_per_node = RANKS_PER_NODE if args.slurm else args.ranks
+    layouts = (
+        SearchSpace(model, args.ranks, gpus_per_node, args.global_batch, SPACES[args.space]).enumerate().valid
+    )
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout.strip()
@@ -233,7 +252,7 @@ def main() -> None:
     started = time.monotonic()
     # Every node of the local cluster sees this machine's /tmp: the jobs' shared work dir.
     with args.out.open("w", newline="") as f, tempfile.TemporaryDirectory() as tmp, runner as run:
-        writer = csv.DictWriter(f, COLUMNS)
+        writer = csv.DictWriter(f, OWN_COLUMNS)
         writer.writeheader()
         for i, layout in enumerate(layouts):
             cfg = BenchmarkConfig(model=model, parallel=layout, warmup_steps=args.warmup_steps,

@@ -222,8 +222,12 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
     model = _model(row, dataset, assumptions)
     num_gpus, gbs = int(row["num_gpus"]), int(row["global_batch_size"])
     tp, pp, dp, mbs = (int(row[k]) for k in ("tp", "pp", "dp", "micro_batch_size"))
-    if tp * pp * dp != num_gpus:
-        raise ValueError(f"tp({tp}) * pp({pp}) * dp({dp}) = {tp * pp * dp} != num_gpus({num_gpus})")
+    tp_col = int(row.get("tp_col") or 1)  # our own tables' column degree (bench/measure_table.py)
+    if tp * tp_col * pp * dp != num_gpus:
+        col = f" * tp_col({tp_col})" if tp_col > 1 else ""
+        raise ValueError(
+            f"tp({tp}){col} * pp({pp}) * dp({dp}) = {tp * tp_col * pp * dp} != num_gpus({num_gpus})"
+        )
     if row["grad_accum_steps"].strip():
         grad_accum = int(row["grad_accum_steps"])
     else:
@@ -240,7 +244,7 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
     checkpoint, sequence_parallel = _checkpointing(row["activation_checkpoint"])
     schedule, virtual_stages = _pp_schedule(row["framework"], pp)
     parallel = ParallelConfig(
-        tp=tp, pp=pp,
+        tp=tp, tp_col=tp_col, pp=pp,
         dp_replicate=dp if zero_stage == 0 else 1, dp_shard=1 if zero_stage == 0 else dp,
         micro_batch_size=mbs, num_microbatches=grad_accum, zero_stage=zero_stage,
         activation_checkpoint=checkpoint, sequence_parallel=sequence_parallel,
