@@ -6,7 +6,7 @@
 
 Every valid layout of the space below, each run `repeats` times; the row keeps the median
 iteration time and says the spread in `notes`. Written in the column format of
-shared/data/validation/README.md, so bench/search_efficiency.py and bench/model_validation.py read
+bench/data/README.md (plus `tp_col`), so bench/search_efficiency.py and bench/model_validation.py read
 it like the public tables.
 
 Where the ranks run:

@@ -3,7 +3,7 @@
     .venv/bin/python bench/search_efficiency.py [--seeds 20] [--table FILE ...] [--samplers ...] [--json]
 
 Ground truth is a table of REAL measured trials (the column format of
-shared/data/validation/README.md). Each sampler searches the table's layouts; a replay
+bench/data/README.md). Each sampler searches the table's layouts; a replay
 dispatcher looks each proposed layout up in the table (its measured time, or its OOM/failure).
 Reported per table and sampler: the median and 90th percentile number of trials until a layout
 within 5 % of the table's best is found, and the median device-seconds spent (each trial costs

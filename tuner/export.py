@@ -76,7 +76,9 @@ def _header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
     nodes, per_node = layout_resources(benchmark_config(spec, config), spec.cluster.gpus_per_node)
     return [
         f"{tool} for study {slug(spec.name)} (parallel-tuner, tuner/export.py): {c.describe()}",
-        f"{c.world_size} ranks = tp {c.tp} x pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
+        f"{c.world_size} ranks = tp {c.tp}"
+        + (f" x tp_col {c.tp_col}" if c.tp_col > 1 else "")
+        + f" x pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
         f"{c.dp_shard}, on {nodes} node(s) x {per_node} of cluster {slug(spec.cluster.name)}",
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, ffn {m.ffn_size}, "
         f"vocab {m.vocab_size}, seq {m.seq_len} (GPT: learned positions, pre-LN, GELU MLP, untied head, "

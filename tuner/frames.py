@@ -6,7 +6,7 @@ from typing import Any
 
 from tuner import store
 
-CSV_COLUMNS = ["number", "state", "layout", "tp", "pp", "dp", "micro_batch_size", "num_microbatches", "zero_stage",
+CSV_COLUMNS = ["number", "state", "layout", "tp", "tp_col", "pp", "dp", "micro_batch_size", "num_microbatches", "zero_stage",
                "activation_checkpoint", "sequence_parallel", "pp_schedule", "virtual_stages", "tokens_per_s",
                "tflops_per_device", "mfu", "peak_memory_bytes", "step_time_median_s", "step_time_min_s",
                "step_time_max_s", "predicted_tokens_per_s", "predicted_memory_bytes", "failure_kind",

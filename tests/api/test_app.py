@@ -110,7 +110,7 @@ def test_results_trials_incremental_csv_best_metrics(client: TestClient, setting
     csv = client.get(f"/api/studies/{study_id}/trials.csv")
     assert csv.headers["content-type"].startswith("text/csv")
     lines = csv.text.strip().splitlines()
-    assert len(lines) == 4 and lines[0].startswith("number,state,layout,tp,pp,dp")
+    assert len(lines) == 4 and lines[0].startswith("number,state,layout,tp,tp_col,pp,dp")
     best = client.get("/api/best").json()
     assert len(best) == 1 and best[0]["tokens_per_s"] == 1500.0 and best[0]["study_id"] == study_id
     assert best[0]["layout"] == "tp1 pp1 dpr2 mbs4x1" and best[0]["gpus"] == 2

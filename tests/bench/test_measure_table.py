@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.measure_table import COLUMNS, cluster_label, table_row
+from bench.measure_table import OWN_COLUMNS, cluster_label, table_row
 from bench.validation_data import CLUSTERS, load_csv
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult
 from trainer.config import ParallelConfig as P
@@ -28,7 +28,7 @@ def _write_and_load(tmp_path: Path, layout: P, results: list[BenchmarkResult], m
     row = table_row(layout, cfg, results, model_name="gpt-tiny", table_id=path.stem, source="test",
                     gpu_type=cluster_label(4, mbit), gpus_per_node=2, with_placement=True)  # fmt: skip
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
+        writer = csv.DictWriter(f, OWN_COLUMNS)
         writer.writeheader()
         writer.writerow(row)
     (measurement,) = load_csv(path)
@@ -55,6 +55,14 @@ def test_a_4_node_row_reads_back_as_the_layout_on_the_emulated_cluster(tmp_path:
         "per-run medians 1.1000, 1.4000; placement: 4 nodes x 2 ranks; dp_replicate 4 nodes, tp 1 node"
         in m.notes
     )
+
+
+def test_a_column_row_reads_back_with_its_column_degree(tmp_path: Path) -> None:
+    """Our tables' extra tp_col column (bench/data/README.md): num_gpus = tp x tp_col x pp x dp."""
+    layout = P(tp=2, tp_col=2, dp_replicate=2)
+    row, m = _write_and_load(tmp_path, layout, [_result(layout, [0.7])], mbit=200)
+    assert (row["tp"], row["tp_col"], row["dp"], row["num_gpus"]) == (2, 2, 2, 8)
+    assert m.parallel == layout
 
 
 def test_a_zero3_row_reads_back_sharded_and_a_failed_run_fails_the_row(tmp_path: Path) -> None:

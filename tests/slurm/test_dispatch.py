@@ -29,7 +29,7 @@ from tuner.spec import parse_spec, slug
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
 # How Slurm saw a trial that ran to its result: COMPLETED, or FAILED when a rank exits non-zero
-# after rank 0 wrote the result (gloo ranks can abort at exit on CPU: shared/notes/torch-on-cpu.md).
+# after rank 0 wrote the result (gloo ranks can abort at exit on CPU: docs/slurm.md).
 # The trial's outcome comes from the result either way (tuner/dispatch/slurm.py).
 ENDED = ("COMPLETED", "FAILED")
 

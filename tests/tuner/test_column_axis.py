@@ -152,3 +152,21 @@ def test_plan_says_why_the_column_axis_wins_or_loses() -> None:
         assert entry["versus"] and entry["speedup"] > 0
         terms = result["candidates"][0]["predicted"]["terms"]
         assert set(entry["term_deltas_s"]) == set(terms)
+
+
+def test_the_external_samplers_tell_column_layouts_apart() -> None:
+    """tp1x4 dpr2 and tp1x8 share every other knob at a fixed device count: optuna and deephyper
+    see tp_col as a knob whenever a candidate has one, so every layout stays reachable."""
+    from tuner.samplers.external import KNOBS as SAMPLER_KNOBS
+    from tuner.samplers.external import OptunaSampler
+
+    with_col = _space(tp=[1, 2], tp_col=[1, 2, 4, 8], **KNOBS).enumerate().valid
+    sampler = OptunaSampler(with_col, seed=0, kind="tpe")
+    assert sampler.knobs[:2] == ("tp", "tp_col") and len(sampler.index) == len(with_col)
+    seen = set()
+    while (config := sampler.ask()) is not None:
+        seen.add(config)
+        sampler.tell(config, Outcome(ok=True, tokens_per_s=1.0 + len(seen), step_time_s=1.0))
+    assert seen == set(with_col)
+    plain = _space(tp=[1, 2], **KNOBS).enumerate().valid
+    assert OptunaSampler(plain, seed=0).knobs == SAMPLER_KNOBS  # a study without the axis: as before

@@ -28,13 +28,20 @@ KNOBS = (
     "sequence_parallel",
     "schedule",
 )
+INT_KNOBS = ("tp", "tp_col", "pp")  # categorical ints; the others categorical strings
 MAX_RETRIES = 16
 CBO_BATCH = 8
 
 
-def _knobs(c: ParallelConfig) -> dict[str, Any]:
+def _knob_names(candidates: Sequence[ParallelConfig]) -> tuple[str, ...]:
+    """KNOBS, with 2D tensor parallelism's column degree after tp when a candidate has one (a study
+    without it keeps the search space it always had)."""
+    return KNOBS if all(c.tp_col == 1 for c in candidates) else ("tp", "tp_col", *KNOBS[1:])
+
+
+def _knobs(c: ParallelConfig, names: tuple[str, ...] = KNOBS) -> dict[str, Any]:
     sched = "none" if c.pp == 1 else f"{c.pp_schedule}/v{c.virtual_stages}"
-    values = {k: getattr(c, k) for k in KNOBS[:-1]}
+    values = {k: getattr(c, k) for k in names[:-1]}
     values["sequence_parallel"] = str(c.sequence_parallel)  # categorical strings everywhere
     return {**values, "schedule": sched}
 
@@ -48,15 +55,16 @@ class _Categorical(BaseSampler):
         self, candidates: Sequence[ParallelConfig], seed: int = 0, warm_start: ParallelConfig | None = None
     ):
         super().__init__(candidates, seed)
-        self.index = {tuple(_knobs(c).items()): c for c in self.candidates}
-        all_knobs = [_knobs(c) for c in self.candidates]
-        self.choices = {k: sorted({str(v) if k != "tp" and k != "pp" else v for v in (d[k] for d in all_knobs)}, key=str)
-                        for k in KNOBS}  # fmt: skip
+        self.knobs = _knob_names(self.candidates)
+        self.index = {tuple(_knobs(c, self.knobs).items()): c for c in self.candidates}
+        all_knobs = [_knobs(c, self.knobs) for c in self.candidates]
+        self.choices = {k: sorted({v if k in INT_KNOBS else str(v) for v in (d[k] for d in all_knobs)}, key=str)
+                        for k in self.knobs}  # fmt: skip
         self.warm_start = warm_start
 
     def _lookup(self, params: dict[str, Any]) -> ParallelConfig | None:
         key = []
-        for k in KNOBS:
+        for k in self.knobs:
             v = params[k]
             if k in ("micro_batch_size", "zero_stage"):
                 v = int(v)
@@ -84,10 +92,10 @@ class OptunaSampler(_Categorical):
             self.study.enqueue_trial(self._params(warm_start))
 
     def _params(self, c: ParallelConfig) -> dict[str, Any]:
-        return {k: (v if k in ("tp", "pp") else str(v)) for k, v in _knobs(c).items()}
+        return {k: (v if k in INT_KNOBS else str(v)) for k, v in _knobs(c, self.knobs).items()}
 
     def _suggest(self, trial) -> dict[str, Any]:
-        return {k: trial.suggest_categorical(k, self.choices[k]) for k in KNOBS}
+        return {k: trial.suggest_categorical(k, self.choices[k]) for k in self.knobs}
 
     def _finish(self, trial, value: float, feasible: bool) -> None:
         trial.set_constraint("feasible", 0.0 if feasible else 1.0)
@@ -129,7 +137,7 @@ class OptunaSampler(_Categorical):
 
 class CBOSampler(_Categorical):
     """deephyper's centralized Bayesian optimisation (UCB: the default UCBd failed with its GP
-    surrogate here; ../shared/notes/torch-on-cpu.md)."""
+    surrogate here)."""
 
     name = "cbo"
 
@@ -145,16 +153,20 @@ class CBOSampler(_Categorical):
 
         super().__init__(candidates, seed, warm_start)
         problem = HpProblem(seed=seed)
-        for k in KNOBS:
+        for k in self.knobs:
             problem.add_hyperparameter([str(v) for v in self.choices[k]], k)
-        initial = [{k: str(v) for k, v in _knobs(warm_start).items()}] if warm_start is not None else None
+        initial = (
+            [{k: str(v) for k, v in _knobs(warm_start, self.knobs).items()}]
+            if warm_start is not None
+            else None
+        )
         self.search = CBO(problem, random_state=seed, acq_func="UCB", log_dir=log_dir or tempfile.mkdtemp(prefix="cbo-"),
                           checkpoint_history_to_csv=False, initial_points=initial, n_initial_points=5,
                           acq_optimizer="sampling", acq_optimizer_kwargs={"max_total_failures": -1, "n_points": 1000})  # fmt: skip
         self.pending: dict[ParallelConfig, dict] = {}
 
     def _lookup(self, params: dict[str, Any]) -> ParallelConfig | None:
-        typed = {k: (int(v) if k in ("tp", "pp") else v) for k, v in params.items() if k in KNOBS}
+        typed = {k: (int(v) if k in INT_KNOBS else v) for k, v in params.items() if k in self.knobs}
         return super()._lookup(typed)
 
     def _propose(self) -> ParallelConfig | None:
@@ -186,7 +198,7 @@ class CBOSampler(_Categorical):
         return None
 
     def _observe(self, config: ParallelConfig, outcome: Outcome, told: Feedback) -> None:
-        params = self.pending.pop(config, None) or {k: str(v) for k, v in _knobs(config).items()}
+        params = self.pending.pop(config, None) or {k: str(v) for k, v in _knobs(config, self.knobs).items()}
         if told is Feedback.NOTHING:
             return
         self.search.tell([(params, outcome.tokens_per_s if told is Feedback.SCORE else "F_infeasible")])
