@@ -4,9 +4,8 @@ much, in the seed studies' settings and AxoNN's (80B on 1024 A100s, small and la
     .venv/bin/python bench/column_paper.py [--json]
 
 For each setting: the planner's fastest layout predicted to fit with the study's space as written
-(tp_col 1), the fastest when the same space also offers tp_col in {1, 2, 4, 8}, the fastest with
-tp_col > 1 and the predicted speed-up of each over the first, with the step's terms that differ
-most (tuner/plan.py column_comparison). Default constants of each cluster (no calibration); no
+(tp_col 1), the fastest with tp_col > 1 when the same space also offers tp_col in {2, 4, 8}, its
+predicted speed-up over the first, and for each column degree the step's terms that differ most (tuner/plan.py column_comparison). Default constants of each cluster (no calibration); no
 trial runs. AxoNN's claim to compare with: 80B on 1024 Perlmutter A100s, 26 % faster than
 Megatron-LM (Singh et al. 2023, arXiv 2305.13525); its own communication-only model, re-derived,
 predicts 1.35x less communication with a column axis at global batch 32 (docs/benchmarks.md).
@@ -22,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tuner.perfmodel import default_constants, estimate  # noqa: E402
-from tuner.plan import column_comparison  # noqa: E402
+from tuner.perfmodel import default_constants  # noqa: E402
+from tuner.plan import column_comparison, fastest_fitting, score  # noqa: E402
 from tuner.space import SearchSpace  # noqa: E402
 from tuner.spec import load_spec, parse_spec  # noqa: E402
 
@@ -38,30 +37,17 @@ SETTINGS = [
 ]
 
 
-def scored(spec):
-    enum = SearchSpace.from_spec(spec).enumerate()
-    c = default_constants(spec.cluster)
-    model = spec.gpt()
-    return [(p, estimate(model, p, spec.cluster, spec.training.precision, c)) for p in enum.valid]
-
-
-def best(rows):
-    fit = [(p, e) for p, e in rows if e.fits]
-    return max(fit, key=lambda pe: pe[1].tokens_per_s) if fit else None
-
-
 def setting(label: str, path: str, gbs: int | None) -> dict:
     raw = load_spec(ROOT / path).model_dump()
     if gbs:
         raw["training"]["global_batch_size"] = gbs
     raw["space"]["tp_col"] = COLUMNS
     spec = parse_spec(raw, path)
-    rows = scored(spec)
-    plain = best([(p, e) for p, e in rows if p.tp_col == 1])
-    anyc = best(rows)
-    col = best([(p, e) for p, e in rows if p.tp_col > 1])
+    rows = score(spec, SearchSpace.from_spec(spec).enumerate().valid, default_constants(spec.cluster))
+    plain = fastest_fitting([(p, e) for p, e in rows if p.tp_col == 1])
+    col = fastest_fitting([(p, e) for p, e in rows if p.tp_col > 1])
     out = {"setting": label, "spec": path, "global_batch": spec.training.global_batch_size}
-    for key, pe in (("without_column", plain), ("with_column_offered", anyc), ("best_column", col)):
+    for key, pe in (("without_column", plain), ("best_column", col)):
         out[key] = None if pe is None else {
             "layout": pe[0].describe(), "tokens_per_s": pe[1].tokens_per_s, "mfu": pe[1].mfu,
         }  # fmt: skip

@@ -30,15 +30,16 @@ CHILD = r"""
 import json, os, statistics, sys, time
 import torch, torch.distributed as dist
 from trainer.benchmark import dist_env
+repeats, sizes = int(sys.argv[1]), [int(a) for a in sys.argv[2:]]
 rank, _, world = dist_env()
 dist.init_process_group("gloo", rank=rank, world_size=world)
 out = {}
-for size in SIZES:
+for size in sizes:
     x = torch.zeros(size // 4)
     for _ in range(20):
         dist.all_reduce(x)
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         dist.barrier()
         t = time.perf_counter()
         dist.all_reduce(x)
@@ -53,19 +54,23 @@ dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--inter-node-mbit", type=int, help="shape the links between nodes")
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
     from tests.slurm_cluster import slurm_cluster
 
-    code = CHILD.replace("SIZES", repr(SIZES)).replace("REPEATS", str(args.repeats))
     results = {}
     with slurm_cluster(nodes=4, inter_node_mbit=args.inter_node_mbit) as cluster:
         env = {**cluster.env, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "eth0"}
-        for name, shape in (("intra_node", ["-N1", "-n2"]), ("inter_node", ["-N2", "-n2", "--ntasks-per-node=1"])):
+        for name, shape in (
+            ("intra_node", ["-N1", "-n2"]),
+            ("inter_node", ["-N2", "-n2", "--ntasks-per-node=1"]),
+        ):
             done = subprocess.run(
-                ["srun", "-p", "debug", *shape, f"--chdir={ROOT}", sys.executable, "-c", code],
+                ["srun", "-p", "debug", *shape, f"--chdir={ROOT}", sys.executable, "-c", CHILD, str(args.repeats), *map(str, SIZES)],
                 env=env, capture_output=True, text=True, timeout=600,
             )  # fmt: skip
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]

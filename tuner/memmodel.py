@@ -63,15 +63,20 @@ def activation_bytes_per_token(
     return stream + sharded + lse + stats + scores
 
 
+def _norm_2d_bytes(res: int) -> int:
+    """Bytes per column-split value a 2D layer norm keeps: its fp32 input (a copy unless the input
+    is fp32, then the layer input or the residual after attention), the centred fp32 input, the
+    normalised output and the norm's output in the input's dtype."""
+    return 4 + 4 + 2 * res
+
+
 def _activation_bytes_per_token_2d(
     m: GPTConfig, p: ParallelConfig, cb: int, c: ModelConstants, res: int
 ) -> float:
     h, a, t, s, k = m.hidden_size, m.num_heads, p.tp, m.seq_len, p.tp_col
     if p.activation_checkpoint == "full":
         return res * h / k
-    # per norm: fp32 input (a copy unless the input is fp32, then the layer input or the residual
-    # after attention), centred fp32, normalised and output in the input's dtype
-    norms = 2 * (4 + 4 + 2 * res) * h / k
+    norms = 2 * _norm_2d_bytes(res) * h / k
     sharded = 12 * cb * h / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
     stats = 2 * 4 * 4  # per norm: mean, rstd, and the two all-reduced sums, fp32
@@ -194,7 +199,7 @@ def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, st
         root=cb * (embed + head), unit=cb * _layer_params(m, t, k), layer=layer, layers=layers,
         # 2D: the embedding looks up its local block, its gradient is local too
         vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
-        head=(tokens * h * (1 / shard + 1) * residual if k == 1 else tokens * (8 + 8 + 2 * residual) * h / k)
+        head=(tokens * h * (1 / shard + 1) * residual if k == 1 else tokens * (8 + _norm_2d_bytes(residual)) * h / k)
         + 4 * logits if last else 0.0,
         flow=tokens * (2 * h / k + 4 * h / t) * residual + recompute, loss=loss,
         buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens,

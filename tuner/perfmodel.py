@@ -165,16 +165,17 @@ def _tensor_2d_comm(
     def ar(values_per_token: float, n: int, link: tuple[float, float], dtype_bytes: int = act_bytes) -> float:
         return _collective_s(tokens * values_per_token * dtype_bytes, n, link, c)
 
-    norms = 2 * ar(2, k, col, 4)  # two layer norms, one stacked all-reduce of (sum x, sum x^2) each
-    fwd = 3 * ar(h / t, k, col) + ar(f / t, k, col) + 2 * ar(h / k, t, row) + norms
-    bwd_blocking = ar(h / k, t, row) + norms  # q/k/v's summed dX
+    norm = ar(2, k, col, 4)  # a layer norm's one stacked all-reduce of (sum x, sum x^2), each way
+    fwd = 3 * ar(h / t, k, col) + ar(f / t, k, col) + 2 * ar(h / k, t, row) + 2 * norm
+    bwd_blocking = ar(h / k, t, row) + 2 * norm  # q/k/v's summed dX
     bwd_overlapped = ar(h / k, t, row) + ar(h / t, k, col) + ar(f / t, k, col)
     repeats = 2 if p.activation_checkpoint == "full" else 1
-    head_fwd = ar(m.vocab_size / t, k, col) + ar(2, k, col, 4)  # the logits, the final norm
-    forward = layers * fwd * repeats + head_fwd + ar(2, k, col, 4)  # + the final norm's backward
-    overlapped = layers * bwd_overlapped + ar(h / k, t, row)  # + the head's dX
+    # the stage's last: the final norm, the head (its logits forward, its dX backward)
+    forward = layers * fwd * repeats + norm + ar(m.vocab_size / t, k, col)
+    blocking = layers * bwd_blocking + norm
+    overlapped = layers * bwd_overlapped + ar(h / k, t, row)
     hidden = min(overlapped, dw_mb)
-    return forward + layers * bwd_blocking + overlapped - hidden, hidden
+    return forward + blocking + overlapped - hidden, hidden
 
 
 @dataclass(frozen=True)

@@ -86,23 +86,34 @@ STEP_TERMS = {"compute_s": "compute", "tp_comm_s": "tensor-parallel comm", "pp_b
               "pp_p2p_s": "pipeline sends", "dp_comm_s": "data-parallel comm"}  # fmt: skip
 
 
-def column_comparison(scored: list[tuple[ParallelConfig, Estimate]]) -> list[dict[str, Any]]:
+Scored = list[tuple[ParallelConfig, Estimate]]
+
+
+def score(spec: StudySpec, layouts: list[ParallelConfig], constants: ModelConstants) -> Scored:
+    """Each layout with the performance model's estimate on the study's model and cluster."""
+    model, precision = spec.gpt(), spec.training.precision
+    return [(c, estimate(model, c, spec.cluster, precision, constants)) for c in layouts]
+
+
+def fastest_fitting(scored: Scored) -> tuple[ParallelConfig, Estimate] | None:
+    """The layout with the most predicted tokens/s among those predicted to fit (None: none fits)."""
+    return max(((c, e) for c, e in scored if e.fits), key=lambda ce: ce[1].tokens_per_s, default=None)
+
+
+def column_comparison(scored: Scored) -> list[dict[str, Any]]:
     """For each column degree (2D tensor parallelism's tp_col) among the layouts: its fastest
     layout predicted to fit, against the fastest with tp_col 1, and why it wins or loses: the
     step's terms that differ most (seconds, + where the column layout spends more)."""
-    best: dict[int, tuple[ParallelConfig, Estimate]] = {}
-    for config, est in scored:
-        if est.fits and (config.tp_col not in best or est.tokens_per_s > best[config.tp_col][1].tokens_per_s):
-            best[config.tp_col] = (config, est)
     cols = sorted({c.tp_col for c, _ in scored})
     if cols == [1]:
         return []
+    best = {col: fastest_fitting([(c, e) for c, e in scored if c.tp_col == col]) for col in cols}
     base = best.get(1)
     out = []
     for col in cols:
         if col == 1:
             continue
-        if col not in best:
+        if best[col] is None:
             out.append(
                 {"tp_col": col, "layout": None, "why": f"no layout with tp_col {col} is predicted to fit"}
             )
@@ -151,8 +162,8 @@ def plan(
         else:
             reasons = "; ".join(f"{enum.examples[r]} ({n} layouts)" for r, n in enum.rejected.most_common())
         raise PlanError(f"--config: no valid layout agrees with {pins}: {reasons}")
-    model, precision = spec.gpt(), spec.training.precision
-    scored = [(c, estimate(model, c, spec.cluster, precision, constants)) for c in valid]
+    model = spec.gpt()
+    scored = score(spec, valid, constants)
     num_fit = sum(e.fits for _, e in scored)
     shown = scored if include_unfit else [(c, e) for c, e in scored if e.fits]
     shown.sort(key=lambda ce: ce[1].tokens_per_s, reverse=True)
