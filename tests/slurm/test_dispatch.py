@@ -294,8 +294,17 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
 HOSTILE = "x; rm -rf $(pwd) \"q\" 's' ../../etc `id` "
 
 
-def test_hostile_names_reach_sbatch_and_paths_only_sanitised(slurm_env: SlurmCluster, tmp_path: Path) -> None:
+def test_hostile_names_reach_sbatch_and_paths_only_sanitised(
+    slurm_env: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     canary = tmp_path / "pwned"
+    # sbatch's argv, one line per argument, as the dispatcher called it; the real sbatch then runs.
+    shim, argv_log = tmp_path / "bin", tmp_path / "sbatch.argv"
+    shim.mkdir()
+    real = shutil.which("sbatch", path=os.environ["PATH"])
+    (shim / "sbatch").write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" >>'{argv_log}'\nexec '{real}' \"$@\"\n")
+    (shim / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
     spec = _spec(HOSTILE, slurm={**BASE["slurm"], "env": {**BASE["slurm"]["env"],
                                                           "TUNER_NOTE": f"$(touch {canary}); `touch {canary}` \" '"}})  # fmt: skip
     status, (trial,) = _run(tmp_path, spec)
@@ -305,9 +314,15 @@ def test_hostile_names_reach_sbatch_and_paths_only_sanitised(slurm_env: SlurmClu
     assert trial_dir.parent == runs / slug(HOSTILE) and trial_dir.is_relative_to(runs)
     assert set(slug(HOSTILE)) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
     assert not canary.exists()
+    ours = store.job_name(trial.study_id, 0, 1)  # the job's name is ours, never the user's
+    argv = argv_log.read_text().splitlines()
+    assert f"--job-name={ours}" in argv and not any("rm -rf" in a or "`id`" in a for a in argv), argv
     job = JobHandle.parse(trial.job_id).id
     name = slurm_env.run("sacct", "-X", "-n", "-P", "-j", job, "--format=JobName").strip()
-    assert name == store.job_name(trial.study_id, 0, 1)  # the job's name is ours, never the user's
+    # Slurm 22.05's slurmdbd records a job it hears of through a step before the job's own start
+    # message under the placeholder name "allocation", and keeps it (seen in 2 of 4 full suite
+    # runs on a loaded machine, never alone); any other name is a wrong one.
+    assert name in (ours, "allocation"), name
     script = (trial_dir / "job.sbatch").read_text()
     assert "$(touch" in script and f"export TUNER_NOTE='$(touch {canary})" in script
 
