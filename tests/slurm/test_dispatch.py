@@ -319,8 +319,8 @@ def test_hostile_names_reach_sbatch_and_paths_only_sanitised(
     assert f"--job-name={ours}" in argv and not any("rm -rf" in a or "`id`" in a for a in argv), argv
     job = JobHandle.parse(trial.job_id).id
     name = slurm_env.run("sacct", "-X", "-n", "-P", "-j", job, "--format=JobName").strip()
-    # Slurm 22.05's slurmdbd records a job it hears of through a step before the job's own start
-    # message under the placeholder name "allocation", and keeps it (seen in 2 of 4 full suite
+    # Slurm 22.05's slurmdbd records a job whose step or end reaches it before its start record
+    # under the placeholder name "allocation", and keeps it (seen in 2 of 4 full suite
     # runs on a loaded machine, never alone); any other name is a wrong one.
     assert name in (ours, "allocation"), name
     script = (trial_dir / "job.sbatch").read_text()
