@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +132,13 @@ def test_model_starts_from_the_device_kinds_defaults() -> None:
     sampler = make_sampler("model", CANDIDATES, model=MODEL, cluster=cpu)
     assert sampler.initial == CPU_CONSTANTS
     assert make("model").initial == ModelConstants()
+
+
+def test_cbo_removes_its_log_directory_when_dropped() -> None:
+    before = set(Path(tempfile.gettempdir()).glob("cbo-*"))
+    sampler = make("cbo")
+    (made,) = set(Path(tempfile.gettempdir()).glob("cbo-*")) - before
+    assert made.is_dir()
+    del sampler
+    gc.collect()
+    assert not made.exists()

@@ -160,7 +160,10 @@ class CBOSampler(_Categorical):
             if warm_start is not None
             else None
         )
-        self.search = CBO(problem, random_state=seed, acq_func="UCB", log_dir=log_dir or tempfile.mkdtemp(prefix="cbo-"),
+        if log_dir is None:  # deephyper wants a directory; ours goes with the sampler
+            self._log_dir = tempfile.TemporaryDirectory(prefix="cbo-")
+            log_dir = self._log_dir.name
+        self.search = CBO(problem, random_state=seed, acq_func="UCB", log_dir=log_dir,
                           checkpoint_history_to_csv=False, initial_points=initial, n_initial_points=5,
                           acq_optimizer="sampling", acq_optimizer_kwargs={"max_total_failures": -1, "n_points": 1000})  # fmt: skip
         self.pending: dict[ParallelConfig, dict] = {}
