@@ -222,17 +222,20 @@ def _forward_backward(
     first_backward = n == 1 or (p.pp > 1 and p.pp_schedule == "gpipe")  # the peak can precede it
     grads = 0.0 if first_backward else accumulated
     working = r.root + 2 * r.unit if p.zero_stage == 3 else r.whole  # zero 3 prefetches the next layer
+    # FSDP2's gathered weights are in the compute dtype, so are the gradients autograd gives them:
+    # one layer's, until its post-backward folds them into the fp32 gradients
+    fresh = r.unit if r.whole and r.cb < 4 else 0.0
     held = r.layers + r.head
     moments = [  # (working copies, gradients, activations)
-        (working, grads, held * (inflight - 1) + r.layers + r.flow),  # in a layer's backward
+        (working, grads + fresh, held * (inflight - 1) + r.layers + r.flow),  # in a layer's backward
     ]
     if r.head:  # the loss, every layer's activations still there
         moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held * inflight + r.loss))
     if first_backward and n > 1:  # GPipe: the next backward, with the first's gradients
-        moments.append((working, accumulated, held * (inflight - 2) + r.layers + r.flow))
+        moments.append((working, accumulated + fresh, held * (inflight - 2) + r.layers + r.flow))
     if p.zero_stage == 3 and p.pp > 1:  # a backward that does not sync leaves its layers
         # gathered until their next forward: all of them at its last layer
-        moments.append((r.whole, accumulated, held * (inflight - 1) + r.layer + r.flow))
+        moments.append((r.whole, accumulated + fresh, held * (inflight - 1) + r.layer + r.flow))
     return max(moments, key=sum)
 
 
