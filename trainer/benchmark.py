@@ -33,9 +33,24 @@ from trainer.metrics import LiveBytesTracker, cpu_name, cpu_peak_tflops, gpu_pea
 from trainer.model import GPT, cross_entropy_loss, init_param_
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import data_parallel_modules, parallelize_gpt
-from trainer.pipeline import build_schedule, local_stage_ids, split_model
 from trainer.stopping import measurement_stop
 from trainer.topology import placement
+
+# A listening socket trainer.spawn hands rank 0 for the rendezvous store (its port cannot be taken
+# between being chosen and being listened on); set, empty, on the other ranks.
+STORE_FD_VAR = "TRAINER_STORE_FD"
+
+
+def init_process_group(backend: str, rank: int, world_size: int, timeout: timedelta) -> None:
+    """env:// as under torchrun or srun; under trainer.spawn rank 0 hosts the store on the
+    listening socket it was handed and the others connect to it."""
+    if STORE_FD_VAR not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    fd = os.environ.pop(STORE_FD_VAR)  # rank 0: the socket's number; the others: empty
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0, timeout=timeout, master_listen_fd=int(fd) if rank == 0 else None)  # fmt: skip
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -52,7 +67,8 @@ def dist_env() -> tuple[int, int, int]:
         env.setdefault("MASTER_ADDR", first_host(nodes))
         step_id = env.get("SLURM_STEP_ID", "0")  # may be "batch" or "extern"
         step = int(step_id) if step_id.isdigit() else 0
-        env.setdefault("MASTER_PORT", str(20000 + (int(env.get("SLURM_JOB_ID", "0")) * 97 + step) % 20000))
+        if not env.get("MASTER_PORT"):  # job scripts pick a free one (tuner/dispatch/sbatch.py)
+            env["MASTER_PORT"] = str(20000 + (int(env.get("SLURM_JOB_ID", "0")) * 97 + step) % 20000)
         return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
     return 0, 0, 1
 
@@ -101,6 +117,10 @@ class Trainer:
         if init == "exact":
             full.init_weights(torch.Generator().manual_seed(cfg.seed))
         if p.pp > 1:
+            # Here, not at the top: torch's pipelining imports torch._dynamo (0.6 s of every
+            # rank's start on this CPU), which a trial without a pipeline does not need.
+            from trainer.pipeline import build_schedule, local_stage_ids, split_model
+
             pp_rank = self.mesh.get_local_rank("pp")
             stage_ids = local_stage_ids(pp_rank, p.pp, p.virtual_stages)
             parts = [(s, split_model(full, s, p.num_stages)) for s in stage_ids]
@@ -403,7 +423,7 @@ def run(cfg: BenchmarkConfig, out: Path | None = None) -> BenchmarkResult:
         base["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_label()
         if world_size > 1 and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.init_timeout_s))
+            init_process_group(backend, rank, world_size, timedelta(seconds=cfg.init_timeout_s))
         board.watch()
         result = train(cfg, rank, world_size, device, base)
     except Exception as exc:  # the trial failed; the tuner gets a classified result
