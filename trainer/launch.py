@@ -3,10 +3,11 @@
     start_local(cfg, work_dir, timeout_s=600) -> LocalRun
 
 starts `python -m trainer.launch` (the supervisor, in its own session), which starts the command
-(torchrun with one process per rank, or e.g. an srun step) and enforces the time limit itself, so
-the limit holds when the caller dies. Every process of a trial carries PARALLEL_TUNER_TRIAL=<tag>
+(trainer.spawn with one process per rank, or e.g. an srun step) and enforces the time limit
+itself, so the limit holds when the caller dies. Every process of a trial carries PARALLEL_TUNER_TRIAL=<tag>
 in its environment; the trial is killed by that tag (kill_trial), not by process group, because
-torchrun starts each rank in a session of its own and a rank outlives a killed torchrun.
+a launcher may start ranks in sessions of their own (torchrun does) and a rank can outlive its
+launcher.
 
 The result is judged by the result file rank 0 writes, not by an exit code: a gloo rank can abort
 at exit after the result was written (about 6 in 140 CPU launches), and a failed trial exits 0 on
@@ -35,17 +36,38 @@ CONFIG_FILE = "config.json"
 LOG_FILE = "log.txt"
 LAUNCH_FILE = "launch.json"
 TAG_VAR = "PARALLEL_TUNER_TRIAL"
-# torchrun and srun forward SIGTERM to their ranks (srun to the step's tasks on every node): give
-# them this long before everything tagged here gets SIGTERM and then SIGKILL.
+# trainer.spawn, torchrun and srun forward SIGTERM to their ranks (srun to the step's tasks on
+# every node): give them this long before everything tagged here gets SIGTERM and then SIGKILL.
 COMMAND_GRACE_S = 5.0
 TIMEOUT_EXIT_CODE = 124  # as timeout(1)
 
 
 def torchrun_command(num_procs: int, config: Path, out: Path, python: str = sys.executable) -> list[str]:
+    """The trial under torchrun, as a user would launch it."""
     return [
         python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_procs}",
         "-m", "trainer.benchmark", "--config", str(config), "--out", str(out),
     ]  # fmt: skip
+
+
+def ranks_command(num_procs: int, config: Path, out: Path, python: str = sys.executable) -> list[str]:
+    """The trial as local trials run it: trainer.spawn, torchrun's single-node launch without
+    its agent's start-up (trainer/spawn.py)."""
+    return [
+        python, "-m", "trainer.spawn", f"--nproc-per-node={num_procs}", "--",
+        python, "-m", "trainer.benchmark", "--config", str(config), "--out", str(out),
+    ]  # fmt: skip
+
+
+LAUNCHERS = {"spawn": ranks_command, "torchrun": torchrun_command}
+LAUNCHER_VAR = "PARALLEL_TUNER_LAUNCHER"  # which one local trials use; spawn unless set
+
+
+def launcher_name() -> str:
+    name = os.environ.get(LAUNCHER_VAR, "spawn")
+    if name not in LAUNCHERS:
+        raise ValueError(f"{LAUNCHER_VAR}={name!r} is not a launcher; valid: {', '.join(LAUNCHERS)}")
+    return name
 
 
 def local_env(extra: dict[str, str] | None = None, loopback: bool = True) -> dict[str, str]:
@@ -239,7 +261,7 @@ def start_local(
     command: list[str] | None = None,
     tag: str | None = None,
 ) -> LocalRun:
-    """Write the config into `work_dir` and start the supervisor, which runs torchrun with one
+    """Write the config into `work_dir` and start the supervisor, which runs trainer.spawn with one
     process per rank on `python` (or `command`, e.g. an srun step, which must read config.json
     and write result.json there) for at most `timeout_s`. Returns once launch.json is written."""
     tag = tag or new_tag()
@@ -249,7 +271,7 @@ def start_local(
     (work_dir / CONFIG_FILE).write_text(cfg.to_json())
     for name in (RESULT_FILE, LAUNCH_FILE):
         (work_dir / name).unlink(missing_ok=True)
-    cmd = command or torchrun_command(
+    cmd = command or LAUNCHERS[launcher_name()](
         cfg.parallel.world_size, work_dir / CONFIG_FILE, work_dir / RESULT_FILE, python
     )
     limit = [] if timeout_s is None else [f"--timeout-s={timeout_s}"]
@@ -286,7 +308,7 @@ def supervise(command: list[str], work_dir: Path, timeout_s: float | None) -> in
             "tag": tag, "timeout_s": timeout_s, "started_at": started_at}  # fmt: skip
     _atomic_write(work_dir / LAUNCH_FILE, json.dumps(info))
     try:
-        # Its own process group: SIGTERM to it reaches the command's children (srun, torchrun).
+        # Its own process group: SIGTERM to it reaches the command's children (srun, trainer.spawn's ranks).
         proc = subprocess.Popen(command, cwd=work_dir, stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as e:
         print(f"trainer.launch: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)

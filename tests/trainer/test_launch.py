@@ -1,6 +1,6 @@
 """trainer/launch.py: the supervisor's time limit, cancel and attach, and killing a trial by its tag.
 
-The `distributed` tests run real torchrun trials of the tiny model; the others use plain commands.
+The `distributed` tests run real trials of the tiny model (trainer.spawn, gloo); the others use plain commands.
 Every test ends with no process of its trial alive, found both by tag and by the work dir in any
 process's command line.
 """
@@ -212,14 +212,14 @@ def test_attach(tmp_path: Path, tags: list[str]) -> None:
     assert "exit code 143" in attached.poll().error  # SIGTERM: a cancel writes no result
 
 
-# --- real trials under torchrun --------------------------------------------------------------------
+# --- real trials (trainer.spawn) -------------------------------------------------------------------
 
 
 @pytest.mark.distributed
 def test_launcher_timeout_on_a_hung_rank_leaves_nothing(tmp_path: Path, tags: list[str]) -> None:
     """Rank 1 hangs at step 1 and rank 0 waits in a collective (the step timeout is 2 minutes):
-    the supervisor's time limit ends the trial and kills both ranks, which torchrun started each
-    in its own session, torchrun, and itself."""
+    the supervisor's time limit ends the trial and kills both ranks, their launcher
+    (trainer.spawn), and itself."""
     started = time.monotonic()
     run = start_local(tiny_config(TP2), tmp_path, timeout_s=12, env={"TRAINER_FAULT": "hang:1:1"})
     tags.append(run.tag)
@@ -237,7 +237,7 @@ def test_launcher_timeout_on_a_hung_rank_leaves_nothing(tmp_path: Path, tags: li
 def test_cancel_kills_every_process_of_the_trial(through: str, tmp_path: Path, tags: list[str]) -> None:
     run = start_local(tiny_config(TP2), tmp_path, timeout_s=300, env={"TRAINER_FAULT": "hang:1:1"})
     tags.append(run.tag)
-    wait_for_processes(run.tag, 4)  # supervisor, torchrun, 2 ranks
+    wait_for_processes(run.tag, 4)  # supervisor, trainer.spawn, 2 ranks
     handle = run if through == "own" else LocalRun.attach(tmp_path)
     started = time.monotonic()
     handle.cancel()
@@ -300,4 +300,4 @@ def test_crashed_rank_without_traceback_is_an_error(tmp_path: Path) -> None:
     """A rank that dies hard (like a segfault) leaves no result file: the launcher reports a crash."""
     result = run_local(tiny_config(TP2), tmp_path, timeout_s=120, env={"TRAINER_FAULT": "exit:1:1"})
     assert result.status == "error"
-    assert "no valid result file" in result.error and "exitcode" in result.error
+    assert "no valid result file" in result.error and "rank 1 exited with code 1" in result.error
