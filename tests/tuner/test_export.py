@@ -418,6 +418,6 @@ def test_a_hostile_study_or_cluster_name_appears_only_as_its_slug(tmp_path: Path
     assert [p.name for p in submit.iterdir()] == [run_dir.name]
     assert BenchmarkConfig.from_json((run_dir / "config.json").read_text()).parallel == config
     assert (tmp_path / "args").read_text().split() == [
-        str(run_dir), "--kill-on-bad-exit=1", "--distribution=block", "python", "-m", "trainer.benchmark", "--config", "config.json",
+        str(run_dir), "--kill-on-bad-exit=1", "--wait=60", "--distribution=block", "python", "-m", "trainer.benchmark", "--config", "config.json",
         "--out", "result.json",
     ]  # fmt: skip

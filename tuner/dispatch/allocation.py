@@ -25,6 +25,7 @@ from trainer.launch import CONFIG_FILE, RESULT_FILE
 from tuner.dispatch.base import JobHandle
 from tuner.dispatch.local import LocalDispatcher
 from tuner.dispatch.sbatch import (
+    SRUN_WAIT_S,
     SiteSettings,
     SlurmResources,
     job_name,
@@ -95,7 +96,7 @@ class SrunDispatcher(LocalDispatcher):
             "srun", f"--jobid={self.allocation}", f"--job-name={job_name(name)}",
             f"--nodelist={','.join(self.node_names[n] for n in nodes)}", f"--nodes={len(nodes)}",
             f"--ntasks={cfg.parallel.world_size}", f"--ntasks-per-node={per_node}", "--distribution=block",
-            "--cpus-per-task=1", "--exact", "--kill-on-bad-exit=1",
+            "--cpus-per-task=1", "--exact", "--kill-on-bad-exit=1", f"--wait={SRUN_WAIT_S}",
         ]  # fmt: skip
         if self.gpu:
             step.append("--gpus-per-task=1")

@@ -140,11 +140,22 @@ def preamble(spec: SlurmSpec, site: SiteSettings, env: dict[str, str]) -> list[s
     ]  # fmt: skip
 
 
+# A port free on the job's first node (the batch script runs there, and so does rank 0 with block
+# distribution) for the rendezvous store, unless the site set one. The trainer's fallback, a port
+# derived from the job id, can land on a port another service holds: rank 0 then fails to listen
+# and the other ranks retry a foreign server for init_timeout_s (seen in the test suite).
+FREE_PORT = 'import socket; s = socket.socket(); s.bind(("0.0.0.0", 0)); print(s.getsockname()[1])'
+# After the first rank ends, the others get this long before srun ends them: rank 0 writes the
+# result last, and a failed trial exits 0 on purpose (no --kill-on-bad-exit then).
+SRUN_WAIT_S = 60
+
+
 def trainer_command(python: str, config: str, out: str) -> str:
-    """The job's last line: every rank under srun, ranks in blocks per node (the placement rule of
-    trainer/topology.py), one rank failing ends the step."""
+    """The job's last lines: a free port for the store, then every rank under srun, ranks in
+    blocks per node (the placement rule of trainer/topology.py), one rank failing ends the step."""
     q = shlex.quote
-    return (f"exec srun --kill-on-bad-exit=1 --distribution=block {q(python)} -m trainer.benchmark "
+    return (f"export MASTER_PORT=${{MASTER_PORT:-$({q(python)} -c {q(FREE_PORT)})}}\n"
+            f"exec srun --kill-on-bad-exit=1 --wait={SRUN_WAIT_S} --distribution=block {q(python)} -m trainer.benchmark "
             f"--config {q(config)} --out {q(out)}")  # fmt: skip
 
 
