@@ -33,12 +33,9 @@ from trainer.metrics import LiveBytesTracker, cpu_name, cpu_peak_tflops, gpu_pea
 from trainer.model import GPT, cross_entropy_loss, init_param_
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import data_parallel_modules, parallelize_gpt
+from trainer.spawn import STORE_FD_VAR
 from trainer.stopping import measurement_stop
 from trainer.topology import placement
-
-# A listening socket trainer.spawn hands rank 0 for the rendezvous store (its port cannot be taken
-# between being chosen and being listened on); set, empty, on the other ranks.
-STORE_FD_VAR = "TRAINER_STORE_FD"
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: timedelta) -> None:

@@ -4,10 +4,10 @@
 
 starts `python -m trainer.launch` (the supervisor, in its own session), which starts the command
 (trainer.spawn with one process per rank, or e.g. an srun step) and enforces the time limit
-itself, so the limit holds when the caller dies. Every process of a trial carries PARALLEL_TUNER_TRIAL=<tag>
-in its environment; the trial is killed by that tag (kill_trial), not by process group, because
-a launcher may start ranks in sessions of their own (torchrun does) and a rank can outlive its
-launcher.
+itself, so the limit holds when the caller dies. Every process of a trial carries
+PARALLEL_TUNER_TRIAL=<tag> in its environment; the trial is killed by that tag (kill_trial), not
+by process group, because a launcher may start ranks in sessions of their own (torchrun does)
+and a rank can outlive its launcher.
 
 The result is judged by the result file rank 0 writes, not by an exit code: a gloo rank can abort
 at exit after the result was written (about 6 in 140 CPU launches), and a failed trial exits 0 on
@@ -42,21 +42,21 @@ COMMAND_GRACE_S = 5.0
 TIMEOUT_EXIT_CODE = 124  # as timeout(1)
 
 
+def _trainer_args(config: Path, out: Path) -> list[str]:
+    return ["-m", "trainer.benchmark", "--config", str(config), "--out", str(out)]
+
+
 def torchrun_command(num_procs: int, config: Path, out: Path, python: str = sys.executable) -> list[str]:
     """The trial under torchrun, as a user would launch it."""
-    return [
-        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_procs}",
-        "-m", "trainer.benchmark", "--config", str(config), "--out", str(out),
-    ]  # fmt: skip
+    launcher = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_procs}"]
+    return [*launcher, *_trainer_args(config, out)]
 
 
 def ranks_command(num_procs: int, config: Path, out: Path, python: str = sys.executable) -> list[str]:
     """The trial as local trials run it: trainer.spawn, torchrun's single-node launch without
     its agent's start-up (trainer/spawn.py)."""
-    return [
-        python, "-m", "trainer.spawn", f"--nproc-per-node={num_procs}", "--",
-        python, "-m", "trainer.benchmark", "--config", str(config), "--out", str(out),
-    ]  # fmt: skip
+    launcher = [python, "-m", "trainer.spawn", f"--nproc-per-node={num_procs}", "--", python]
+    return [*launcher, *_trainer_args(config, out)]
 
 
 LAUNCHERS = {"spawn": ranks_command, "torchrun": torchrun_command}
@@ -308,7 +308,8 @@ def supervise(command: list[str], work_dir: Path, timeout_s: float | None) -> in
             "tag": tag, "timeout_s": timeout_s, "started_at": started_at}  # fmt: skip
     _atomic_write(work_dir / LAUNCH_FILE, json.dumps(info))
     try:
-        # Its own process group: SIGTERM to it reaches the command's children (srun, trainer.spawn's ranks).
+        # Its own process group: SIGTERM to it reaches the command's children (srun, the
+        # ranks trainer.spawn started).
         proc = subprocess.Popen(command, cwd=work_dir, stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as e:
         print(f"trainer.launch: cannot start {command[0]!r}: {e}", file=sys.stderr, flush=True)

@@ -33,7 +33,9 @@ import time
 GRACE_S = 5.0
 
 
-STORE_FD_VAR = "TRAINER_STORE_FD"  # trainer/benchmark.py reads it: rank 0 the socket, others ""
+# The listening socket handed to rank 0 for the rendezvous store (its port cannot be taken between
+# being chosen and being listened on); set, empty, on the other ranks. trainer/benchmark.py reads it.
+STORE_FD_VAR = "TRAINER_STORE_FD"
 
 
 def store_socket(host: str = "127.0.0.1") -> socket.socket:
@@ -70,37 +72,37 @@ def spawn(command: list[str], nproc: int) -> int:
                              stdin=subprocess.DEVNULL, pass_fds=(fd,) if r == 0 else ())
             for r in range(nproc)
         ]  # fmt: skip
+    failed: tuple[int, int] | None = None  # (rank, exit code) of the first rank to fail
     rank0_ended: float | None = None
-    first: int | None = None  # the first rank that failed
-    failed: int | None = None
     ending_since: float | None = None  # when the other ranks were told to end
     while None in [p.poll() for p in ranks]:  # poll every rank (any() would stop at the first)
-        if failed is None and ending_since is None:  # not the ranks this process ended
-            first = next((r for r, p in enumerate(ranks) if p.returncode not in (None, 0)), None)
-            failed = None if first is None else _exit_code(ranks[first].returncode)
-        if (failed is not None or stop) and ending_since is None:
-            ending_since = time.monotonic()
-            why = (
-                f"signal {stop[0]}" if stop and failed is None else f"rank {first} exited with code {failed}"
-            )
-            print(f"trainer.spawn: {why}: ending the other ranks", file=sys.stderr, flush=True)
-            _signal(ranks, stop[0] if stop and failed is None else signal.SIGTERM)
-        if ending_since is not None and time.monotonic() - ending_since > GRACE_S:
+        now = time.monotonic()
+        if ending_since is None:  # a failure is a rank's own, not one this process ended
+            failed = failed or _first_failure(ranks)
+            if rank0_ended is None and ranks[0].returncode is not None:
+                rank0_ended = now
+            # Rank 0 writes the trial's result last: once it is gone the others have nothing left
+            # to do but may be stuck (e.g. waiting for a store rank 0 failed to start).
+            late = rank0_ended is not None and now - rank0_ended > GRACE_S
+            why = (f"rank {failed[0]} exited with code {failed[1]}" if failed else
+                   f"signal {stop[0]}" if stop else "rank 0 ended" if late else None)  # fmt: skip
+            if why:
+                ending_since = now
+                print(f"trainer.spawn: {why}: ending the other ranks", file=sys.stderr, flush=True)
+                _signal(ranks, stop[0] if stop and not failed else signal.SIGTERM)
+        elif now - ending_since > GRACE_S:
             _signal(ranks, signal.SIGKILL)
-        # Rank 0 writes the trial's result last: once it is gone the others have nothing left to
-        # do but may be stuck (e.g. waiting for a store rank 0 failed to start, init_timeout_s).
-        if rank0_ended is None and ranks[0].returncode is not None:
-            rank0_ended = time.monotonic()
-        if ending_since is None and rank0_ended is not None and time.monotonic() - rank0_ended > GRACE_S:
-            ending_since = time.monotonic()
-            print("trainer.spawn: rank 0 ended: ending the other ranks", file=sys.stderr, flush=True)
-            _signal(ranks, signal.SIGTERM)
         time.sleep(0.05)
-    if failed is None and ending_since is None:
-        failed = next((_exit_code(p.returncode) for p in ranks if p.returncode != 0), None)
-    if failed is None and stop:
-        return 128 + stop[0]
-    return failed if failed is not None else _exit_code(ranks[0].returncode)
+    failed = failed or (None if ending_since is not None else _first_failure(ranks))
+    if failed:
+        return failed[1]
+    return 128 + stop[0] if stop else _exit_code(ranks[0].returncode)
+
+
+def _first_failure(ranks: list[subprocess.Popen]) -> tuple[int, int] | None:
+    return next(
+        ((r, _exit_code(p.returncode)) for r, p in enumerate(ranks) if p.returncode not in (None, 0)), None
+    )
 
 
 def _signal(ranks: list[subprocess.Popen], sig: int) -> None:
