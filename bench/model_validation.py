@@ -1,6 +1,6 @@
 """How well does the performance model rank layouts it was never fitted to?
 
-    .venv/bin/python bench/model_validation.py [--details]
+    .venv/bin/python bench/model_validation.py [--details] [--own]
 
 For every table of public GPU measurements in bench/data/ (bench/validation_data.py loads them),
 with at least MIN_ROWS layouts that ran:
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from scipy.stats import spearmanr  # noqa: E402
 
 from bench.priors import cold, inputs  # noqa: E402
-from bench.validation_data import Measurement, load_tables  # noqa: E402
+from bench.validation_data import Measurement, load_csv, load_tables  # noqa: E402
 from tuner import perfmodel  # noqa: E402
 
 MIN_ROWS = 4  # a rank correlation over fewer layouts says little
@@ -145,9 +145,13 @@ def main() -> None:
     parser.add_argument("--only", help="score only tables whose id contains this text")
     parser.add_argument("--exclude", help="skip tables whose id contains this text")
     parser.add_argument("--no-trends", action="store_true", help="leave out the MFU-across-sizes tables")
+    parser.add_argument("--own", action="store_true",
+                        help="score this project's CPU tables (bench/own_tables) instead of the public ones")
     args = parser.parse_args()
+    own = sorted((ROOT / "bench" / "own_tables").glob("*.csv"))
+    source = {path.stem: load_csv(path) for path in own} if args.own else load_tables()
     tables = {
-        tid: rows for tid, rows in load_tables().items()
+        tid: rows for tid, rows in source.items()
         if (not args.only or args.only in tid) and (not args.exclude or args.exclude not in tid)
     }  # fmt: skip
     results = [r for tid, rows in sorted(tables.items()) if (r := evaluate(tid, rows)) is not None]
@@ -170,7 +174,7 @@ def main() -> None:
         for r in results:
             print(f"| {r['table']} | {r['rows']} | {_fmt(r['rho_uncal'])} | {_fmt(r['rho_cal'])} | "
                   f"{_fmt(r['mape_uncal'], True)} | {_fmt(r['mape_cal'], True)} |")  # fmt: skip
-    if not args.no_trends:
+    if not args.no_trends and not args.own:
         print_trends(tables)
     skipped = [tid for tid, rows in tables.items() if evaluate(tid, rows) is None]
     print(

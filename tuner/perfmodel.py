@@ -298,11 +298,15 @@ def estimate(
         # Only the CPU part of a collective counts: over a link slower than the node's own, the
         # rank waits on the wire and its core is free (priced as if every link were on-node).
         # The overlapped part of 2D tensor parallelism's traffic keeps a core busy too.
+        # What the slower wire adds on top is a wait no core can fill: collectives are synchronous
+        # (every rank reaches DP's all-reduce, a pipeline's send or a TP exchange in the same
+        # phase of the step), so the whole world waits on the wire at once.
         cpu = k if cluster.inter_node_gbps >= cluster.intra_node_gbps else _step_terms(
             m, p, _on_node_links(cluster), precision, c, compute_mb, layers, dw_mb)  # fmt: skip
+        wire = step - (mb * cpu.stage_mb + cpu.bubble + cpu.p2p + cpu.dp_exposed + cpu.optimizer_s)
         ranks = min(p.world_size, cluster.gpus_per_node)
         busy = mb * (cpu.stage_mb + cpu.tp_hidden) + cpu.p2p + cpu.dp_comm + cpu.optimizer_s
-        step = max(step, busy * ranks / cluster.cores_per_node)
+        step = max(step, busy * ranks / cluster.cores_per_node + max(wire, 0.0))
     tokens_per_s = p.global_batch_size * s / step
     tflops = m.flops_per_token * tokens_per_s / p.world_size / 1e12
     return Estimate(

@@ -136,6 +136,21 @@ def test_ranks_sharing_cores_take_at_least_the_nodes_busy_time() -> None:
     )
 
 
+def test_ranks_sharing_cores_wait_on_a_slow_wire_together() -> None:
+    """Over links slower than the node's own, the wire's extra time adds to the nodes' busy time:
+    every rank reaches the all-reduce at once, so no core's work fills the wait. Same layout and
+    cores, only the inter-node link differs (as in the two 4-node own tables)."""
+    model = MODEL_PRESETS["gpt-small"]
+    own = dict(cluster_preset("cpu-local"), gpus_per_node=2, num_nodes=4, cores_per_node=0.5)
+    fast = ClusterSpec(**own)
+    slow = ClusterSpec(**{**own, "inter_node_gbps": 0.025})
+    dp = ParallelConfig(dp_replicate=8, micro_batch_size=1, num_microbatches=2)
+    a, b = (estimate(model, dp, c, "fp32", CPU_CONSTANTS) for c in (fast, slow))
+    wire = b.dp_comm_s - a.dp_comm_s  # exposed all-reduce time the slow link adds
+    assert wire > 0.05
+    assert b.step_time_s == pytest.approx(a.step_time_s + wire, rel=0.02)
+
+
 def test_memory_scale_is_fitted_from_measured_peaks() -> None:
     model = MODEL_PRESETS["gpt-1.3b"]
     cluster = ClusterSpec(**cluster_preset("a100-80gb"))
