@@ -90,6 +90,16 @@ def synthetic_batch(cfg: BenchmarkConfig, step: int, rows: range) -> tuple[torch
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def optimizer_groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    """AdamW's parameter groups: DTensor parameters apart from plain ones. Tensor parallelism
+    without data parallelism leaves the position embedding a plain tensor beside the DTensor
+    shards, and AdamW's foreach implementation (the default on CUDA) refuses a list that mixes
+    them ("got mixed torch.Tensor and DTensor"). Same hyperparameters: the same update."""
+    dtensors = [q for q in params if isinstance(q, DTensor)]
+    plain = [q for q in params if not isinstance(q, DTensor)]
+    return [{"params": group} for group in (dtensors, plain) if group]
+
+
 class Trainer:
     """The model (or this rank's pipeline stages), optimizer and step function of one layout."""
 
@@ -138,7 +148,9 @@ class Trainer:
             module.train()
         self.modules = [m for _, m in parts]
         self.params = [q for m in self.modules for q in m.parameters()]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        self.optimizer = torch.optim.AdamW(
+            optimizer_groups(self.params), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1
+        )
         self.pp_group = self.mesh.get_group("pp") if p.pp > 1 else None
         if p.pp > 1:
             self.has_first = 0 in stage_ids

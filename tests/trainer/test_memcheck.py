@@ -163,3 +163,12 @@ def test_a_wrapper_subclass_counts_by_the_tensors_it_wraps() -> None:
         wrapped = AsyncCollectiveTensor(elem)
         tracker.track_all([wrapped, wrapped.view(16, 16)])
         assert tracker.live_bytes() == 1024
+
+
+def test_tensor_parallelism_without_data_parallelism_steps_foreach_adamw() -> None:
+    """A GPU trial's AdamW is foreach; with tp and no dp the position embedding stays a plain
+    tensor beside the DTensor shards, which one foreach list cannot hold. The oracle steps AdamW as
+    CUDA does, so it fails where a GPU trial would (it did before trainer.benchmark.optimizer_groups)."""
+    for parallel in (P(tp=2, micro_batch_size=1, num_microbatches=2), P(tp=2, pp=2, num_microbatches=4)):
+        report = memcheck(tiny_config(parallel, device="cuda"))
+        assert all(r.breakdown["optimizer"] > 0 for r in report.ranks), parallel.describe()
