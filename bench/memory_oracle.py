@@ -112,6 +112,9 @@ SMALL_LAYOUTS = [
     dict(tp_col=2, pp=2, micro_batch_size=1, num_microbatches=4),
     dict(tp_col=2, dp_replicate=2, micro_batch_size=2, num_microbatches=2, activation_checkpoint="full"),
     dict(tp_col=4, micro_batch_size=2, num_microbatches=2),
+    # tensor parallelism without data parallelism: a plain parameter beside DTensor ones (AdamW's groups)
+    dict(tp=2, micro_batch_size=2, num_microbatches=2, sequence_parallel=True),
+    dict(tp=2, pp=2, micro_batch_size=1, num_microbatches=4, activation_checkpoint="selective"),
 ]  # fmt: skip
 
 
