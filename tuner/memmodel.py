@@ -40,7 +40,9 @@ def activation_bytes_per_token(
     output: 24h/t. No dropout masks (dropout 0), no s x s scores (SDPA; `flash_attention` False
     adds Korthikanti's 5as/h), SDPA's fp32 log-sum-exp per head, the norms' fp32 mean and rstd.
     Selective recompute (the attention core checkpointed) drops the log-sum-exp only: SDPA keeps
-    nothing else an attention core would recompute. Full recompute keeps the layer input.
+    nothing else an attention core would recompute. Full recompute keeps the layer input. Under
+    the trainer's autocast (bf16 without data parallelism) q, k and v each save their own cast of
+    the first norm's output: 4 norm outputs instead of 2.
 
     2D tensor parallelism (tp_col > 1, trainer/tp2d.py): the residual stream is split over the
     column group (h/tp_col), q, k, v, the attention output and the MLP's ffn over the row group
@@ -55,7 +57,11 @@ def activation_bytes_per_token(
     shard = t if p.sequence_parallel else 1
     if p.activation_checkpoint == "full":
         return res * h / shard
-    stream = 2 * res * h / shard + 2 * cb * h  # layer input, residual; the two norm outputs
+    # Under autocast (an fp32 residual: no FSDP2 mixed precision) each linear casts its input
+    # itself, so q, k and v save a copy each of the first norm's output where FSDP2's bf16
+    # modules share one: two more.
+    norms = (4 if res > cb else 2) * cb * h
+    stream = 2 * res * h / shard + norms  # layer input, residual; the norm outputs
     sharded = 12 * cb * h / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
     stats = 2 * 8 / shard  # two norms' mean and rstd, fp32
@@ -223,8 +229,9 @@ def _forward_backward(
     grads = 0.0 if first_backward else accumulated
     working = r.root + 2 * r.unit if p.zero_stage == 3 else r.whole  # zero 3 prefetches the next layer
     # FSDP2's gathered weights are in the compute dtype, so are the gradients autograd gives them:
-    # one layer's, until its post-backward folds them into the fp32 gradients
-    fresh = r.unit if r.whole and r.cb < 4 else 0.0
+    # one layer's, until its post-backward folds them into the fp32 gradients. (Autocast's casts
+    # hand theirs straight back to the fp32 parameters.)
+    fresh = r.unit if p.dp > 1 and r.cb < 4 else 0.0
     held = r.layers + r.head
     moments = [  # (working copies, gradients, activations)
         (working, grads + fresh, held * (inflight - 1) + r.layers + r.flow),  # in a layer's backward
