@@ -123,3 +123,24 @@ def test_the_column_degree_matches_the_oracle(parallel: ParallelConfig, device: 
     c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
     predicted = memory(model, parallel, "bf16" if device == "cuda" else "fp32", c)["memory_bytes"]
     assert abs(predicted - oracle) / oracle < 0.03, (predicted, oracle)
+
+
+# bf16 without data parallelism is the trainer's autocast, not FSDP2's mixed precision: q, k and v
+# keep their own casts of the norm output, and no bf16 weight gradients appear (GPU mode).
+AUTOCAST_LAYOUTS = [
+    pytest.param(ParallelConfig(micro_batch_size=2, num_microbatches=2), id="one-rank"),
+    pytest.param(ParallelConfig(tp=2, sequence_parallel=True, micro_batch_size=2, num_microbatches=2), id="tp2-sp"),
+]
+
+
+@pytest.mark.parametrize("parallel", AUTOCAST_LAYOUTS)
+def test_autocast_layouts_match_the_oracle(parallel: ParallelConfig) -> None:
+    from trainer.config import BenchmarkConfig
+    from trainer.memcheck import memcheck
+    from tuner.memmodel import memory
+
+    model = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
+    oracle = memcheck(BenchmarkConfig(model=model, parallel=parallel, device="cuda")).peak_bytes
+    c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
+    predicted = memory(model, parallel, "bf16", c)["memory_bytes"]
+    assert abs(predicted - oracle) / oracle < 0.02, (predicted, oracle)
