@@ -148,8 +148,10 @@ def main() -> None:
     parser.add_argument("--own", action="store_true",
                         help="score this project's CPU tables (bench/own_tables) instead of the public ones")
     args = parser.parse_args()
-    own = sorted((ROOT / "bench" / "own_tables").glob("*.csv"))
-    source = {path.stem: load_csv(path) for path in own} if args.own else load_tables()
+    if args.own:
+        source = {path.stem: load_csv(path) for path in sorted((ROOT / "bench" / "own_tables").glob("*.csv"))}
+    else:
+        source = load_tables()
     tables = {
         tid: rows for tid, rows in source.items()
         if (not args.only or args.only in tid) and (not args.exclude or args.exclude not in tid)

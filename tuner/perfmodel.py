@@ -189,6 +189,11 @@ class _StepTerms:
     dp_exposed: float
     optimizer_s: float
 
+    def step_s(self, microbatches: int) -> float:
+        """The step on dedicated devices: the slowest stage's micro-batches, the bubble, the
+        exposed sends and data-parallel traffic, the optimizer."""
+        return microbatches * self.stage_mb + self.bubble + self.p2p + self.dp_exposed + self.optimizer_s
+
 
 def _step_terms(
     m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
@@ -289,9 +294,8 @@ def estimate(
     dw_mb = (layers * gemm_fwd + head_fwd) / efficiency / peak  # the weight gradients' GEMMs
 
     k = _step_terms(m, p, cluster, precision, c, compute_mb, layers, dw_mb)
-    stage_mb, tp_mb, bubble, p2p, dp_exposed = k.stage_mb, k.tp_mb, k.bubble, k.p2p, k.dp_exposed
     compute_total = mb * compute_mb
-    step = mb * stage_mb + bubble + p2p + dp_exposed + k.optimizer_s
+    step = k.step_s(mb)
     if cluster.cores_per_node:
         # Ranks sharing cores: a rank idle in the bubble lends its core to the others, and gloo's
         # collectives are CPU work too, so the node's total busy time over its cores bounds the step.
@@ -303,7 +307,7 @@ def estimate(
         # phase of the step), so the whole world waits on the wire at once.
         cpu = k if cluster.inter_node_gbps >= cluster.intra_node_gbps else _step_terms(
             m, p, _on_node_links(cluster), precision, c, compute_mb, layers, dw_mb)  # fmt: skip
-        wire = step - (mb * cpu.stage_mb + cpu.bubble + cpu.p2p + cpu.dp_exposed + cpu.optimizer_s)
+        wire = step - cpu.step_s(mb)
         ranks = min(p.world_size, cluster.gpus_per_node)
         busy = mb * (cpu.stage_mb + cpu.tp_hidden) + cpu.p2p + cpu.dp_comm + cpu.optimizer_s
         step = max(step, busy * ranks / cluster.cores_per_node + max(wire, 0.0))
@@ -314,10 +318,10 @@ def estimate(
         vocab_size=m.vocab_size,
         step_time_s=step,
         compute_s=compute_total,
-        tp_comm_s=mb * tp_mb,
-        pp_bubble_s=bubble,
-        pp_p2p_s=p2p,
-        dp_comm_s=dp_exposed,
+        tp_comm_s=mb * k.tp_mb,
+        pp_bubble_s=k.bubble,
+        pp_p2p_s=k.p2p,
+        dp_comm_s=k.dp_exposed,
         tokens_per_s=tokens_per_s,
         tflops_per_device=tflops,
         mfu=tflops / cluster.peak_tflops,
