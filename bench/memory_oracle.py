@@ -184,7 +184,7 @@ class RecordingSimulator(Simulator):
         lines = path.read_text().splitlines() if path.exists() else []
         for record in map(json.loads, lines):
             sim = record["simulation"]
-            key = Simulation(BenchmarkConfig.from_dict(sim["cfg"]), sim["rank"], sim["gpu"])
+            key = Simulation(**sim | {"cfg": BenchmarkConfig.from_dict(sim["cfg"])})
             self.cache[key] = RankMemory.from_dict(record["memory"])
 
     def _in_children(self, sims: list[Simulation]) -> list[RankMemory]:

@@ -71,6 +71,7 @@ class RankMemory:
     coords: dict[str, int]  # mesh coordinate per axis (pp, dp_replicate, dp_shard, tp)
     phases: dict[str, dict[str, int]]  # PHASES -> CATEGORIES -> bytes live at the phase's peak
     seconds: float  # simulation time (both simulations when extrapolated)
+    steps: list[dict[str, dict[str, int]]] = field(default_factory=list)  # "cuda": phases per step
 
     @property
     def phase(self) -> str:
@@ -90,7 +91,7 @@ class RankMemory:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankMemory:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class Simulation:
     cfg: BenchmarkConfig
     rank: int
     gpu: bool
+    steps: int = GPU_STEPS  # "cuda": steps simulated (a CPU trial's are its measured window's)
 
 
 def memcheck(
@@ -171,7 +173,9 @@ def memcheck(
     the largest. Past the pipeline's warm-up every extra micro-batch adds the same bytes to a
     phase (its pipeline receive buffers, batch rows and kept logits under 1F1B, also its
     activations under GPipe), but phases grow at different rates: the last stage's peak moves
-    from the backward to the concatenation of the kept logits as micro-batches are added.
+    from the backward to the concatenation of the kept logits as micro-batches are added. A
+    phase grows by the same bytes per micro-batch in every step, so n2 is simulated for one step
+    only: its later steps are n1's plus the first step's growth (_extend).
     tests/trainer/test_memcheck.py checks the extension against full simulations."""
     problems = cfg.parallel.problems(cfg.model)
     if problems:
@@ -193,7 +197,7 @@ def memcheck(
         results = simulator.run([Simulation(sim, r, gpu) for r in ranks])
     else:
         n1, n2 = (_with_microbatches(sim, n) for n in counts)
-        done = simulator.run([Simulation(c, r, gpu) for r in ranks for c in (n1, n2)])
+        done = simulator.run([Simulation(s, r, gpu, k) for r in ranks for s, k in ((n1, GPU_STEPS), (n2, 1))])
         results = [
             _extend(a, b, counts, cfg.parallel.num_microbatches) for a, b in zip(done[::2], done[1::2])
         ]
@@ -222,14 +226,29 @@ def _with_microbatches(cfg: BenchmarkConfig, n: int) -> BenchmarkConfig:
 
 
 def _extend(a: RankMemory, b: RankMemory, counts: tuple[int, int], n: int) -> RankMemory:
-    """Each phase's bytes by category on the line through its values at counts[0] and counts[1]."""
+    """Each step's phases (a: every step at counts[0]), by category, extended to n micro-batches
+    by the growth per micro-batch of the first step (b: the first step at counts[1])."""
     scale = (n - counts[0]) / (counts[1] - counts[0])
-    phases = {
-        phase: {k: v + round((b.phases[phase][k] - v) * scale) for k, v in at_a.items()}
-        for phase, at_a in a.phases.items()
-        if phase in b.phases
-    }
-    return dataclasses.replace(a, phases=phases, seconds=a.seconds + b.seconds)
+    first_a, first_b = a.steps[0], b.steps[0]
+    steps = [
+        {
+            phase: {k: v + round((first_b[phase][k] - first_a[phase][k]) * scale) for k, v in at_a.items()}
+            for phase, at_a in step.items()
+            if phase in first_a and phase in first_b
+        }
+        for step in a.steps
+    ]
+    return dataclasses.replace(a, phases=_peaks(steps), steps=steps, seconds=a.seconds + b.seconds)
+
+
+def _peaks(steps: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Each phase at its peak over the steps (the earliest step on a tie)."""
+    phases: dict[str, dict[str, int]] = {}
+    for step in steps:
+        for phase, breakdown in step.items():
+            if phase not in phases or sum(breakdown.values()) > sum(phases[phase].values()):
+                phases[phase] = breakdown
+    return phases
 
 
 class Simulator:
@@ -277,7 +296,7 @@ class Simulator:
 
 def _child_main(conn, sim: Simulation) -> None:
     try:
-        conn.send(("ok", simulate_rank(sim.cfg, sim.rank, gpu=sim.gpu)))
+        conn.send(("ok", simulate_rank(sim.cfg, sim.rank, gpu=sim.gpu, steps=sim.steps)))
     except BaseException:
         conn.send(("error", traceback.format_exc(limit=-12)))
     finally:
@@ -285,9 +304,12 @@ def _child_main(conn, sim: Simulation) -> None:
         os._exit(0)  # a fork: no atexit handlers, no teardown of the parent's state
 
 
-def simulate_rank(cfg: BenchmarkConfig, rank: int, *, gpu: bool = False) -> RankMemory:
+def simulate_rank(
+    cfg: BenchmarkConfig, rank: int, *, gpu: bool = False, steps: int = GPU_STEPS
+) -> RankMemory:
     """One rank of cfg's trial on fake tensors, in this process (which it leaves with a
-    destroyed process group; `memcheck` runs it in a fresh child). gpu: see memcheck."""
+    destroyed process group; `memcheck` runs it in a fresh child). gpu: see memcheck; its
+    `steps` first steps are simulated."""
     warnings.filterwarnings("ignore")  # timeouts on a fake group, deprecations
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # DTensor's plan notes
     started, world, window = time.perf_counter(), cfg.parallel.world_size, memory_step(cfg)
@@ -310,7 +332,9 @@ def simulate_rank(cfg: BenchmarkConfig, rank: int, *, gpu: bool = False) -> Rank
                 tracker.reset_peak()
                 for group in trainer.optimizer.param_groups:
                     group["foreach"] = True
-            for step in range(GPU_STEPS if gpu else window + 1):
+            for step in range(steps if gpu else window + 1):
+                if gpu and step:
+                    tracker.steps.append({})
                 tracker.phase = PHASES[0]
                 x, y = tracker.batch = trainer.batch(step)
                 window_tracker = (
@@ -321,35 +345,39 @@ def simulate_rank(cfg: BenchmarkConfig, rank: int, *, gpu: bool = False) -> Rank
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    memory = RankMemory(rank, coords_of(cfg.parallel, rank), tracker.phases, time.perf_counter() - started)
+    memory = RankMemory(
+        rank, coords_of(cfg.parallel, rank), _peaks(tracker.steps), time.perf_counter() - started,
+        steps=tracker.steps if gpu else [],
+    )  # fmt: skip
     assert memory.peak_bytes == tracker.peak_bytes, (memory.phases, tracker.peak_bytes)
     return memory
 
 
 class BreakdownTracker(LiveBytesTracker):
-    """LiveBytesTracker (its peak unchanged) that also keeps, for each phase of a step (PHASES),
-    the bytes live at its peak sorted into CATEGORIES, once it watches a trainer."""
+    """LiveBytesTracker (its peak unchanged) that also keeps, for each step and each phase of it
+    (PHASES), the bytes live at its peak sorted into CATEGORIES, once it watches a trainer."""
 
     def __init__(self) -> None:
         super().__init__()
         self.trainer: Trainer | None = None
         self.batch: tuple[torch.Tensor, ...] = ()
         self.phase = PHASES[0]
-        self.phases: dict[str, dict[str, int]] = {}  # phase -> breakdown at its peak
+        self.steps: list[dict[str, dict[str, int]]] = [{}]  # per step: phase -> breakdown at its peak
         self._fsdp: list[Any] = []
 
     def watch(self, trainer: Trainer) -> None:
         self.trainer, self._fsdp = trainer, list(_fsdp_params(trainer.modules))
 
     def reset_peak(self) -> None:
-        self.peak_bytes, self.phases = 0, {}
+        self.peak_bytes, self.steps = 0, [{}]
         self._update()
 
     def _update(self) -> None:
         super()._update()
-        seen = self.phases.get(self.phase)
+        phases = self.steps[-1]
+        seen = phases.get(self.phase)
         if self.trainer is not None and (seen is None or self._live > sum(seen.values())):
-            self.phases[self.phase] = self._categorise()
+            phases[self.phase] = self._categorise()
 
     def _categorise(self) -> dict[str, int]:
         kinds = self._kinds()

@@ -4,6 +4,7 @@ rank, and its micro-batch extrapolation equal to a full simulation."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,16 @@ import torch
 from tests.trainer.helpers import TINY, tiny_config
 from trainer.config import ParallelConfig
 from trainer.launch import run_local
-from trainer.memcheck import CATEGORIES, default_ranks, extrapolation_points, memcheck, rank_of
+from trainer.memcheck import (
+    CATEGORIES,
+    RankMemory,
+    Simulation,
+    Simulator,
+    default_ranks,
+    extrapolation_points,
+    memcheck,
+    rank_of,
+)
 from trainer.metrics import LiveBytesTracker
 from trainer.model import GPT, cross_entropy_loss
 
@@ -115,8 +125,18 @@ def test_the_breakdown_sums_to_the_peak_of_each_phase() -> None:
 def test_extrapolated_microbatches_equal_a_full_simulation(parallel: ParallelConfig) -> None:
     cfg = tiny_config(parallel, device="cuda")
     assert extrapolation_points(parallel) is not None
-    extended, full = memcheck(cfg, extrapolate=True), memcheck(cfg)
+
+    class Seen(Simulator):  # which simulations the extrapolation ran
+        def run(self, sims: Sequence[Simulation]) -> list[RankMemory]:
+            self.sims = list(sims)
+            return super().run(sims)
+
+    seen = Seen()
+    extended, full = memcheck(cfg, extrapolate=True, simulator=seen), memcheck(cfg)
     assert extended.microbatches_simulated == extrapolation_points(parallel)
+    n1, n2 = extended.microbatches_simulated
+    # the second count for its first step only: later steps grow as the first did
+    assert {(s.cfg.parallel.num_microbatches, s.steps) for s in seen.sims} == {(n1, 2), (n2, 1)}
     assert [r.phases for r in extended.ranks] == [r.phases for r in full.ranks]
 
 
