@@ -145,8 +145,11 @@ def main() -> None:
     parser.add_argument("--only", help="score only tables whose id contains this text")
     parser.add_argument("--exclude", help="skip tables whose id contains this text")
     parser.add_argument("--no-trends", action="store_true", help="leave out the MFU-across-sizes tables")
-    parser.add_argument("--own", action="store_true",
-                        help="score this project's CPU tables (bench/own_tables) instead of the public ones")
+    parser.add_argument(
+        "--own",
+        action="store_true",
+        help="score this project's CPU tables (bench/own_tables) instead of the public ones",
+    )
     args = parser.parse_args()
     if args.own:
         source = {path.stem: load_csv(path) for path in sorted((ROOT / "bench" / "own_tables").glob("*.csv"))}

@@ -129,7 +129,9 @@ def test_the_column_degree_matches_the_oracle(parallel: ParallelConfig, device: 
 # keep their own casts of the norm output, and no bf16 weight gradients appear (GPU mode).
 AUTOCAST_LAYOUTS = [
     pytest.param(ParallelConfig(micro_batch_size=2, num_microbatches=2), id="one-rank"),
-    pytest.param(ParallelConfig(tp=2, sequence_parallel=True, micro_batch_size=2, num_microbatches=2), id="tp2-sp"),
+    pytest.param(
+        ParallelConfig(tp=2, sequence_parallel=True, micro_batch_size=2, num_microbatches=2), id="tp2-sp"
+    ),
 ]
 
 
