@@ -188,7 +188,9 @@ class Trainer:
             if p.pp > 1:
                 losses: list[torch.Tensor] = []
                 kwargs = {"target": y, "losses": losses} if self.has_last else {}
-                self.schedule.step(*([x] if self.has_first else []), **kwargs)
+                # return_outputs=False: the last stage would keep every micro-batch's logits until
+                # the step ends, to return them concatenated; only the losses are used.
+                self.schedule.step(*([x] if self.has_first else []), return_outputs=False, **kwargs)
                 loss = torch.stack([_full(v) for v in losses]).mean() if self.has_last else None
             else:
                 loss = self._accumulate(x, y)

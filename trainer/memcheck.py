@@ -38,7 +38,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from trainer import benchmark
@@ -52,10 +51,9 @@ from trainer.topology import MESH_AXES, axis_sizes, axis_strides
 # gathered_parameters: FSDP2's unsharded (all-gathered, compute-dtype) parameters; activations:
 # everything else (saved activations, pipeline buffers, logits, temporaries).
 CATEGORIES = ("parameters", "optimizer", "gradients", "gathered_parameters", "batch", "activations")
-# Phases of Trainer.step, each with its own peak: the schedule or gradient accumulation; the last
-# pipeline stage concatenating every micro-batch's logits (torch's schedule.step returns them);
-# gradient norm, clipping, AdamW and zero_grad. Extrapolation extends each phase on its own.
-PHASES = ("forward_backward", "merge_outputs", "optimizer")
+# Phases of Trainer.step, each with its own peak: the schedule or gradient accumulation; gradient
+# norm, clipping, AdamW and zero_grad. Extrapolation extends each phase on its own.
+PHASES = ("forward_backward", "optimizer")
 # A GPU trial's peak covers every step; the first creates AdamW's state, later ones repeat the second.
 GPU_STEPS = 2
 
@@ -171,11 +169,10 @@ def memcheck(
     extrapolate ("cuda" only): simulate the step with two micro-batch counts n1 < n2
     (extrapolation_points) and extend each phase's peak linearly to the layout's count, then take
     the largest. Past the pipeline's warm-up every extra micro-batch adds the same bytes to a
-    phase (its pipeline receive buffers, batch rows and kept logits under 1F1B, also its
-    activations under GPipe), but phases grow at different rates: the last stage's peak moves
-    from the backward to the concatenation of the kept logits as micro-batches are added. A
-    phase grows by the same bytes per micro-batch in every step, so n2 is simulated for one step
-    only: its later steps are n1's plus the first step's growth (_extend).
+    phase (its pipeline receive buffers and batch rows), but phases grow at different rates
+    (under GPipe the forward/backward also by every micro-batch's activations). A phase grows by
+    the same bytes per micro-batch in every step, so n2 is simulated for one step only: its
+    later steps are n1's plus the first step's growth (_extend).
     tests/trainer/test_memcheck.py checks the extension against full simulations."""
     problems = cfg.parallel.problems(cfg.model)
     if problems:
@@ -410,24 +407,16 @@ class BreakdownTracker(LiveBytesTracker):
 
 @contextlib.contextmanager
 def _marking_phases(tracker: BreakdownTracker) -> Iterator[None]:
-    """Tell the tracker which phase of Trainer.step runs (it sets "forward_backward" itself)."""
+    """Tell the tracker when Trainer.step reaches the optimizer (the step loop sets
+    "forward_backward")."""
+    original = benchmark.grad_norm_
 
-    def marked(fn, phase: str, after: str | None = None):
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            tracker.phase = phase
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                tracker.phase = after or tracker.phase
+    @functools.wraps(original)
+    def grad_norm_(*args, **kwargs):
+        tracker.phase = "optimizer"
+        return original(*args, **kwargs)
 
-        return inner
-
-    merge = marked(_PipelineSchedule._merge_outputs, "merge_outputs", after="forward_backward")
-    with (
-        mock.patch.object(benchmark, "grad_norm_", marked(benchmark.grad_norm_, "optimizer")),
-        mock.patch.object(_PipelineSchedule, "_merge_outputs", merge),
-    ):
+    with mock.patch.object(benchmark, "grad_norm_", grad_norm_):
         yield
 
 

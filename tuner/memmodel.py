@@ -147,7 +147,6 @@ class _Rank:
     flow: float  # gradients flowing back inside a layer, with recompute its activations
     loss: float  # the loss's transient: logits in bf16 and fp32, or their gradients
     buffers: float  # pipeline receive buffers and the batch, all step long
-    kept: float  # the last stage's outputs, one per micro-batch, until the next step
     sent: float  # sends not yet waited for (interleaved schedule)
 
 
@@ -155,19 +154,16 @@ def phase_bytes(
     m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int
 ) -> dict[str, dict[str, float]]:
     """Tensor bytes of the rank at pipeline coordinate `stage` at the peak of each phase of a step
-    (trainer/memcheck.py's PHASES: forward and backward; the last stage concatenating its kept
-    logits; the optimizer step) as {phase: {PARTS: bytes}}."""
+    (trainer/memcheck.py's PHASES: forward and backward; the optimizer step) as
+    {phase: {PARTS: bytes}}."""
     r = _rank(m, p, precision, c, stage)
     master, adam, grads = 4 * r.params / r.d, 8 * r.params / r.d, 4 * r.params / r.d
-    after_step = {"weights": master, "grads": grads, "optimizer": adam, "activations": r.buffers + r.kept}
+    after_step = {"weights": master, "grads": grads, "optimizer": adam, "activations": r.buffers}
     weights, grads_fb, acts = _forward_backward(p, r, stage, grads)
     fb = {"weights": master + weights, "grads": grads_fb, "optimizer": adam,
-          "activations": acts + r.buffers + r.kept + r.sent}  # fmt: skip
+          "activations": acts + r.buffers + r.sent}  # fmt: skip
     # foreach AdamW: one fp32 temporary of every parameter (sqrt of v)
-    phases = {"forward_backward": fb, "optimizer": {**after_step, "optimizer": adam + 4 * r.params / r.d}}
-    if stage == p.pp - 1 and p.pp > 1:  # torch.cat of the kept outputs, once they are all there
-        phases["merge_outputs"] = {**after_step, "activations": r.buffers + 2 * r.kept}
-    return phases
+    return {"forward_backward": fb, "optimizer": {**after_step, "optimizer": adam + 4 * r.params / r.d}}
 
 
 def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int) -> _Rank:
@@ -205,11 +201,11 @@ def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, st
         root=cb * (embed + head), unit=cb * _layer_params(m, t, k), layer=layer, layers=layers,
         # 2D: the embedding looks up its local block, its gradient is local too
         vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
+        # ... and with a pipeline the stage's output, its logits, in the stage's forward cache
         head=(tokens * h * (1 / shard + 1) * residual if k == 1 else tokens * (8 + _norm_2d_bytes(residual)) * h / k)
-        + 4 * logits if last else 0.0,
+        + (4 + (cb if p.pp > 1 else 0)) * logits if last else 0.0,
         flow=tokens * (2 * h / k + 4 * h / t) * residual + recompute, loss=loss,
         buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens,
-        kept=n * logits * cb if last and p.pp > 1 else 0.0,
         sent=n * boundary * (receiving + sending) if p.virtual_stages > 1 else 0.0,
     )  # fmt: skip
 
