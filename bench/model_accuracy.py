@@ -40,7 +40,6 @@ from bench.validation_data import Measurement, load_csv, load_tables  # noqa: E4
 from tuner import perfmodel  # noqa: E402
 
 NUM_CALIBRATION = 5
-CPU_CLUSTER = "cpu-local"
 
 
 def throughput_rho(
@@ -69,7 +68,7 @@ def memory_errors(rows: list[Measurement], seed: int | None = None) -> list[floa
         if r.peak_memory_gb and r.status == "ok":
             m = inputs(r)
             c = perfmodel.ModelConstants()
-            if m.cluster.name == CPU_CLUSTER:
+            if m.cluster.device_kind == "cpu":
                 c = dataclasses.replace(c, workspace_bytes=0.0)
             pairs.append((m, r.peak_memory_gb * 1e9, c))
     if seed is not None:
