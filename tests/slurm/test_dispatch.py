@@ -287,10 +287,15 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
     with connect(db)() as s:
         prefix = f"pt{store.get_study(s, 'sigkill').id}-t"
     # This test's jobs only (each test's database numbers its study 1): submitted since it started.
+    # (sacct -S also lists an earlier test's job that ended in this test's first second.)
     # Slurm 22.05's slurmdbd may record a job as "allocation" (see the hostile-name test below).
     submitted = [line.split("|") for line in
-                 slurm_env.run("sacct", "-X", "-n", "-P", "--format=JobID,JobName", "-S", since).split()]  # fmt: skip
-    ours = [job for job, name in submitted if name.startswith(prefix) or name == "allocation"]
+                 slurm_env.run("sacct", "-X", "-n", "-P", "--format=JobID,JobName,Submit", "-S", since).split()]  # fmt: skip
+    ours = [
+        job
+        for job, name, at in submitted
+        if at >= since and (name.startswith(prefix) or name == "allocation")
+    ]
     assert sorted(ours) == sorted(JobHandle.parse(t[3]).id for t in final), submitted  # one job per trial
 
 
