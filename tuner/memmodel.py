@@ -158,12 +158,17 @@ def phase_bytes(
     {phase: {PARTS: bytes}}."""
     r = _rank(m, p, precision, c, stage)
     master, adam, grads = 4 * r.params / r.d, 8 * r.params / r.d, 4 * r.params / r.d
-    after_step = {"weights": master, "grads": grads, "optimizer": adam, "activations": r.buffers}
     weights, grads_fb, acts = _forward_backward(p, r, stage, grads)
     fb = {"weights": master + weights, "grads": grads_fb, "optimizer": adam,
           "activations": acts + r.buffers + r.sent}  # fmt: skip
     # foreach AdamW: one fp32 temporary of every parameter (sqrt of v)
-    return {"forward_backward": fb, "optimizer": {**after_step, "optimizer": adam + 4 * r.params / r.d}}
+    step = {
+        "weights": master,
+        "grads": grads,
+        "optimizer": adam + 4 * r.params / r.d,
+        "activations": r.buffers,
+    }
+    return {"forward_backward": fb, "optimizer": step}
 
 
 def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int) -> _Rank:
