@@ -3,6 +3,7 @@
     .venv/bin/python bench/trial_cost.py [--spec studies/gpt-small-cpu.yaml] [--measure-steps N]
                                          [--global-batch B] [--repeats R] [--json out.json]
                                          [--before-launcher spawn|torchrun]
+                                         [--fork-server after|both|none]
     .venv/bin/python bench/trial_cost.py --report out.json      (summarize a saved run again)
 
 The same real study (local dispatch, the spec's sampler and seed) runs with `tuner run`, before
@@ -11,7 +12,11 @@ and after alternating, R times each:
           prune_running_fraction null: the trainer as it was), ranks started by
           --before-launcher (spawn, or torchrun as local trials were launched until 2026-12-02);
   after   the spec's trial section (defaults: stop once the 95 % CI of the mean step time is
-          within 2 %, prune below 0.5 x the best so far; trainer/stopping.py).
+          within 2 %, prune below 0.5 x the best so far; trainer/stopping.py), ranks started by
+          trainer.spawn.
+--fork-server says which runs fork their ranks from a fork server (trainer/forkserver.py; the
+default since 2026-12-02) instead of starting each as a Python of its own: the after runs only
+(default), both, or none. Its start (~3 s) is charged to each run's first trial.
 Each run gets its own database, so no run starts from another's calibration. From each database:
 device-seconds (world size x attempt time, summed as the device-hours budget sums them) until the
 trial of the study's best layout finished, and in total; the best layout; how many trials were
@@ -40,18 +45,26 @@ import yaml  # noqa: E402
 from trainer.launch import LAUNCHER_VAR, LAUNCHERS  # noqa: E402
 from tuner import store  # noqa: E402
 from tuner.db import connect  # noqa: E402
+from tuner.dispatch.local import FORKSERVER_VAR  # noqa: E402
 
 TUNER = str(Path(sys.executable).parent / "tuner")
 FIXED = {"stable_rel_ci": None, "prune_running_fraction": None}
 
 
-def run_study(spec: dict, tmp: Path, name: str, launcher: str = "spawn") -> dict:
+def run_study(spec: dict, tmp: Path, name: str, launcher: str = "spawn", fork_server: bool = True) -> dict:
     """One `tuner run` of `spec` in a fresh database, its local trials started by `launcher`
-    (trainer/launch.py: LAUNCHERS); what it cost and found."""
+    (trainer/launch.py: LAUNCHERS), their ranks forked from a fork server or not; what it cost
+    and found."""
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**spec, "name": name}))
     db = f"sqlite:///{tmp / name}.db"
-    env = {**os.environ, "TUNER_DATABASE_URL": db, "TUNER_WORK_DIR": str(tmp / name), LAUNCHER_VAR: launcher}
+    env = {
+        **os.environ,
+        "TUNER_DATABASE_URL": db,
+        "TUNER_WORK_DIR": str(tmp / name),
+        LAUNCHER_VAR: launcher,
+        FORKSERVER_VAR: "1" if fork_server else "0",
+    }
     started = time.monotonic()
     done = subprocess.run([TUNER, "run", str(path)], env=env, capture_output=True, text=True, timeout=7200)
     wall_s = time.monotonic() - started
@@ -136,6 +149,8 @@ def main() -> None:
     parser.add_argument("--before-launcher", choices=sorted(LAUNCHERS), default="spawn",
                         help="what starts the before runs' ranks (the after runs': spawn); torchrun: "
                              "the launcher local trials used until 2026-12-02")  # fmt: skip
+    parser.add_argument("--fork-server", choices=["after", "both", "none"], default="after",
+                        help="which runs fork their ranks from a fork server")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write every run's figures and trials here")
     parser.add_argument("--report", type=Path, help="summarize a --json file again instead of running")
     args = parser.parse_args()
@@ -150,7 +165,8 @@ def main() -> None:
         base["training"] = {**base["training"], "global_batch_size": args.global_batch}
     specs = {"before": {**base, "trial": {**trial, **FIXED}}, "after": {**base, "trial": trial}}
     print(f"{args.spec.name}: training {json.dumps(base['training'])}, trial {json.dumps(trial)}, "
-          f"sampler {base.get('sampler', 'model')}, before launcher {args.before_launcher}")  # fmt: skip
+          f"sampler {base.get('sampler', 'model')}, before launcher {args.before_launcher}, "
+          f"fork server: {args.fork_server}")  # fmt: skip
     print(f"{'run':>9} {'best layout':<28} {'tokens/s':>10} {'dev-s->best':>12} {'dev-s total':>11} "
           f"{'trials':>6} {'pruned':>6} {'stable':>6} {'wall s':>7}", flush=True)  # fmt: skip
     runs: dict[str, list[dict]] = {"before": [], "after": []}
@@ -158,13 +174,15 @@ def main() -> None:
         for i in range(1, args.repeats + 1):
             for mode in ("before", "after"):
                 launcher = args.before_launcher if mode == "before" else "spawn"
-                runs[mode].append(run_study(specs[mode], Path(tmp), f"{mode}-{i}", launcher))
+                forked = args.fork_server == "both" or (args.fork_server == "after" and mode == "after")
+                runs[mode].append(run_study(specs[mode], Path(tmp), f"{mode}-{i}", launcher, forked))
                 print(row(runs[mode][-1]), flush=True)
     summary = summarize(runs)
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps({"spec": str(args.spec), "training": base["training"], "trial": trial,
-                                         "before_launcher": args.before_launcher, "runs": runs,
+                                         "before_launcher": args.before_launcher,
+                                         "fork_server": args.fork_server, "runs": runs,
                                          "summary": summary}, indent=1))  # fmt: skip
 
 

@@ -16,6 +16,10 @@ that buys (restarts, membership changes), only what this does:
   end, after GRACE_S (it wrote the result; a failed trial exits 0 on purpose);
 - the exit code is that first failure's (128 + signal for a rank killed by one), else 0.
 
+When the environment names a fork server (TRAINER_FORKSERVER, trainer/forkserver.py), the ranks are
+forked from it, which has imported torch and the trainer already; they are watched and signalled
+the same way.
+
 The supervisor (trainer/launch.py) still owns the time limit and the trial's process tag.
 """
 
@@ -29,6 +33,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from trainer.forkserver import SOCKET_VAR, ForkedRank, fork_rank
 
 GRACE_S = 5.0
 
@@ -67,11 +73,7 @@ def spawn(command: list[str], nproc: int) -> int:
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
     with store_socket() as listener:
         port, fd = listener.getsockname()[1], listener.fileno()
-        ranks = [
-            subprocess.Popen(command, env={**rank_env(r, nproc, port), STORE_FD_VAR: str(fd) if r == 0 else ""},
-                             stdin=subprocess.DEVNULL, pass_fds=(fd,) if r == 0 else ())
-            for r in range(nproc)
-        ]  # fmt: skip
+        ranks = [_start(command, rank_env(r, nproc, port), fd if r == 0 else None) for r in range(nproc)]
     failed: tuple[int, int] | None = None  # (rank, exit code) of the first rank to fail
     rank0_ended: float | None = None
     ending_since: float | None = None  # when the other ranks were told to end
@@ -99,13 +101,24 @@ def spawn(command: list[str], nproc: int) -> int:
     return 128 + stop[0] if stop else _exit_code(ranks[0].returncode)
 
 
-def _first_failure(ranks: list[subprocess.Popen]) -> tuple[int, int] | None:
+def _start(command: list[str], env: dict[str, str], store_fd: int | None) -> subprocess.Popen | ForkedRank:
+    """One rank: forked by the trial's fork server if it names one and takes the command
+    (trainer/forkserver.py), else a process of its own. `store_fd`: rank 0's store socket."""
+    server = env.get(SOCKET_VAR)
+    if server and (rank := fork_rank(server, command, {**env, STORE_FD_VAR: ""}, store_fd)):
+        return rank
+    fds = () if store_fd is None else (store_fd,)
+    return subprocess.Popen(command, env={**env, STORE_FD_VAR: "" if store_fd is None else str(store_fd)},
+                            stdin=subprocess.DEVNULL, pass_fds=fds)  # fmt: skip
+
+
+def _first_failure(ranks: list[subprocess.Popen | ForkedRank]) -> tuple[int, int] | None:
     return next(
         ((r, _exit_code(p.returncode)) for r, p in enumerate(ranks) if p.returncode not in (None, 0)), None
     )
 
 
-def _signal(ranks: list[subprocess.Popen], sig: int) -> None:
+def _signal(ranks: list[subprocess.Popen | ForkedRank], sig: int) -> None:
     for p in ranks:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):

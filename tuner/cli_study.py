@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tuner import store
 from tuner.cli_common import console, fail, sessions
-from tuner.dispatch import BACKENDS, make_dispatcher
+from tuner.dispatch import BACKENDS, close_dispatcher, make_dispatcher
 from tuner.loop import Progress as LoopProgress
 from tuner.loop import run_study
 from tuner.outcome import StudyStatus
@@ -62,9 +62,12 @@ def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | N
         else:
             try:
                 dispatcher = make_dispatcher(spec, backend, site=settings.slurm.site())
-                status = run_study(db, study_id, dispatcher, settings.work_dir,
-                                   lease_s=settings.lease_s, takeover=takeover, on_progress=update,
-                                   should_stop=lambda: stop["now"])  # fmt: skip
+                try:
+                    status = run_study(db, study_id, dispatcher, settings.work_dir,
+                                       lease_s=settings.lease_s, takeover=takeover, on_progress=update,
+                                       should_stop=lambda: stop["now"])  # fmt: skip
+                finally:
+                    close_dispatcher(dispatcher)
             except store.ClaimRefused as e:
                 bar.stop()
                 fail(f"{e}" + ("" if takeover else "; `tuner run --takeover` takes over an expired lease"))

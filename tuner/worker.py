@@ -26,7 +26,7 @@ from sqlalchemy.orm import sessionmaker
 
 from tuner import store
 from tuner.db import DatabaseError, connect
-from tuner.dispatch import DispatchError, make_dispatcher
+from tuner.dispatch import DispatchError, close_dispatcher, make_dispatcher
 from tuner.lease import Lease
 from tuner.loop import StudyRunner, run_study
 from tuner.outcome import StudyStatus
@@ -102,8 +102,11 @@ def _run_claimed(sessions, study_id: int, owner: store.Owner, settings: Settings
             with sessions() as s:
                 spec = StudySpec.model_validate(s.get(store.Study, study_id).spec)
             dispatcher = make_dispatcher(spec, backend, site=settings.slurm.site())
-            status = StudyRunner(sessions, study_id, dispatcher, settings.work_dir, lease,
-                                 should_yield=stop.is_set).run()  # fmt: skip
+            try:
+                status = StudyRunner(sessions, study_id, dispatcher, settings.work_dir, lease,
+                                     should_yield=stop.is_set).run()  # fmt: skip
+            finally:
+                close_dispatcher(dispatcher)
             log.info("study %d: %s", study_id, status.value)
         except Exception as e:  # a broken study must not take the worker down
             log.error("study %d failed: %s", study_id, traceback.format_exc())

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from tuner.dispatch.base import Dispatcher, DispatchError, JobHandle, JobReport
 
-__all__ = ["BACKENDS", "DispatchError", "Dispatcher", "JobHandle", "JobReport", "make_dispatcher"]
+__all__ = [
+    "BACKENDS",
+    "DispatchError",
+    "Dispatcher",
+    "JobHandle",
+    "JobReport",
+    "close_dispatcher",
+    "make_dispatcher",
+]
 
 BACKENDS = ("local", "slurm")
 
@@ -28,3 +36,10 @@ def make_dispatcher(
         return SlurmDispatcher(spec=spec.slurm, site=site or SiteSettings(),
                                gpus_per_node=spec.cluster.gpus_per_node, env=env or {})  # fmt: skip
     raise ValueError(f"unknown backend {backend!r}; valid: {list(BACKENDS)}")
+
+
+def close_dispatcher(dispatcher: Dispatcher) -> None:
+    """Release what a dispatcher holds once its study stops running here (a local one's fork
+    server); its jobs in flight go on."""
+    if close := getattr(dispatcher, "close", None):
+        close()

@@ -2,6 +2,10 @@
 enforces the trial's time limit itself and, on a timeout or a cancel, kills every process that
 carries the trial's tag, so nothing outlives a trial even when the worker that started it died.
 
+CPU trials fork their ranks from a fork server this dispatcher starts with its first trial
+(trainer/forkserver.py: torch is imported once, not by every rank of every trial; a trial whose
+server is gone starts its ranks as processes). PARALLEL_TUNER_FORKSERVER=0 turns it off.
+
 Devices are partitioned between concurrent trials: CPU slots (one per core) here, GPU ids through
 CUDA_VISIBLE_DEVICES on a GPU host. A handle is `local:<host>/<supervisor pid>@<work dir>`; a
 restarted worker on the same host re-attaches through the trial's launch.json (pid and start
@@ -13,10 +17,12 @@ import json
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 
 from trainer.config import BenchmarkConfig
-from trainer.launch import CONFIG_FILE, LAUNCH_FILE, LocalRun, start_local
+from trainer.forkserver import SOCKET_VAR, ForkServer
+from trainer.launch import CONFIG_FILE, LAUNCH_FILE, LocalRun, launcher_name, start_local
 from tuner.dispatch.base import DispatchError, JobHandle, JobReport
 from tuner.dispatch.slurm import read_result
 from tuner.outcome import FailureKind, Outcome, classify
@@ -24,6 +30,7 @@ from tuner.outcome import FailureKind, Outcome, classify
 # A trial on another host (a worker there died; its work dir is shared): its supervisor ends it
 # by its own limit, so it is given up only this long after that limit.
 FOREIGN_GRACE_S = 120.0
+FORKSERVER_VAR = "PARALLEL_TUNER_FORKSERVER"  # "0": every rank of a CPU trial starts its own Python
 
 
 class LocalDispatcher:
@@ -37,6 +44,32 @@ class LocalDispatcher:
         self.devices: dict[JobHandle, list[int]] = {}  # job -> device ids it holds
         self.final: dict[JobHandle, JobReport] = {}
         self.adopted: set[JobHandle] = set()
+        self.server: ForkServer | None = None
+        self.server_failed = False  # it would not start: not tried again
+
+    def close(self) -> None:
+        """Stop the fork server taking requests (it exits once its trials' ranks have ended)."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def _fork_server_env(self) -> dict[str, str]:
+        """The environment that has a CPU trial fork its ranks from this dispatcher's server,
+        started (or started again, after it stopped when idle) here; {} when it is not used."""
+        if (
+            self.gpu
+            or self.server_failed
+            or launcher_name() != "spawn"
+            or os.environ.get(FORKSERVER_VAR) == "0"
+        ):
+            return {}
+        if self.server is None or not self.server.alive():
+            self.close()
+            self.server = ForkServer.start()
+            self.server_failed = self.server is None
+            if self.server is not None:  # stopped with this dispatcher, at the latest at exit
+                weakref.finalize(self, self.server.close)
+        return {SOCKET_VAR: self.server.path} if self.server else {}
 
     def _free(self) -> list[int]:
         held = {d for ds in self.devices.values() for d in ds}
@@ -63,12 +96,13 @@ class LocalDispatcher:
         ids = self._pick(cfg.parallel.world_size)
         if ids is None:
             raise DispatchError(f"no {cfg.parallel.world_size} free device slots (ask can_start first)")
-        env = dict(self.env)
+        command = self._command(cfg, work_dir, name, ids)
+        env = {**(self._fork_server_env() if command is None else {}), **self.env}
         if self.gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
         try:
             run = start_local(cfg, work_dir, timeout_s=timeout_s, env=env, tag=name,
-                              command=self._command(cfg, work_dir, name, ids))  # fmt: skip
+                              command=command)  # fmt: skip
         except OSError as e:
             raise DispatchError(f"cannot start the trial's launcher: {e}") from None
         job = JobHandle(self.kind, self._job_id(run), work_dir)  # type: ignore[arg-type]

@@ -1,0 +1,358 @@
+"""A fork server for local CPU trials: one process that has imported torch and the trainer forks
+each rank of a trial, instead of every rank starting a Python that imports them (~1.6 s of each
+rank's start on the 2-core VM: torch, torch.distributed.tensor, torch._dynamo; docs/benchmarks.md,
+"Trial cost").
+
+    server = ForkServer.start()     # the tuner's side, torch-free (tuner/dispatch/local.py)
+    env[SOCKET_VAR] = server.path   # the trials started with it fork their ranks from it
+    server.close()
+
+    python -m trainer.forkserver --socket PATH --parent PID      (what start() runs)
+
+trainer.spawn asks it for a rank (fork_rank) when the trial's environment names a server and the
+rank's command is `<the server's python> -m trainer.benchmark ...`; otherwise, or when the server
+does not answer, it starts the rank as a process of its own, as before.
+
+What a forked rank keeps of a started one:
+- the trial's tag in /proc/PID/environ, by which every process of a trial is found and killed
+  (trainer/launch.py). A forked process shows its parent's initial environment there, so the server
+  starts with a placeholder tag of TAG_ROOM bytes and each child writes its trial's tag over the
+  placeholder in its own copy of that block before the server answers; a longer tag, or a block
+  that cannot be written, is refused (the rank is then started as a process);
+- its environment (os.environ is the trial's), working directory, stdout and stderr (passed over
+  the socket: the trial's log) and rank 0's store socket;
+- its exit code: the server, its parent, sends it over the request's connection; signals go to
+  the pid directly.
+A rank does not outlive its trial: when the request's connection closes before the rank ended
+(trainer.spawn died), the server kills the rank; when the server dies, trainer.spawn sees the
+connection close, counts the rank as failed and ends the trial, and the supervisor kills what is
+left by tag. The server stops taking requests on SIGTERM, when the process that started it ends
+or after IDLE_S without a rank, and exits once its ranks have ended: a trial in flight finishes
+even when the worker that started it stopped (another worker may adopt it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+from trainer.launch import TAG_VAR, local_env
+
+SOCKET_VAR = "TRAINER_FORKSERVER"  # a trial's environment: the server's socket path
+TAG_ROOM = 128  # bytes of the placeholder tag, the longest trial tag a forked rank can carry
+IDLE_S = 120.0
+BENCHMARK = ["-m", "trainer.benchmark"]
+LOST = 255  # exit code of a rank whose server ended before it reported one
+
+
+# --- trainer.spawn's side -------------------------------------------------------------------------
+
+
+class ForkedRank:
+    """A rank the server forked, with what trainer.spawn uses of a Popen."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.conn, self.pid = conn, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self.conn], [], [], 0)[0]:
+            reply = _read_message(self.conn)
+            self.returncode = reply["exit"] if reply and "exit" in reply else LOST
+            self.conn.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+
+def fork_rank(path: str, command: list[str], env: dict[str, str], store_fd: int | None = None,
+              timeout_s: float = 30.0) -> ForkedRank | None:  # fmt: skip
+    """The rank `command` forked by the server at `path`, with `env`, this process's stdout,
+    stderr and working directory, and `store_fd` (rank 0's store socket); None when the command
+    is not the server's to run or the server refuses or does not answer (why goes to stderr)."""
+    if command[1:3] != BENCHMARK:
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(timeout_s)
+    request = {
+        "python": command[0],
+        "argv": command[3:],
+        "env": env,
+        "cwd": os.getcwd(),
+        "tag": env.get(TAG_VAR, ""),
+    }
+    fds = [1, 2] + ([store_fd] if store_fd is not None else [])
+    try:
+        conn.connect(path)
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
+        reply = _read_message(conn)
+    except OSError as e:
+        reply = {"error": f"{type(e).__name__}: {e}"}
+    if not reply or "pid" not in reply:
+        print(f"trainer.forkserver: starting the rank as a process: {reply and reply.get('error')}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        conn.close()
+        return None
+    conn.settimeout(None)
+    return ForkedRank(conn, reply["pid"])
+
+
+def _read_message(conn: socket.socket) -> dict | None:
+    """One JSON line, None at the end of the stream."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    return json.loads(data)
+
+
+# --- the tuner's side -----------------------------------------------------------------------------
+
+
+class ForkServer:
+    """A started server: its socket `path`, its process and its own (placeholder) tag."""
+
+    def __init__(self, process: subprocess.Popen, path: str, tag: str):
+        self.process, self.path, self.tag = process, path, tag
+
+    @classmethod
+    def start(cls, python: str = sys.executable, timeout_s: float = 120.0) -> ForkServer | None:
+        """Start a server and wait until it listens; None (why on stderr) if it does not."""
+        path = str(Path(tempfile.mkdtemp(prefix="pt-forkserver-")) / "socket")
+        tag = f"forkserver-{uuid.uuid4().hex[:16]}-".ljust(TAG_ROOM, "_")
+        argv = [python, "-m", "trainer.forkserver", f"--socket={path}", f"--parent={os.getpid()}"]
+        process = subprocess.Popen(argv, env={**local_env(), TAG_VAR: tag}, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        server = cls(process, path, tag)
+        ready = select.select([process.stdout], [], [], timeout_s)[0]
+        line = process.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            print(f"trainer.forkserver: not started ({line.decode(errors='replace').strip() or 'no answer'})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            server.close(wait_s=5.0)
+            return None
+        return server
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop taking requests; the server exits once its ranks have ended. Waits up to `wait_s`
+        for that (then kills it: its ranks are the trials' supervisors' to stop)."""
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            if wait_s:
+                self.process.kill()
+        if self.process.stdout:
+            self.process.stdout.close()
+        shutil.rmtree(Path(self.path).parent, ignore_errors=True)
+
+
+# --- the server -----------------------------------------------------------------------------------
+
+
+def preload() -> None:
+    """What every rank would import: the trainer, and what it imports late (FSDP2 and replicate
+    import torch._dynamo on first use; pipelining only for pp > 1)."""
+    import torch._dynamo
+    import torch.distributed.pipelining  # noqa: F401
+
+    import trainer.benchmark
+    import trainer.pipeline  # noqa: F401
+
+
+def serve(path: str, parent: int, idle_s: float = IDLE_S) -> int:
+    preload()
+    stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
+    listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    ranks: dict[int, socket.socket | None] = {}  # pid -> the connection that asked for it
+    idle_since = time.monotonic()
+    while listener or ranks:
+        if listener and (
+            stop or os.getppid() != parent or (not ranks and time.monotonic() - idle_since > idle_s)
+        ):
+            listener.close()  # no more requests; the ranks in flight are still reaped and reported
+            listener = None
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                os.rmdir(Path(path).parent)  # made for it by ForkServer.start
+        readable = select.select([s for s in (listener, *ranks.values()) if s], [], [], 0.2)[0]
+        for s in readable:
+            if s is listener:
+                _accept(listener, ranks)
+            else:  # the asker closed its end before its rank ended: the trial is gone
+                pid = next(p for p, c in ranks.items() if c is s)
+                s.close()
+                ranks[pid] = None
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        _reap(ranks)
+        if ranks:
+            idle_since = time.monotonic()
+    return 0
+
+
+def _accept(listener: socket.socket, ranks: dict[int, socket.socket | None]) -> None:
+    conn, _ = listener.accept()
+    conn.settimeout(10.0)
+    fds: list[int] = []
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+        while not data.endswith(b"\n"):
+            more = conn.recv(1 << 20)
+            if not more:
+                raise OSError("the request ended early")
+            data += more
+        request = json.loads(data)
+        pid = _fork(request, fds, [listener, conn, *(c for c in ranks.values() if c)])
+    except (OSError, ValueError, KeyError) as e:
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
+        conn.close()
+        return
+    finally:
+        for fd in fds:  # the child has its copies
+            os.close(fd)
+    conn.settimeout(None)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    ranks[pid] = conn
+
+
+def _fork(request: dict, fds: list[int], inherited: list[socket.socket]) -> int:
+    if os.path.abspath(request["python"]) != os.path.abspath(sys.executable):
+        raise ValueError(f"the rank's python {request['python']} is not the server's {sys.executable}")
+    if len(fds) < 2:
+        raise ValueError("stdout and stderr were not passed")
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the rank: never returns
+        code = 70
+        try:
+            os.close(ready_r)
+            _become_rank(request, fds, inherited, ready_w)
+            import trainer.benchmark
+
+            code = trainer.benchmark.main(request["argv"]) or 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+    os.close(ready_w)
+    ready = select.select([ready_r], [], [], 30.0)[0] and os.read(ready_r, 1)
+    os.close(ready_r)
+    if ready != b"1":  # it could not become the rank (why is in the trial's log)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise ValueError("the forked rank could not take the trial's tag, output or environment")
+    return pid
+
+
+def _reap(ranks: dict[int, socket.socket | None]) -> None:
+    """Collect the ranks that ended and send each one's exit code (as Popen.returncode: -N for a
+    signal) to its asker."""
+    while ranks:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if conn := ranks.pop(pid, None):
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            conn.close()
+
+
+def _become_rank(request: dict, fds: list[int], conns: list[socket.socket], ready_w: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    for c in conns:
+        c.close()
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in fds[:2]:
+        if fd > 2:
+            os.close(fd)
+    retag(request["tag"])
+    env = dict(request["env"])
+    if len(fds) > 2:  # rank 0's store socket, under its number here
+        from trainer.spawn import STORE_FD_VAR
+
+        env[STORE_FD_VAR] = str(fds[2])
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [sys.executable, *request["argv"]]
+    os.write(ready_w, b"1")
+    os.close(ready_w)
+
+
+def retag(tag: str) -> None:
+    """Write TAG_VAR=`tag` over this process's TAG_VAR entry in its initial environment block (what
+    /proc/PID/environ shows), padding with NULs up to the next entry (so it can be written again).
+    Raises if the entry is missing or too short."""
+    stat = Path("/proc/self/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # fields 3...; env_start and env_end: 50, 51
+    start, end = int(fields[47]), int(fields[48])
+    block = ctypes.string_at(start, end - start)
+    key = f"{TAG_VAR}=".encode()
+    at = 0 if block.startswith(key) else block.find(b"\0" + key) + 1
+    if at == 0 and not block.startswith(key):
+        raise ValueError(f"no {TAG_VAR} in this process's environment block")
+    size = re.compile(rb"[^\0]*\0+").match(block, at).end() - at - 1  # the entry and the NULs after it
+    entry = key + tag.encode()
+    if len(entry) > size or b"\0" in entry:
+        raise ValueError(f"the tag {tag!r} does not fit the {size - len(key)} bytes kept for it")
+    ctypes.memmove(start + at, entry + b"\0" * (size - len(entry)), size)
+    if entry not in Path("/proc/self/environ").read_bytes().split(b"\0"):
+        raise ValueError("the environment block did not take the tag")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Fork the ranks of local trials (see trainer/forkserver.py)."
+    )
+    parser.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    parser.add_argument("--parent", required=True, type=int, help="stop taking requests once this pid ends")
+    parser.add_argument("--idle-s", type=float, default=IDLE_S)
+    args = parser.parse_args(argv)
+    return serve(args.socket, args.parent, args.idle_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
