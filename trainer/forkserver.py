@@ -19,7 +19,8 @@ What a forked rank keeps of a started one:
   starts with a placeholder tag of TAG_ROOM bytes and each child writes its trial's tag over the
   placeholder in its own copy of that block before the server answers; a longer tag, or a block
   that cannot be written, is refused (the rank is then started as a process);
-- its environment (os.environ is the trial's), working directory, stdout and stderr (passed over
+- its environment (os.environ is the trial's; OMP_NUM_THREADS, which OpenMP read when the
+  server imported torch, is applied with torch.set_num_threads), working directory, stdout and stderr (passed over
   the socket: the trial's log) and rank 0's store socket;
 - its exit code: the server, its parent, sends it over the request's connection; signals go to
   the pid directly.
@@ -317,6 +318,12 @@ def _become_rank(request: dict, fds: list[int], conns: list[socket.socket], read
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(env)
+    if (
+        threads := env.get("OMP_NUM_THREADS", "")
+    ).isdigit():  # OpenMP read the server's environment at its start
+        import torch
+
+        torch.set_num_threads(int(threads))
     sys.argv = [sys.executable, *request["argv"]]
     os.write(ready_w, b"1")
     os.close(ready_w)

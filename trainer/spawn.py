@@ -14,6 +14,8 @@ that buys (restarts, membership changes), only what this does:
 - the first rank to exit non-zero ends the others (SIGTERM, then SIGKILL after GRACE_S), as
   torchrun does: a rank left alone would wait in a collective until its timeout; so does rank 0's
   end, after GRACE_S (it wrote the result; a failed trial exits 0 on purpose);
+- OMP_NUM_THREADS=1 unless set, with more than one rank, as torchrun sets it (without it, 2
+  ranks of 2 threads each on 2 cores ran a pipelined gpt-small 6x slower);
 - the exit code is that first failure's (128 + signal for a rank killed by one), else 0.
 
 When the environment names a fork server (TRAINER_FORKSERVER, trainer/forkserver.py), the ranks are
@@ -56,6 +58,8 @@ def store_socket(host: str = "127.0.0.1") -> socket.socket:
 
 def rank_env(rank: int, world: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    if world > 1:  # as torchrun: N ranks of as many threads as cores each would oversubscribe them
+        env.setdefault("OMP_NUM_THREADS", "1")
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

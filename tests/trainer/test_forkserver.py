@@ -81,6 +81,8 @@ def test_a_forked_trial_equals_a_started_one(tmp_path: Path, server: ForkServer)
     forked = run_local(cfg, tmp_path / "forked", env={SOCKET_VAR: server.path})
     assert started.status == forked.status == "ok", (started.error, forked.error)
     assert forked.losses == started.losses and forked.grad_norms == started.grad_norms
+    # One thread per rank, as torchrun sets it: 2 ranks of 2 threads on 2 cores ran pp 2 6x slower.
+    assert started.device_name.endswith("(1 threads)") and forked.device_name.endswith("(1 threads)")
     assert FALLBACK not in (tmp_path / "forked" / LOG_FILE).read_text()
     assert children(server.process.pid) == []  # reaped
 
