@@ -222,7 +222,10 @@ def serve(path: str, parent: int, idle_s: float = IDLE_S) -> int:
 
 
 def _accept(listener: socket.socket, ranks: dict[int, socket.socket | None]) -> None:
-    conn, _ = listener.accept()
+    try:
+        conn, _ = listener.accept()
+    except OSError:  # e.g. out of file descriptors: the asker starts its rank as a process
+        return
     conn.settimeout(10.0)
     fds: list[int] = []
     try:
@@ -243,8 +246,9 @@ def _accept(listener: socket.socket, ranks: dict[int, socket.socket | None]) -> 
         for fd in fds:  # the child has its copies
             os.close(fd)
     conn.settimeout(None)
-    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    ranks[pid] = conn
+    ranks[pid] = conn  # an asker gone before the answer: its rank is killed as the loop sees it go
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 
 def _fork(request: dict, fds: list[int], inherited: list[socket.socket]) -> int:
