@@ -18,7 +18,8 @@ What a forked rank keeps of a started one:
   (trainer/launch.py). A forked process shows its parent's initial environment there, so the server
   starts with a placeholder tag of TAG_ROOM bytes and each child writes its trial's tag over the
   placeholder in its own copy of that block before the server answers; a longer tag, or a block
-  that cannot be written, is refused (the rank is then started as a process);
+  that cannot be written, is refused (the rank is then started as a process), and so is a trial
+  whose environment differs from the server's in a variable read at start-up (READ_AT_IMPORT);
 - its environment (os.environ is the trial's; OMP_NUM_THREADS, which OpenMP read when the
   server imported torch, is applied with torch.set_num_threads), working directory, stdout and stderr (passed over
   the socket: the trial's log) and rank 0's store socket;
@@ -59,6 +60,9 @@ TAG_ROOM = 128  # bytes of the placeholder tag, the longest trial tag a forked r
 IDLE_S = 120.0
 BENCHMARK = ["-m", "trainer.benchmark"]
 LOST = 255  # exit code of a rank whose server ended before it reported one
+# Prefixes of environment variables read when Python starts or torch is imported: a trial whose
+# values differ from the server's has its ranks started as processes.
+READ_AT_IMPORT = ("PYTHON", "LD_", "TORCH_", "PYTORCH_", "OMP_", "KMP_", "GOMP_", "MKL_", "CUDA_")
 
 
 # --- trainer.spawn's side -------------------------------------------------------------------------
@@ -251,9 +255,20 @@ def _accept(listener: socket.socket, ranks: dict[int, socket.socket | None]) -> 
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 
+def _read_at_import(env: dict[str, str]) -> dict[str, str]:
+    """The variables Python, the loader, torch or OpenMP may read when the server started, which a
+    forked rank cannot take from its trial (OMP_NUM_THREADS is applied after the fork)."""
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT) and k != "OMP_NUM_THREADS"}
+
+
 def _fork(request: dict, fds: list[int], inherited: list[socket.socket]) -> int:
     if os.path.abspath(request["python"]) != os.path.abspath(sys.executable):
         raise ValueError(f"the rank's python {request['python']} is not the server's {sys.executable}")
+    theirs, ours = _read_at_import(request["env"]), _read_at_import(dict(os.environ))
+    if differ := sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k)):
+        raise ValueError(
+            f"the trial's environment differs from the server's in {', '.join(differ)}, read at start-up"
+        )
     if len(fds) < 2:
         raise ValueError("stdout and stderr were not passed")
     ready_r, ready_w = os.pipe()

@@ -114,6 +114,18 @@ def test_a_tag_too_long_to_fork_starts_the_ranks_as_processes(tmp_path: Path, se
 
 
 @pytest.mark.distributed
+def test_a_trial_with_other_start_up_settings_starts_its_ranks_as_processes(
+    tmp_path: Path, server: ForkServer
+) -> None:
+    """A variable torch reads when imported cannot reach a rank forked after the import."""
+    env = {SOCKET_VAR: server.path, "TORCH_SHOW_CPP_STACKTRACES": "1"}
+    result = run_local(tiny_config(DP2), tmp_path, env=env)
+    assert result.status == "ok", result.error
+    log = (tmp_path / LOG_FILE).read_text()
+    assert log.count(FALLBACK) == 2 and "differs from the server's in TORCH_SHOW_CPP_STACKTRACES" in log
+
+
+@pytest.mark.distributed
 def test_the_fork_server_dying_ends_its_trials_and_the_next_trial_gets_a_new_one(tmp_path: Path) -> None:
     """A LocalDispatcher forks CPU ranks from its server. SIGKILL the server while a trial runs:
     trainer.spawn sees it go, the trial fails instead of hanging, nothing of it is left, and the
