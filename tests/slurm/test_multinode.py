@@ -159,6 +159,13 @@ def test_allocation_mode_packs_steps_onto_whole_nodes(four: SlurmCluster, tmp_pa
     assert len(allocations) == 1
 
 
+# Measured steps of the trial, long enough that the fault lands while it runs: a cut link stalls
+# the ranks at once, but with slurmd killed the ranks go on and the job fails only once slurmctld
+# marks the node DOWN, which in a full-suite run once came after a 20-step trial (~25 s) had
+# completed (COMPLETED, a valid result: no fault to retry).
+STEPS_UNTIL_LOST = {"kill-slurmd": 60, "link-down": 20}
+
+
 @pytest.mark.parametrize("fault", ["kill-slurmd", "link-down"])
 def test_a_node_lost_mid_trial_is_retried_on_healthy_nodes(
     four: SlurmCluster, tmp_path: Path, fault: str
@@ -167,7 +174,8 @@ def test_a_node_lost_mid_trial_is_retried_on_healthy_nodes(
     (SlurmdTimeout), not at its time limit; the trial runs again on other nodes and completes."""
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     spec = parse_spec(_study(tmp_path, fault, num_gpus=4, space={**BASE["space"], "tp": [2], "num_gpus": [4], "micro_batch_size": [4]},
-                             trial={**BASE["trial"], **FIXED_STEPS, "measure_steps": 20}, budget={"max_trials": 1}))  # fmt: skip
+                             trial={**BASE["trial"], **FIXED_STEPS, "measure_steps": STEPS_UNTIL_LOST[fault]},
+                                 budget={"max_trials": 1}))  # fmt: skip
     sessions = connect(db)
     with sessions.begin() as s:
         store.create_study(s, spec)
