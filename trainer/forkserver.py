@@ -53,7 +53,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-from trainer.launch import TAG_VAR, local_env
+from trainer.launch import TAG_VAR, local_env, proc_stat
 
 SOCKET_VAR = "TRAINER_FORKSERVER"  # a trial's environment: the server's socket path
 TAG_ROOM = 128  # bytes of the placeholder tag, the longest trial tag a forked rank can carry
@@ -97,13 +97,7 @@ def fork_rank(path: str, command: list[str], env: dict[str, str], store_fd: int 
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(timeout_s)
-    request = {
-        "python": command[0],
-        "argv": command[3:],
-        "env": env,
-        "cwd": os.getcwd(),
-        "tag": env.get(TAG_VAR, ""),
-    }
+    request = {"python": command[0], "argv": command[3:], "env": env, "cwd": os.getcwd()}
     fds = [1, 2] + ([store_fd] if store_fd is not None else [])
     try:
         conn.connect(path)
@@ -120,9 +114,8 @@ def fork_rank(path: str, command: list[str], env: dict[str, str], store_fd: int 
     return ForkedRank(conn, reply["pid"])
 
 
-def _read_message(conn: socket.socket) -> dict | None:
-    """One JSON line, None at the end of the stream."""
-    data = b""
+def _read_message(conn: socket.socket, data: bytes = b"") -> dict | None:
+    """One JSON line (`data`: its start, already read), None at the end of the stream."""
     while not data.endswith(b"\n"):
         chunk = conn.recv(65536)
         if not chunk:
@@ -234,12 +227,8 @@ def _accept(listener: socket.socket, ranks: dict[int, socket.socket | None]) -> 
     fds: list[int] = []
     try:
         data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
-        while not data.endswith(b"\n"):
-            more = conn.recv(1 << 20)
-            if not more:
-                raise OSError("the request ended early")
-            data += more
-        request = json.loads(data)
+        if (request := _read_message(conn, data)) is None:
+            raise OSError("the request ended early")
         pid = _fork(request, fds, [listener, conn, *(c for c in ranks.values() if c)])
     except (OSError, ValueError, KeyError) as e:
         with contextlib.suppress(OSError):
@@ -328,7 +317,7 @@ def _become_rank(request: dict, fds: list[int], conns: list[socket.socket], read
     for fd in fds[:2]:
         if fd > 2:
             os.close(fd)
-    retag(request["tag"])
+    retag(request["env"].get(TAG_VAR, ""))
     env = dict(request["env"])
     if len(fds) > 2:  # rank 0's store socket, under its number here
         from trainer.spawn import STORE_FD_VAR
@@ -352,8 +341,7 @@ def retag(tag: str) -> None:
     """Write TAG_VAR=`tag` over this process's TAG_VAR entry in its initial environment block (what
     /proc/PID/environ shows), padding with NULs up to the next entry (so it can be written again).
     Raises if the entry is missing or too short."""
-    stat = Path("/proc/self/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()  # fields 3...; env_start and env_end: 50, 51
+    fields = proc_stat("self")  # env_start and env_end: fields 50 and 51
     start, end = int(fields[47]), int(fields[48])
     block = ctypes.string_at(start, end - start)
     key = f"{TAG_VAR}=".encode()

@@ -130,14 +130,20 @@ def _signal(pids: list[int], sig: signal.Signals, signalled: set[int]) -> None:
             signalled.add(pid)
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot: field 22 of /proc/<pid>/stat), None if gone."""
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat from the third on (field N at index N - 3; `pid` may be
+    "self"), None if the process is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2 :].split()  # the name in parentheses may hold spaces
-    return fields[0], int(fields[19])
+    return text[text.rindex(")") + 2 :].split()  # the name in parentheses may hold spaces
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot: field 22 of /proc/<pid>/stat), None if gone."""
+    fields = proc_stat(pid)
+    return (fields[0], int(fields[19])) if fields else None
 
 
 def process_start_time(pid: int) -> int | None:

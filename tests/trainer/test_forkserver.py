@@ -25,6 +25,7 @@ from trainer.launch import (
     kill_trial,
     local_env,
     new_tag,
+    proc_stat,
     run_local,
     start_local,
     trial_processes,
@@ -51,12 +52,8 @@ def children(pid: int) -> list[int]:
 
 def _ppid(pid: int) -> int | None:
     """The parent of a live process; None when it is gone or a zombie."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    state, parent = text[text.rindex(")") + 2 :].split()[:2]
-    return None if state in ("Z", "X") else int(parent)
+    fields = proc_stat(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[1])
 
 
 def test_retag_writes_the_tag_where_proc_environ_shows_it() -> None:

@@ -30,6 +30,7 @@ from trainer.launch import (
     kill_trial,
     local_env,
     new_tag,
+    proc_stat,
     process_start_time,
     run_local,
     start_local,
@@ -78,8 +79,7 @@ def wait_for_processes(tag: str, count: int, timeout_s: float = 90) -> None:
 
 
 def ppid(pid: int) -> int:
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return int(text[text.rindex(")") + 2 :].split()[1])
+    return int(proc_stat(pid)[1])
 
 
 # --- processes by tag (no torch) -----------------------------------------------------------------
