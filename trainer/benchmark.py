@@ -66,8 +66,34 @@ def dist_env() -> tuple[int, int, int]:
         step = int(step_id) if step_id.isdigit() else 0
         if not env.get("MASTER_PORT"):  # job scripts pick a free one (tuner/dispatch/sbatch.py)
             env["MASTER_PORT"] = str(20000 + (int(env.get("SLURM_JOB_ID", "0")) * 97 + step) % 20000)
+        if "OMP_NUM_THREADS" not in env and (threads := slurm_threads(env)):
+            env["OMP_NUM_THREADS"] = str(threads)
+            torch.set_num_threads(threads)  # OpenMP read the environment when torch was imported
         return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
     return 0, 0, 1
+
+
+def slurm_threads(env: dict[str, str] | os._Environ) -> int | None:
+    """Threads per rank under srun when OMP_NUM_THREADS is unset: `--cpus-per-task` when the job
+    gave one, else 1 when the step runs several ranks on this node (torchrun's rule: each rank
+    would otherwise start a thread per core and N ranks oversubscribe the node N times), else
+    None (torch's default)."""
+    if (cpus := env.get("SLURM_CPUS_PER_TASK", "")).isdigit():
+        return int(cpus)
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+    return 1 if tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0"))) > 1 else None
+
+
+def tasks_on_node(per_node: str, node: int) -> int:
+    """Tasks on node `node` from Slurm's compressed count: '2(x3),1' -> [2, 2, 2, 1][node]; 0 when
+    the count is missing or shorter than `node`."""
+    counts = []
+    for item in filter(None, per_node.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not m:
+            raise ValueError(f"cannot parse Slurm tasks per node {per_node!r}")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts[node] if node < len(counts) else 0
 
 
 def first_host(nodelist: str) -> str:

@@ -92,6 +92,7 @@ def test_a_two_node_layout_matches_one_process(
     assert len(placed["hosts"]) == 2 and set(placed["hosts"]) <= set(four.nodes), placed
     assert placed["follows_rule"] and placed["tp_inside_node"], placed
     assert placed["axes"][across]["nodes"] == 2  # the other axis crosses the (slower) link
+    assert result.device_name.endswith("(1 threads)"), result.device_name  # 2 ranks per node
     for step, (got, want) in enumerate(zip(result.losses, reference.losses, strict=True), start=1):
         assert abs(got - want) / abs(want) < REL_TOL, (
             f"{name}: loss at step {step} is {got}, reference {want}"

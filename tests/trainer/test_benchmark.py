@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.helpers import assert_valid_result, tiny_config
+from trainer.benchmark import slurm_threads, tasks_on_node
 from trainer.config import BenchmarkResult, ParallelConfig
 from trainer.launch import local_env, run_local
 
@@ -107,9 +108,9 @@ def test_runs_from_slurm_environment_without_torchrun(tmp_path: Path) -> None:
         env = local_env({
             "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
             "SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0",
-            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0",
         })  # fmt: skip
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"):
             env.pop(key, None)
         cmd = [
             sys.executable,
@@ -127,4 +128,28 @@ def test_runs_from_slurm_environment_without_torchrun(tmp_path: Path) -> None:
     finally:
         for p in procs:
             p.kill()
-    assert_valid_result(BenchmarkResult.from_json(out.read_text()), cfg)
+    result = BenchmarkResult.from_json(out.read_text())
+    assert_valid_result(result, cfg)
+    assert result.device_name.endswith("(1 threads)"), result.device_name  # two ranks on one node
+
+
+@pytest.mark.parametrize(
+    ("env", "threads"),
+    [
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(x4)", "SLURM_NODEID": "3"}, 1),
+        ({"SLURM_STEP_TASKS_PER_NODE": "4,1", "SLURM_NODEID": "1"}, None),  # alone on its node
+        ({"SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "0"}, None),
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(x4)", "SLURM_CPUS_PER_TASK": "3"}, 3),  # the job's choice
+        ({}, None),
+    ],
+)
+def test_threads_per_rank_under_srun(env: dict[str, str], threads: int | None) -> None:
+    """Several ranks on a node get one thread each unless the job gave --cpus-per-task; without
+    it 8 ranks of 4 emulated nodes on 2 cores ran a pp4 layout 10x slower (docs/benchmarks.md)."""
+    assert slurm_threads(env) == threads
+
+
+def test_slurm_tasks_per_node_is_parsed_or_refused() -> None:
+    assert [tasks_on_node("2(x3),1", n) for n in range(5)] == [2, 2, 2, 1, 0]
+    with pytest.raises(ValueError, match="tasks per node"):
+        tasks_on_node("2[x3]", 0)
