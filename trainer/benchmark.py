@@ -77,11 +77,16 @@ def slurm_threads(env: dict[str, str] | os._Environ) -> int | None:
     """Threads per rank under srun when OMP_NUM_THREADS is unset: `--cpus-per-task` when the job
     gave one, else 1 when the step runs several ranks on this node (torchrun's rule: each rank
     would otherwise start a thread per core and N ranks oversubscribe the node N times), else
-    None (torch's default)."""
+    None (torch's default; also when Slurm's count is in a form not parsed here: a thread count
+    is no reason to fail the trial)."""
     if (cpus := env.get("SLURM_CPUS_PER_TASK", "")).isdigit():
         return int(cpus)
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
-    return 1 if tasks_on_node(per_node, int(env.get("SLURM_NODEID", "0"))) > 1 else None
+    node = env.get("SLURM_NODEID", "0")
+    try:
+        return 1 if tasks_on_node(per_node, int(node) if node.isdigit() else 0) > 1 else None
+    except ValueError:
+        return None
 
 
 def tasks_on_node(per_node: str, node: int) -> int:

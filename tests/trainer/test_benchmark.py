@@ -140,6 +140,7 @@ def test_runs_from_slurm_environment_without_torchrun(tmp_path: Path) -> None:
         ({"SLURM_STEP_TASKS_PER_NODE": "4,1", "SLURM_NODEID": "1"}, None),  # alone on its node
         ({"SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "0"}, None),
         ({"SLURM_STEP_TASKS_PER_NODE": "2(x4)", "SLURM_CPUS_PER_TASK": "3"}, 3),  # the job's choice
+        ({"SLURM_STEP_TASKS_PER_NODE": "2[x4]"}, None),  # not Slurm's form: torch's default, no failure
         ({}, None),
     ],
 )
