@@ -197,10 +197,12 @@ class _StepTerms:
 
 def _step_terms(
     m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
-    compute_mb: float, layers: int, dw_mb: float = 0.0,
+    compute_mb: float, layers: float, dw_mb: float = 0.0, vocab_share: float = 1.0,
 ) -> _StepTerms:  # fmt: skip
     """The step's terms on `cluster`'s links (compute_mb fixed: the links change only these);
-    dw_mb: the weight-gradient GEMMs' share of compute_mb (what 2D tensor parallelism overlaps)."""
+    dw_mb: the weight-gradient GEMMs' share of compute_mb (what 2D tensor parallelism overlaps);
+    `layers` and `vocab_share` (of the V x h parameters) are the rank's: the slowest stage's
+    (layers and all of it), or a pipeline's average rank's (L / pp layers, 1 / pp of it)."""
     s, h, t, pp, v, mb, d = (m.seq_len, m.hidden_size, p.tp, p.pp, p.virtual_stages, p.num_microbatches, p.dp)
     tc = t * p.tp_col  # ranks that share each weight (the tensor-parallel block)
     tokens_mb = p.micro_batch_size * s
@@ -227,7 +229,7 @@ def _step_terms(
     # reduce-scatter + all-gather (same bytes, ZeRO sec. 7); ZeRO-3 gathers parameters for
     # forward and again for backward of every micro-batch (1.5x, ZeRO sec. 7.2.2).
     dp_gbps, dp_lat = _group_link(cluster, d, tc)
-    params_rank = layers * _layer_params(m, t, p.tp_col) + m.vocab_size * h / tc
+    params_rank = layers * _layer_params(m, t, p.tp_col) + vocab_share * m.vocab_size * h / tc
     full_ar = _ring_allreduce_s(params_rank * act_bytes, d, dp_gbps, dp_lat, c)
     if p.zero_stage == 3:
         halves = 2 * mb + (mb if pp == 1 else 1)
@@ -299,17 +301,24 @@ def estimate(
     if cluster.cores_per_node:
         # Ranks sharing cores: a rank idle in the bubble lends its core to the others, and gloo's
         # collectives are CPU work too, so the node's total busy time over its cores bounds the step.
+        # That total is the average rank's work x ranks: with a pipeline the slowest stage (the
+        # most layers, the LM head) is not what every rank does.
         # Only the CPU part of a collective counts: over a link slower than the node's own, the
         # rank waits on the wire and its core is free (priced as if every link were on-node).
         # The overlapped part of 2D tensor parallelism's traffic keeps a core busy too.
         # What the slower wire adds on top is a wait no core can fill: collectives are synchronous
         # (every rank reaches DP's all-reduce, a pipeline's send or a TP exchange in the same
         # phase of the step), so the whole world waits on the wire at once.
-        cpu = k if cluster.inter_node_gbps >= cluster.intra_node_gbps else _step_terms(
-            m, p, _on_node_links(cluster), precision, c, compute_mb, layers, dw_mb)  # fmt: skip
+        on_node = cluster if cluster.inter_node_gbps >= cluster.intra_node_gbps else _on_node_links(cluster)
+        cpu = k if on_node is cluster else _step_terms(m, p, on_node, precision, c, compute_mb, layers, dw_mb)
         wire = step - cpu.step_s(mb)
+        layers_avg = m.num_layers / pp
+        flops_avg = layers_avg * (3 * layer_fwd + recompute) + 3 * head_fwd / pp
+        compute_avg = (flops_avg / efficiency + layers_avg * _elementwise_flops(m, p, precision, c)) / peak
+        dw_avg = (layers_avg * gemm_fwd + head_fwd / pp) / efficiency / peak
+        avg = _step_terms(m, p, on_node, precision, c, compute_avg, layers_avg, dw_avg, vocab_share=1 / pp)
         ranks = min(p.world_size, cluster.gpus_per_node)
-        busy = mb * (cpu.stage_mb + cpu.tp_hidden) + cpu.p2p + cpu.dp_comm + cpu.optimizer_s
+        busy = mb * (avg.stage_mb + avg.tp_hidden) + avg.p2p + avg.dp_comm + avg.optimizer_s
         step = max(step, busy * ranks / cluster.cores_per_node + max(wire, 0.0))
     tokens_per_s = p.global_batch_size * s / step
     tflops = m.flops_per_token * tokens_per_s / p.world_size / 1e12

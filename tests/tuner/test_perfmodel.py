@@ -136,6 +136,20 @@ def test_ranks_sharing_cores_take_at_least_the_nodes_busy_time() -> None:
     )
 
 
+def test_ranks_sharing_cores_count_the_average_stage_not_the_slowest() -> None:
+    """A pipeline's stages do different work (the last one holds the LM head): the node's busy
+    time is the sum of its ranks' work, not the slowest stage's x ranks. With a head as large as
+    the layers, pricing every rank like the last stage nearly doubled a pp 2 step."""
+    model = dataclasses.replace(MODEL_PRESETS["gpt-tiny"], vocab_size=65536)
+    shared = ClusterSpec(**dict(cluster_preset("cpu-local"), gpus_per_node=8, cores_per_node=2))
+    pp = estimate(model, ParallelConfig(pp=2, dp_replicate=4, micro_batch_size=2, num_microbatches=2),
+                  shared, "fp32", CPU_CONSTANTS)  # fmt: skip
+    dp = estimate(model, ParallelConfig(dp_replicate=8, micro_batch_size=2), shared, "fp32", CPU_CONSTANTS)
+    slowest_stage_bound = pp.compute_s * 8 / 2  # compute_s: the last stage's micro-batches
+    assert pp.step_time_s < 0.6 * slowest_stage_bound
+    assert pp.step_time_s < dp.step_time_s  # the same total work, less optimizer and all-reduce
+
+
 def test_ranks_sharing_cores_wait_on_a_slow_wire_together() -> None:
     """Over links slower than the node's own, the wire's extra time adds to the nodes' busy time:
     every rank reaches the all-reduce at once, so no core's work fills the wait. Same layout and
