@@ -290,10 +290,18 @@ def estimate(
     layer_fwd = gemm_fwd + attn_fwd
     recompute = {"none": 0.0, "selective": attn_fwd, "full": layer_fwd}[p.activation_checkpoint]
     head_fwd = 2 * m.vocab_size * h * tokens_mb / tc
-    flops_mb = layers * (3 * layer_fwd + recompute) + 3 * head_fwd
     efficiency, peak = _compute_efficiency(m, p, c), cluster.peak_tflops * 1e12
-    compute_mb = (flops_mb / efficiency + layers * _elementwise_flops(m, p, precision, c)) / peak
-    dw_mb = (layers * gemm_fwd + head_fwd) / efficiency / peak  # the weight gradients' GEMMs
+    elementwise = _elementwise_flops(m, p, precision, c)
+
+    def stage(layers: float, head_share: float = 1.0) -> tuple[float, float]:
+        """One micro-batch on a stage of `layers` layers and `head_share` of the head: its compute
+        and the weight gradients' GEMMs' part of it."""
+        head = head_share * head_fwd
+        flops = layers * (3 * layer_fwd + recompute) + 3 * head
+        compute = (flops / efficiency + layers * elementwise) / peak
+        return compute, (layers * gemm_fwd + head) / efficiency / peak
+
+    compute_mb, dw_mb = stage(layers)
 
     k = _step_terms(m, p, cluster, precision, c, compute_mb, layers, dw_mb)
     compute_total = mb * compute_mb
@@ -313,9 +321,7 @@ def estimate(
         cpu = k if on_node is cluster else _step_terms(m, p, on_node, precision, c, compute_mb, layers, dw_mb)
         wire = step - cpu.step_s(mb)
         layers_avg = m.num_layers / pp
-        flops_avg = layers_avg * (3 * layer_fwd + recompute) + 3 * head_fwd / pp
-        compute_avg = (flops_avg / efficiency + layers_avg * _elementwise_flops(m, p, precision, c)) / peak
-        dw_avg = (layers_avg * gemm_fwd + head_fwd / pp) / efficiency / peak
+        compute_avg, dw_avg = stage(layers_avg, 1 / pp)
         avg = _step_terms(m, p, on_node, precision, c, compute_avg, layers_avg, dw_avg, vocab_share=1 / pp)
         ranks = min(p.world_size, cluster.gpus_per_node)
         busy = mb * (avg.stage_mb + avg.tp_hidden) + avg.p2p + avg.dp_comm + avg.optimizer_s
