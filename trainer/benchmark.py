@@ -404,13 +404,16 @@ def _hostnames(world_size: int) -> list[str]:
 
 
 def inject_fault(rank: int, step: int) -> None:
-    """Test hook: TRAINER_FAULT="<raise|hang|exit|oom>:<rank>:<step>" makes that rank fail that
-    way at the start of that (0-based) step, to exercise the failure paths for real."""
+    """Test hook: TRAINER_FAULT="<raise|hang|exit|oom>:<rank>:<step>[:<job name>]" makes that rank
+    fail that way at the start of that (0-based) step, to exercise the failure paths for real; with
+    a job name, only in the Slurm job of that name (one attempt of a trial, not its retry)."""
     spec = os.environ.get("TRAINER_FAULT")
     if not spec:
         return
-    kind, fault_rank, fault_step = spec.split(":")
+    kind, fault_rank, fault_step, *job = spec.split(":", 3)
     if int(fault_rank) != rank or int(fault_step) != step:
+        return
+    if job and os.environ.get("SLURM_JOB_NAME") != job[0]:
         return
     if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")

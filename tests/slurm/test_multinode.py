@@ -160,11 +160,12 @@ def test_allocation_mode_packs_steps_onto_whole_nodes(four: SlurmCluster, tmp_pa
     assert len(allocations) == 1
 
 
-# Measured steps of the trial, long enough that the fault lands while it runs: a cut link stalls
-# the ranks at once, but with slurmd killed the ranks go on and the job fails only once slurmctld
-# marks the node DOWN, which in a full-suite run once came after a 20-step trial (~25 s) had
-# completed (COMPLETED, a valid result: no fault to retry).
-STEPS_UNTIL_LOST = {"kill-slurmd": 60, "link-down": 20}
+# The first attempt's rank 0 hangs at its second step (TRAINER_FAULT keyed to that attempt's job
+# name), so the fault lands while the trial runs however fast its steps are: with slurmd killed the
+# ranks would go on, and the job fails only once slurmctld marks the node DOWN (~30 s). A fixed step
+# count raced it: a 20-step trial (~25 s) once completed first, and with one thread per rank under
+# srun (af3df77) a 60-step one did (COMPLETED, a valid result: no fault to retry). The retry, a job
+# of another name, runs its steps.
 
 
 @pytest.mark.parametrize("fault", ["kill-slurmd", "link-down"])
@@ -174,19 +175,19 @@ def test_a_node_lost_mid_trial_is_retried_on_healthy_nodes(
     """The node's slurmd killed, or its network cut: the job ends NODE_FAIL within ~30 s
     (SlurmdTimeout), not at its time limit; the trial runs again on other nodes and completes."""
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    first_attempt = store.job_name(1, 0, 1)  # the study's first trial, its first attempt
+    env = {**BASE["slurm"]["env"], "TRAINER_FAULT": f"hang:0:1:{first_attempt}"}
     spec = parse_spec(_study(tmp_path, fault, num_gpus=4, space={**BASE["space"], "tp": [2], "num_gpus": [4], "micro_batch_size": [4]},
-                             trial={**BASE["trial"], **FIXED_STEPS, "measure_steps": STEPS_UNTIL_LOST[fault]},
-                                 budget={"max_trials": 1}))  # fmt: skip
+                             trial={**BASE["trial"], **FIXED_STEPS, "measure_steps": 20},
+                             slurm={**BASE["slurm"], "env": env}, budget={"max_trials": 1}))  # fmt: skip
     sessions = connect(db)
     with sessions.begin() as s:
         store.create_study(s, spec)
     hit: dict = {}
 
     def inject() -> None:
-        name = store.job_name(1, 0, 1)  # the first attempt of the study's first trial
-
         def running() -> str | None:
-            out = four.run("squeue", "-h", f"--name={name}", "-o", "%i|%T|%N").strip()
+            out = four.run("squeue", "-h", f"--name={first_attempt}", "-o", "%i|%T|%N").strip()
             return out if out.split("|")[1:2] == ["RUNNING"] else None
 
         job, _, nodelist = _wait(running, 120, "the trial's job running").split("|")
