@@ -320,9 +320,13 @@ def estimate(
         on_node = cluster if cluster.inter_node_gbps >= cluster.intra_node_gbps else _on_node_links(cluster)
         cpu = k if on_node is cluster else _step_terms(m, p, on_node, precision, c, compute_mb, layers, dw_mb)
         wire = step - cpu.step_s(mb)
-        layers_avg = m.num_layers / pp
-        compute_avg, dw_avg = stage(layers_avg, 1 / pp)
-        avg = _step_terms(m, p, on_node, precision, c, compute_avg, layers_avg, dw_avg, vocab_share=1 / pp)
+        avg = cpu  # one stage: every rank is the slowest
+        if pp > 1:
+            layers_avg = m.num_layers / pp
+            compute_avg, dw_avg = stage(layers_avg, 1 / pp)
+            avg = _step_terms(
+                m, p, on_node, precision, c, compute_avg, layers_avg, dw_avg, vocab_share=1 / pp
+            )
         ranks = min(p.world_size, cluster.gpus_per_node)
         busy = mb * (avg.stage_mb + avg.tp_hidden) + avg.p2p + avg.dp_comm + avg.optimizer_s
         step = max(step, busy * ranks / cluster.cores_per_node + max(wire, 0.0))
