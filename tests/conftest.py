@@ -8,8 +8,11 @@ import pytest
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Trials cache the measured CPU peak; keep the suite's cache out of the user's home."""
+    """Trials cache the measured CPU peak; keep the suite's cache out of the user's home. The CLI's
+    default database is ./tuner.db, where `make demo` leaves a study and its calibration: a CLI
+    test that names no database reads an empty one of its own instead."""
     os.environ.setdefault("TUNER_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    os.environ.setdefault("TUNER_DATABASE_URL", f"sqlite:///{tmp_path_factory.mktemp('db') / 'tuner.db'}")
 
 
 @pytest.fixture(scope="session")
