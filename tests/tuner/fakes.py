@@ -41,20 +41,28 @@ def tokens_for(cfg: BenchmarkConfig) -> float:
     return 1000.0 * p.world_size / (1 + 0.1 * p.tp + 0.2 * p.pp) * (1 + 0.01 * p.micro_batch_size)
 
 
-def ok(cfg: BenchmarkConfig) -> Outcome:
-    tokens = tokens_for(cfg)
+def ok(cfg: BenchmarkConfig, speed: float = 1.0) -> Outcome:
+    tokens = tokens_for(cfg) * speed
     return Outcome(ok=True, tokens_per_s=tokens, step_time_s=cfg.tokens_per_step / tokens, peak_memory_bytes=10**6,
                    result={"step_times_s": [cfg.tokens_per_step / tokens]})  # fmt: skip
 
 
-def measured(cfg: BenchmarkConfig, name: str) -> tuple[float, Outcome]:
+def measured_at(speed: Callable[[str], float]) -> Callable[[BenchmarkConfig, str], tuple[float, Outcome]]:
     """A trial that runs 60 s, or stops after 30 s as the trainer does when it is slower than
-    the floor it was given (pruned while running: the same tokens/s, measured on fewer steps)."""
-    floor, outcome = cfg.abandon_below_tokens_per_s, ok(cfg)
-    if floor is None or outcome.tokens_per_s >= floor:
-        return 60.0, outcome
-    message = f"pruned while running: {outcome.tokens_per_s:,.0f} tokens/s < floor {floor:,.0f} tokens/s"
-    return 30.0, dataclasses.replace(outcome, pruned=True, message=message)
+    the floor it was given (pruned while running: the same tokens/s, measured on fewer steps).
+    speed(attempt name) scales the layout's throughput (a node that runs slow)."""
+
+    def script(cfg: BenchmarkConfig, name: str) -> tuple[float, Outcome]:
+        floor, outcome = cfg.abandon_below_tokens_per_s, ok(cfg, speed(name))
+        if floor is None or outcome.tokens_per_s >= floor:
+            return 60.0, outcome
+        message = f"pruned while running: {outcome.tokens_per_s:,.0f} tokens/s < floor {floor:,.0f} tokens/s"
+        return 30.0, dataclasses.replace(outcome, pruned=True, message=message)
+
+    return script
+
+
+measured = measured_at(lambda name: 1.0)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from tests.tuner.fakes import FakeClock, FakeCluster, FakeDispatcher, ok, tokens_for
+from tests.tuner.fakes import FakeClock, FakeCluster, FakeDispatcher, measured_at, ok, tokens_for
 from tuner import store
 from tuner.db import connect
 from tuner.dispatch import JobHandle
@@ -401,10 +401,12 @@ def test_a_slow_trial_is_pruned_while_running_told_its_score_not_retried_and_its
     tmp_path: Path,
 ) -> None:
     # One trial at a time, so each knows the best before it; the fake trial stops after 30 s
-    # instead of 60 when it is slower than its floor (tests/tuner/fakes.py: measured).
+    # instead of 60 when it is slower than its floor (tests/tuner/fakes.py: measured_at). Odd
+    # trials run at half speed, so some fall below the floor whatever order the sampler takes.
     env = Env(
         tmp_path, trial={"prune_running_fraction": 0.9}, budget={"max_trials": 6, "trials_in_flight": 1}
     )
+    env.cluster.script = measured_at(lambda name: 0.5 if int(re.search(r"-t(\d+)-", name)[1]) % 2 else 1.0)
     runner = env.runner()
     assert runner.run() is StudyStatus.COMPLETE
     trials = env.trials()
