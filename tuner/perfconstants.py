@@ -72,9 +72,9 @@ FITTED = (
 # (calibrate() from the GPU defaults on every layout of bench/own_tables/own_gpt-tiny_8rank_gbs16.csv
 # and own_gpt-small_8rank_gbs16.csv); every other own table is held out from them.
 CPU_CONSTANTS = ModelConstants(
-    compute_efficiency=0.9819, compute_half_size=31370.0, elementwise_flops_per_byte=23.81,
-    comm_efficiency=0.8976, dp_overlap=0.5, layer_floor_s=3.0e-3, microbatch_overhead_s=2.43e-4,
-    collective_overhead_s=2.182e-3,
+    compute_efficiency=0.9569, compute_half_size=10105.0, elementwise_flops_per_byte=34.04,
+    comm_efficiency=0.9195, dp_overlap=0.5, layer_floor_s=1.65e-3, microbatch_overhead_s=1.429e-3,
+    collective_overhead_s=2.464e-3,
     workspace_bytes=0.0,  # the trainer's CPU peak is its live tensors: no context or allocator reserve
 )  # fmt: skip
 

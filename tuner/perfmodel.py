@@ -30,7 +30,7 @@ from tuner.spec import ClusterSpec, padded_model
 # several times by the ops around it) that weighs ~8: chosen among 0/8/16/28 on the vTrain h1024
 # tables (uncalibrated error 7.4 / 6.6 / 6.9 / 8.2 %).
 OPTIMIZER_BYTES_PER_PARAM = 8.0
-DDP_BUCKET_BYTES = 25e6  # torch DDP's bucket_cap_mb default: replicated gradients go in 25 MB all-reduces
+DDP_BUCKET_BYTES = 25e6  # torch DDP's bucket_cap_mb default: ZeRO-1's gradients go in 25 MB all-reduces
 
 
 @dataclass(frozen=True)
@@ -238,10 +238,15 @@ def _step_terms(
     else:
         halves = 2
     # Collectives issued: sharded data parallelism (FSDP, ZeRO-2/3) one per layer and pass, so
-    # halves x layers; replicated gradients one per 25 MB bucket (DDP's bucket_cap_mb). Each pays
-    # the software cost as tp's do (on gloo over loopback ~1 ms: most of what ZeRO-3 costs there).
+    # halves x layers; replicated gradients the trainer's way (trainer/parallelize.py
+    # apply_replicate: FSDP2's replicate per block and on the root, synced on the last micro-batch
+    # only), one per layer plus the root's; ZeRO-1, which the trainer does not offer, one per
+    # 25 MB bucket (DeepSpeed's and DDP's). Each pays the software cost as tp's do (on gloo over
+    # loopback ~1 ms: most of what ZeRO-3 and small replicated models cost there).
     if p.zero_stage >= 2:
         n_dp_collectives = halves * layers
+    elif p.zero_stage == 0:
+        n_dp_collectives = math.ceil(layers) + 1
     else:
         n_dp_collectives = math.ceil(params_rank * act_bytes / DDP_BUCKET_BYTES)
     dp_comm = full_ar / 2 * halves + n_dp_collectives * c.collective_overhead_s * math.log2(d)
