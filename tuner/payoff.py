@@ -4,8 +4,8 @@ of its best layout over two baselines measured in the same study, and when that 
 Baselines, both measured at the best layout's device count (throughputs at different device
 counts are not comparable):
 - `first_guess`: the layout the performance model ranked first when the study started (the
-  trial with the highest predicted tokens/s at proposal time; every sampler but `random` runs it
-  first). What a user would have run without tuning, if they trusted the model.
+  trial with the highest predicted tokens/s at proposal time, the earliest of equal ones; every
+  sampler but `random` runs it first). What a user would have run without tuning, if they trusted the model.
 - `median`: the median measured layout: what picking a layout by hand gets you on average.
 
 Pay-back: training on the best layout instead of a baseline saves devices x (speed-up - 1)
