@@ -205,9 +205,13 @@ def _compute_payoffs(session: Session, studies: list[Study]) -> dict[int, Payoff
     spent = dict(session.execute(select(Trial.study_id, func.sum(Trial.device_s)).where(Trial.study_id.in_(ids))
                                  .group_by(Trial.study_id)).all())  # fmt: skip
     measured: dict[int, list[Measured]] = {i: [] for i in ids}
-    q = select(Trial.study_id, store.TRIAL_WORLD, Trial.tokens_per_s, Trial.predicted_tokens_per_s).where(
-        Trial.study_id.in_(ids), Trial.state == TrialState.COMPLETE.value, Trial.tokens_per_s.is_not(None)
-    ).order_by(Trial.number)  # in proposal order: of equal predictions, the first guess is the one run first
+    q = (
+        select(Trial.study_id, store.TRIAL_WORLD, Trial.tokens_per_s, Trial.predicted_tokens_per_s)
+        .where(
+            Trial.study_id.in_(ids), Trial.state == TrialState.COMPLETE.value, Trial.tokens_per_s.is_not(None)
+        )
+        .order_by(Trial.number)
+    )  # in proposal order: of equal predictions, the first guess is the one run first
     for study_id, world, tokens, predicted in session.execute(q):
         measured[study_id].append(Measured(world, tokens, predicted))
     return {s.id: payoff(spent.get(s.id) or 0.0, measured[s.id], s.spec.get("training", {}).get("total_tokens"))
