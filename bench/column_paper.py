@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tuner.perfmodel import default_constants  # noqa: E402
-from tuner.plan import column_comparison, fastest_fitting, score  # noqa: E402
+from tuner.plan import column_comparison, fastest_fitting  # noqa: E402
+from tuner.pricing import Pricing  # noqa: E402
 from tuner.space import SearchSpace  # noqa: E402
 from tuner.spec import load_spec, parse_spec  # noqa: E402
 
@@ -43,7 +43,7 @@ def setting(label: str, path: str, gbs: int | None) -> dict:
         raw["training"]["global_batch_size"] = gbs
     raw["space"]["tp_col"] = COLUMNS
     spec = parse_spec(raw, path)
-    rows = score(spec, SearchSpace.from_spec(spec).enumerate().valid, default_constants(spec.cluster))
+    rows = Pricing.for_study(spec).rank(SearchSpace.from_spec(spec).enumerate().valid)
     plain = fastest_fitting([(p, e) for p, e in rows if p.tp_col == 1])
     col = fastest_fitting([(p, e) for p, e in rows if p.tp_col > 1])
     out = {"setting": label, "spec": path, "global_batch": spec.training.global_batch_size}

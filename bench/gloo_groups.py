@@ -33,8 +33,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tuner import perfmodel  # noqa: E402
+from tuner.hardware import cluster_preset  # noqa: E402
 from tuner.perfconstants import CPU_CONSTANTS  # noqa: E402
-from tuner.spec import ClusterSpec, cluster_preset  # noqa: E402
+from tuner.spec import ClusterSpec  # noqa: E402
 
 SIZES = (1024, 65536)  # bytes: a layer norm's statistics, a gpt-small activation (128 x 128 fp32)
 

@@ -36,9 +36,10 @@ import torch  # noqa: E402
 
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig  # noqa: E402
 from trainer.memcheck import RankMemory, Simulation, Simulator, memcheck  # noqa: E402
+from tuner.hardware import cluster_preset  # noqa: E402
 from tuner.memmodel import memory  # noqa: E402
 from tuner.perfconstants import ModelConstants  # noqa: E402
-from tuner.spec import ClusterSpec, cluster_preset, padded_model  # noqa: E402
+from tuner.spec import ClusterSpec, padded_model  # noqa: E402
 
 RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle.jsonl"
 CLUSTER = "a100-80gb"

@@ -37,19 +37,19 @@ from scipy.stats import spearmanr  # noqa: E402
 from bench.priors import PRIORS, inputs, prior  # noqa: E402
 from bench.search_efficiency import default_tables  # noqa: E402
 from bench.validation_data import Measurement, load_csv, load_tables  # noqa: E402
-from tuner import perfmodel  # noqa: E402
+from tuner import fitting, memmodel, perfconstants, perfmodel  # noqa: E402
 
 NUM_CALIBRATION = 5
 
 
 def throughput_rho(
-    rows: list[Measurement], seed: int, initial: perfmodel.ModelConstants | None = None
+    rows: list[Measurement], seed: int, initial: perfconstants.ModelConstants | None = None
 ) -> float | None:
     ok = [inputs(r) for r in rows if r.status == "ok" and r.iteration_time_s]
     if len(ok) < NUM_CALIBRATION + 3:
         return None
     chosen = set(random.Random(seed).sample(range(len(ok)), NUM_CALIBRATION))
-    fitted = perfmodel.calibrate([ok[i] for i in chosen], initial)
+    fitted = fitting.calibrate([ok[i] for i in chosen], initial)
     held = [m for i, m in enumerate(ok) if i not in chosen]
     predicted = [
         perfmodel.estimate(m.model, m.parallel, m.cluster, m.precision, fitted).tokens_per_s for m in held
@@ -67,7 +67,7 @@ def memory_errors(rows: list[Measurement], seed: int | None = None) -> list[floa
     for r in rows:
         if r.peak_memory_gb and r.status == "ok":
             m = inputs(r)
-            c = perfmodel.ModelConstants()
+            c = perfconstants.ModelConstants()
             if m.cluster.device_kind == "cpu":
                 c = dataclasses.replace(c, workspace_bytes=0.0)
             pairs.append((m, r.peak_memory_gb * 1e9, c))
@@ -75,10 +75,10 @@ def memory_errors(rows: list[Measurement], seed: int | None = None) -> list[floa
         if len(pairs) < 2:
             return []
         chosen = set(random.Random(seed).sample(range(len(pairs)), min(NUM_CALIBRATION, len(pairs) // 2)))
-        fitted = perfmodel.fit_memory_scale([(pairs[i][0], pairs[i][1]) for i in chosen], pairs[0][2])
+        fitted = fitting.fit_memory_scale([(pairs[i][0], pairs[i][1]) for i in chosen], pairs[0][2])
         pairs = [(m, peak, fitted) for i, (m, peak, _) in enumerate(pairs) if i not in chosen]
     return [
-        abs(perfmodel.memory(m.model, m.parallel, m.precision, c)["memory_bytes"] - peak) / peak
+        abs(memmodel.memory(m.model, m.parallel, m.precision, c)["memory_bytes"] - peak) / peak
         for m, peak, c in pairs
     ]
 

@@ -13,7 +13,7 @@ Targets (issue 3): median rho >= 0.8 uncalibrated, >= 0.9 calibrated.
 Then the MFU trend across model sizes (issue 13) on Korthikanti table 5 and the BigScience
 BLOOM-prequel tables: predicted / measured MFU, uncalibrated, should not drift with size (target:
 every table within 10 % of its group's median ratio).
-The cold constants are tuner.perfmodel.default_constants of the table's device kind, with
+The cold constants are tuner.perfconstants.default_constants of the table's device kind, with
 flash_attention off for public tables (bench/priors.py: cold).
 """
 
@@ -33,13 +33,13 @@ from scipy.stats import spearmanr  # noqa: E402
 
 from bench.priors import cold, inputs  # noqa: E402
 from bench.validation_data import Measurement, load_csv, load_tables  # noqa: E402
-from tuner import perfmodel  # noqa: E402
+from tuner import fitting, perfconstants, perfmodel, spec  # noqa: E402
 
 MIN_ROWS = 4  # a rank correlation over fewer layouts says little
 NUM_CALIBRATION = 3
 
 
-def _predict(m: perfmodel.Measurement, constants: perfmodel.ModelConstants) -> float:
+def _predict(m: fitting.Measurement, constants: perfconstants.ModelConstants) -> float:
     return perfmodel.estimate(m.model, m.parallel, m.cluster, m.precision, constants).step_time_s
 
 
@@ -62,7 +62,7 @@ def evaluate(table_id: str, rows: list[Measurement]) -> dict | None:
     }
     rng = random.Random(zlib.crc32(table_id.encode()))
     chosen = set(rng.sample(range(len(ok)), NUM_CALIBRATION))
-    fitted = perfmodel.calibrate([ok[i] for i in chosen], default)
+    fitted = fitting.calibrate([ok[i] for i in chosen], default)
     held = [m for i, m in enumerate(ok) if i not in chosen]
     pred = [_predict(m, fitted) for m in held]
     out["rho_cal"] = _rho(pred, [m.step_time_s for m in held]) if len(held) >= 3 else None
@@ -100,7 +100,7 @@ def mfu_trend(tables: dict[str, list[Measurement]], prefix: str, checkpoint: str
             est = perfmodel.estimate(m.model, m.parallel, m.cluster, m.precision, cold(r))
             measured.append(est.mfu * est.step_time_s / m.step_time_s)  # same FLOPs, measured time
             predicted.append(est.mfu)
-        size = perfmodel.padded_model(ok[0].model, ok[0].parallel.tp).num_params
+        size = spec.padded_model(ok[0].model, ok[0].parallel.tp).num_params
         out.append({"table": tid, "params": size, "mfu": statistics.median(measured),
                     "mfu_pred": statistics.median(predicted),
                     "ratio": statistics.median(p / q for p, q in zip(predicted, measured, strict=True))})  # fmt: skip

@@ -2,7 +2,7 @@
 
 A study on a cluster starts from the constants its earlier studies fitted (tuner.store.
 latest_constants). The benchmarks replay one table at a time; `cold` starts from the defaults of
-the table's device kind (tuner.perfmodel.default_constants: nothing known about the cluster),
+the table's device kind (tuner.perfconstants.default_constants: nothing known about the cluster),
 `warm` from constants fitted to every OTHER table measured on the same cluster (same `gpu_type`),
 never to the table being judged.
 
@@ -10,7 +10,7 @@ Public tables were measured with frameworks that materialise the s x s attention
 (Megatron-LM 2021-22, Megatron-DeepSpeed, DeepSpeed, OneFlow: none ran flash attention), so their
 priors say `flash_attention=False`; our own trainer runs SDPA (no stored scores).
 
-    .venv/bin/python bench/priors.py --fit-cpu-defaults   # the CPU defaults in tuner/perfmodel.py
+    .venv/bin/python bench/priors.py --fit-cpu-defaults   # the CPU defaults in tuner/perfconstants.py
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.validation_data import Measurement, load_csv  # noqa: E402
-from tuner import perfmodel  # noqa: E402
+from tuner import fitting, perfconstants  # noqa: E402
+from tuner.pricing import Pricing  # noqa: E402
 from tuner.spec import ClusterSpec  # noqa: E402
 
 PRIORS = ("cold", "warm")
@@ -34,20 +35,27 @@ OWN_DATASET = "own_tables"  # bench/own_tables/: measured by this project's trai
 CPU_DEFAULT_TABLES = ("own_gpt-tiny_8rank_gbs16.csv", "own_gpt-small_8rank_gbs16.csv")
 
 
-def inputs(row: Measurement) -> perfmodel.Measurement:
+def inputs(row: Measurement) -> fitting.Measurement:
     """A table row as calibrate() input (estimate() pads the vocabulary as Megatron does)."""
-    return perfmodel.Measurement(
+    return fitting.Measurement(
         row.model, row.parallel, ClusterSpec(**row.cluster), row.iteration_time_s or 0.0, row.precision
     )
 
 
-def cold(row: Measurement) -> perfmodel.ModelConstants:
+def pricing(row: Measurement, constants: perfconstants.ModelConstants | None = None) -> Pricing:
+    """The pricing a study of the row's table would use: its model, cluster and dtype (fp16 tables
+    price as bf16: the same bytes and, on these GPUs, the same peak), `constants` (default: cold)."""
+    dtype = "fp32" if row.precision == "fp32" else "bf16"
+    return Pricing(row.model, ClusterSpec(**row.cluster), dtype, constants or cold(row))
+
+
+def cold(row: Measurement) -> perfconstants.ModelConstants:
     """The defaults of the row's device kind, as the framework that measured it ran attention."""
-    c = perfmodel.default_constants(ClusterSpec(**row.cluster))
+    c = perfconstants.default_constants(ClusterSpec(**row.cluster))
     return c if row.dataset == OWN_DATASET else dataclasses.replace(c, flash_attention=False)
 
 
-def prior(kind: str, path: Path, tables: list[Path]) -> perfmodel.ModelConstants:
+def prior(kind: str, path: Path, tables: list[Path]) -> perfconstants.ModelConstants:
     """The constants a study of the table at `path` would start from."""
     rows = load_csv(path)
     if kind == "cold":
@@ -62,19 +70,19 @@ def prior(kind: str, path: Path, tables: list[Path]) -> perfmodel.ModelConstants
         for r in load_csv(p)
         if r.status == "ok" and r.iteration_time_s and r.cluster == cluster
     ]
-    return perfmodel.calibrate(others, cold(rows[0])) if others else cold(rows[0])
+    return fitting.calibrate(others, cold(rows[0])) if others else cold(rows[0])
 
 
 # Fitted for the CPU defaults: what a study calibrates, plus the price of memory-bound work (a CPU
 # core moves ~10 GB/s against 0.05 TFLOP/s, nothing like a GPU's 2 TB/s against 312).
-CPU_DEFAULT_FITTED = (*perfmodel.FITTED, "elementwise_flops_per_byte")
+CPU_DEFAULT_FITTED = (*perfconstants.FITTED, "elementwise_flops_per_byte")
 
 
-def fit_cpu_defaults(own_tables: Path = ROOT / "bench" / "own_tables") -> perfmodel.ModelConstants:
+def fit_cpu_defaults(own_tables: Path = ROOT / "bench" / "own_tables") -> perfconstants.ModelConstants:
     """calibrate() on every layout that ran in the CPU_DEFAULT_TABLES, from the GPU defaults."""
     rows = [r for name in CPU_DEFAULT_TABLES for r in load_csv(own_tables / name)]
     points = [inputs(r) for r in rows if r.status == "ok" and r.iteration_time_s]
-    return perfmodel.calibrate(points, perfmodel.ModelConstants(), fitted=CPU_DEFAULT_FITTED)
+    return fitting.calibrate(points, perfconstants.ModelConstants(), fitted=CPU_DEFAULT_FITTED)
 
 
 def main() -> None:

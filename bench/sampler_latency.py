@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tuner.outcome import Outcome  # noqa: E402
-from tuner.perfmodel import ModelConstants, estimate  # noqa: E402
+from tuner.perfconstants import ModelConstants  # noqa: E402
+from tuner.pricing import Pricing  # noqa: E402
 from tuner.samplers import SAMPLERS, make_sampler  # noqa: E402
 from tuner.space import SearchSpace  # noqa: E402
 from tuner.spec import parse_spec  # noqa: E402
@@ -41,17 +42,17 @@ def main() -> None:
                        "training": {"global_batch_size": 1024},
                        "space": {"tp": [1, 2, 4, 8], "pp": [1, 2, 4, 8, 16], "micro_batch_size": [1, 2, 4, 8],
                                  "virtual_stages": [2, 3, 4, 6]}})  # fmt: skip
-    model, cluster = spec.gpt(), spec.cluster
+    truth = Pricing.for_study(spec, TRUTH)
     valid = SearchSpace.from_spec(spec).enumerate().valid
     print(f"space: {len(valid)} valid layouts; {args.trials} finished trials; {args.asks} timed asks")
 
     def measure(c) -> Outcome:
-        e = estimate(model, c, cluster, "bf16", TRUTH)
+        e = truth.estimate(c)
         return Outcome(ok=True, tokens_per_s=e.tokens_per_s, step_time_s=e.step_time_s)
 
     history = random.Random(0).sample(valid, args.trials)
     for name in args.samplers.split(","):
-        sampler = make_sampler(name, valid, seed=0, model=model, cluster=cluster)
+        sampler = make_sampler(name, valid, seed=0, pricing=Pricing.for_study(spec))
         t0 = time.perf_counter()
         for c in history:
             sampler.replay(c, measure(c))

@@ -31,12 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.priors import PRIORS, prior  # noqa: E402
+from bench.priors import PRIORS, pricing, prior  # noqa: E402
 from bench.validation_data import DATA_DIR, Measurement, load_csv  # noqa: E402
 from tuner.outcome import FailureKind, Outcome  # noqa: E402
-from tuner.perfmodel import ModelConstants  # noqa: E402
+from tuner.perfconstants import ModelConstants  # noqa: E402
 from tuner.samplers import SAMPLERS, make_sampler  # noqa: E402
-from tuner.spec import ClusterSpec  # noqa: E402
 
 WITHIN = 0.05
 STEPS_PER_TRIAL = 10
@@ -68,9 +67,7 @@ def search(
 
         sampler = OptunaSampler(list(by_layout), seed, kind=PLAIN[sampler_name])
     else:
-        sampler = make_sampler(sampler_name, list(by_layout), seed=seed, model=first.model,
-                               cluster=ClusterSpec(**first.cluster), precision=first.precision,
-                               constants=constants)  # fmt: skip
+        sampler = make_sampler(sampler_name, list(by_layout), seed=seed, pricing=pricing(first, constants))
     trials, device_s = 0, 0.0
     while (config := sampler.ask()) is not None:
         trials += 1

@@ -36,9 +36,9 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 # one GPU's unidirectional bandwidth to its node peers, inter_node_gbps one NODE's total network
 # bandwidth, both GB/s. Latencies: ~5 us for an NVLink/PCIe hop, ~10 us for InfiniBand/Omni-Path
 # (order of magnitude, not measured). gpus_per_node and num_nodes are filled in per row.
-_A100_SXM = {"peak_tflops": 312.0, "intra_node_gbps": 300.0, "intra_node_latency_us": 5.0}
+_A100_SXM = {"device": "A100", "peak_tflops": 312.0, "intra_node_gbps": 300.0, "intra_node_latency_us": 5.0}
 # A100 data sheet: 312 TFLOP/s dense fp16/bf16; NVLink3: 12 links x 25 GB/s = 300 GB/s per direction.
-_V100_SXM2 = {"peak_tflops": 125.0, "intra_node_gbps": 150.0, "intra_node_latency_us": 5.0}
+_V100_SXM2 = {"device": "V100", "peak_tflops": 125.0, "intra_node_gbps": 150.0, "intra_node_latency_us": 5.0}
 # V100 SXM2 data sheet: 125 TFLOP/s fp16 tensor; NVLink2: 6 links x 25 GB/s = 150 GB/s per direction
 # (not every pair is directly linked in a hybrid cube mesh; 150 is the per-GPU average we take).
 
@@ -80,14 +80,14 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     # AWS g4dn.12xlarge: 4 T4 16GB (65 TFLOP/s fp16 tensor), no NVLink: PCIe 3.0 x16 (15.75 GB/s
     # raw, ~10 GB/s achieved); 50 Gb/s ENA = 6.25 GB/s per node, TCP (no EFA), hence ~30 us.
     "T4 16GB (4x AWS g4dn.12xlarge)": {
-        "name": "aws-g4dn.12xlarge-t4", "peak_tflops": 65.0, "device_memory_gb": 16.0,
+        "name": "aws-g4dn.12xlarge-t4", "device": "T4", "peak_tflops": 65.0, "device_memory_gb": 16.0,
         "intra_node_gbps": 10.0, "inter_node_gbps": 6.25,
         "intra_node_latency_us": 5.0, "inter_node_latency_us": 30.0,
     },
     # Our own tables (bench/measure_table.py): ranks on this project's 2-core dev VM, gloo over
-    # loopback; the cpu-local preset's numbers (tuner/spec.py).
+    # loopback; the cpu-local preset's numbers (tuner/hardware.py).
     "CPU ranks, gloo (2-core VM)": {
-        "name": "cpu-local", "peak_tflops": 0.05, "device_memory_gb": 12.0,
+        "name": "cpu-local", "device": "cpu", "peak_tflops": 0.05, "device_memory_gb": 12.0,
         "intra_node_gbps": 2.0, "inter_node_gbps": 2.0,
         "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0, "cores_per_node": 2,
     },
@@ -99,14 +99,14 @@ CLUSTERS: dict[str, dict[str, Any]] = {
     # Shaped: tbf at 200 Mbit/s on each node's bridge port, so a node receives 200 / 8 = 25 MB/s =
     # 0.025 GB/s (measured 24.0 MB/s with a 32 MiB socket transfer between two nodes).
     "4 nodes x 2 (2-core VM, 200 Mbit/s links)": {
-        "name": "cpu-4node-200mbit", "peak_tflops": 0.05, "device_memory_gb": 3.0,
+        "name": "cpu-4node-200mbit", "device": "cpu", "peak_tflops": 0.05, "device_memory_gb": 3.0,
         "intra_node_gbps": 2.0, "inter_node_gbps": 0.025,
         "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0, "cores_per_node": 0.5,
     },
     # Unshaped: the same bridge without tc; between two nodes a socket transfer measured
     # UNSHAPED_MBS, round trip UNSHAPED_RTT.
     "4 nodes x 2 (2-core VM, unshaped links)": {
-        "name": "cpu-4node-unshaped", "peak_tflops": 0.05, "device_memory_gb": 3.0,
+        "name": "cpu-4node-unshaped", "device": "cpu", "peak_tflops": 0.05, "device_memory_gb": 3.0,
         "intra_node_gbps": 2.0, "inter_node_gbps": 2.0,
         "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0, "cores_per_node": 0.5,
     },

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import BenchmarkConfig, BenchmarkResult
 from trainer.failures import FailureBoard, InvalidLayout, MemoryCapExceeded
-from trainer.metrics import LiveBytesTracker, cpu_name, cpu_peak_tflops, gpu_peak_tflops, grad_norm_
+from trainer.metrics import LiveBytesTracker, cpu_name, grad_norm_, peak_tflops_of
 from trainer.model import GPT, cross_entropy_loss, init_param_
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import data_parallel_modules, parallelize_gpt
@@ -277,25 +277,13 @@ def _all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) ->
     return t.tolist()
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
-    """Rank 0 measures/looks up the peak, everyone uses its value."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    value = 0.0
-    if rank == 0:
-        if device.type == "cuda":
-            value = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype)
-        else:
-            value = cpu_peak_tflops(dtype)
-    return _all_reduce([value], dist.ReduceOp.MAX, device)[0]
-
-
 def train(
     cfg: BenchmarkConfig, rank: int, world_size: int, device: torch.device, base: dict
 ) -> BenchmarkResult:
     """The measured run; collective on every rank. Raises on failure."""
     torch.manual_seed(cfg.seed)
     dtype = _dtype(cfg, device)
-    peak = peak_tflops(device, dtype)
+    peak = peak_tflops_of(device, dtype)
     trainer = Trainer(cfg, world_size, device)
     # Where the ranks landed, checked against the placement rule the planner assumes.
     placed = placement(cfg.parallel, _hostnames(world_size))

@@ -1,11 +1,8 @@
-"""Metrics defined once: device peak FLOP/s, peak memory, gradient norm."""
+"""Metrics defined once: device peak FLOP/s (from trainer/devices.py), peak memory, gradient norm."""
 
 from __future__ import annotations
 
-import json
-import os
 import platform
-import time
 import weakref
 from collections import defaultdict
 from pathlib import Path
@@ -16,30 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# Dense peak TFLOP/s per device from the vendors' data sheets: (bf16/fp16 tensor, fp32).
-# First substring match of torch.cuda.get_device_name() wins, so more specific names come first.
-GPU_PEAK_TFLOPS: list[tuple[str, float, float]] = [
-    ("B200", 2250.0, 80.0),
-    ("H200", 989.4, 66.9),
-    ("H100 PCIe", 756.0, 51.2),
-    ("H100", 989.4, 66.9),  # SXM
-    ("A100", 312.0, 19.5),
-    ("L40S", 362.0, 91.6),
-    ("L4", 121.0, 30.3),
-    ("A10G", 70.0, 31.2),  # AWS A10G data sheet: 70 TFLOP/s tensor, dense
-    ("V100", 125.0, 15.7),  # fp16 tensor cores (no bf16)
-    ("T4", 65.0, 8.1),  # fp16 tensor cores (no bf16)
-    ("MI300X", 1307.4, 163.4),
-    ("MI250X", 191.5, 47.9),  # per GCD, as torch sees it
-]
-
-
-def gpu_peak_tflops(device_name: str, dtype: torch.dtype) -> float:
-    """0.0 for a GPU not in the table (MFU is then reported as 0)."""
-    for key, low_precision, fp32 in GPU_PEAK_TFLOPS:
-        if key in device_name:
-            return fp32 if dtype == torch.float32 else low_precision
-    return 0.0
+from trainer.devices import peak_tflops
 
 
 def cpu_name() -> str:
@@ -52,44 +26,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parallel-tuner"
-    return Path(os.environ.get("TUNER_CACHE_DIR", default))
-
-
-def measure_cpu_peak_tflops(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5) -> float:
-    """Best sustained n x n matmul rate with this process's thread count: a CPU has no data-sheet
-    peak we can trust across machines, so we measure the one it actually reaches."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e12
-
-
-def cpu_peak_tflops(dtype: torch.dtype = torch.float32) -> float:
-    """Measured once per (CPU model, thread count, dtype) and cached on disk."""
-    key = f"{cpu_name()}|threads={torch.get_num_threads()}|{dtype}"
-    path = _cache_dir() / "cpu_peak_tflops.json"
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key not in cache:
-        cache[key] = measure_cpu_peak_tflops(dtype)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only home still gets a (re-measured) peak
-    return float(cache[key])
+def peak_tflops_of(device: torch.device, dtype: torch.dtype) -> float:
+    """The device's dense peak in `dtype` from the one device table (trainer/devices.py), the
+    figure the performance model prices against: a data sheet's on GPUs (0.0 for a GPU not in the
+    table: MFU 0), the nominal CPU figure on CPU ranks."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return peak_tflops(name, "fp32" if dtype == torch.float32 else "bf16")
 
 
 class LiveBytesTracker(TorchDispatchMode):

@@ -6,27 +6,23 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from tuner import store
+from tuner.fitting import calibrate, fit_memory_scale, rms_log_error
 from tuner.outcome import TrialState
-from tuner.perfmodel import Measurement, ModelConstants, calibrate, fit_memory_scale, rms_log_error
-from tuner.spec import StudySpec
+from tuner.pricing import Pricing
 
 MIN_CALIBRATION_POINTS = 3
 
 
-def calibrate_study(session: Session, study: store.Study, spec: StudySpec, prior: ModelConstants) -> None:
-    """Fit from the constants the study began with; nothing with fewer than 3 measurements."""
+def calibrate_study(session: Session, study: store.Study, pricing: Pricing) -> None:
+    """Fit from the constants the study began with (`pricing`'s); nothing with fewer than 3
+    measurements."""
     measured = [t for t in store.trials(session, study, (TrialState.COMPLETE,)) if t.step_time_median_s]
-    points = [
-        Measurement(
-            spec.gpt(), store.config_of(t), spec.cluster, t.step_time_median_s, spec.training.precision
-        )
-        for t in measured
-    ]
+    points = [pricing.measurement(store.config_of(t), t.step_time_median_s) for t in measured]
     if len(points) < MIN_CALIBRATION_POINTS:
         return
-    fitted = calibrate(points, prior)
+    fitted = calibrate(points, pricing.constants)
     peaks = [(m, t.peak_memory_bytes) for m, t in zip(points, measured, strict=True) if t.peak_memory_bytes]
     fitted = fit_memory_scale(peaks, fitted)
     store.save_calibration(
-        session, spec.cluster.name, fitted, len(points), rms_log_error(points, fitted), study
+        session, pricing.hardware.name, fitted, len(points), rms_log_error(points, fitted), study
     )

@@ -10,9 +10,10 @@ import typer
 import yaml
 
 from trainer.config import MODEL_PRESETS
+from tuner.hardware import CLUSTER_PRESET_NAMES, cluster_preset
 from tuner.plan import PlanError, parse_pins
 from tuner.plan import plan as run_plan
-from tuner.spec import CLUSTER_PRESET_NAMES, SpecError, StudySpec, cluster_preset, parse_spec
+from tuner.spec import SpecError, StudySpec, parse_spec
 
 app = typer.Typer(
     help="parallel-tuner: find the fastest way to train a GPT on a cluster.", no_args_is_help=True
@@ -113,6 +114,10 @@ def plan(
         bool, typer.Option(help="also list layouts predicted to run out of memory")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+    explain: Annotated[
+        bool,
+        typer.Option("--explain", help="each listed layout's predicted step, term by term (they add up)"),
+    ] = False,
     verify_memory: Annotated[
         bool,
         typer.Option("--verify-memory", help="check each listed layout with the memory oracle (needs torch)"),
@@ -137,6 +142,8 @@ def plan(
         typer.echo(json.dumps(result, indent=1))
         return
     _print_plan(study, result)
+    if explain:
+        _print_terms(result)
     if verify_memory:
         from tuner.cli_memcheck import print_verified
 
@@ -198,6 +205,35 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
         typer.echo("\nrejected layouts by reason:")
         for reason, count in result["rejected"].items():
             typer.echo(f"{count:>7}  {reason}")
+
+
+def _print_terms(result: dict[str, Any]) -> None:
+    """Each candidate's step time as the sum of its terms (tuner.perfmodel.StepTerms), largest
+    first; terms under 0.05 % of the step are folded into one line so the sum still holds."""
+    from tuner.perfmodel import TERM_LABELS
+
+    typer.echo("\nwhere each step goes (seconds; the terms add up to the step):")
+    for rank, cand in enumerate(result["candidates"], 1):
+        p = cand["predicted"]
+        step, terms = p["step_time_s"], sorted(p["terms"].items(), key=lambda kv: -kv[1])
+        shown = [(k, v) for k, v in terms if v >= 5e-4 * step]
+        rest = sum(v for k, v in terms if v < 5e-4 * step)
+        parts = [f"{TERM_LABELS[k]} {v:.4g} ({v / step:.0%})" for k, v in shown]
+        if rest > 0:
+            parts.append(f"other terms {rest:.2g}")
+        typer.echo(f"{rank:>3}. {_layout(cand['config'])}: step {step:.4g} s = " + " + ".join(parts))
+
+
+def _layout(k: dict[str, Any]) -> str:
+    tp = f"{k['tp']}x{k['tp_col']}" if k.get("tp_col", 1) > 1 else str(k["tp"])
+    sched = (
+        f" {k['pp_schedule']}" + (f"/v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+        if k["pp"] > 1
+        else ""
+    )
+    return (f"tp{tp} pp{k['pp']}{sched} dp{k['dp']} z{k['zero_stage']} mbs{k['micro_batch_size']}x{k['num_microbatches']}"
+            + (f" ac={k['activation_checkpoint']}" if k["activation_checkpoint"] != "none" else "")
+            + (" sp" if k["sequence_parallel"] else ""))  # fmt: skip
 
 
 def _register_plugins() -> None:

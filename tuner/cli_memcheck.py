@@ -15,9 +15,10 @@ from typing import Annotated, Any
 import typer
 
 from trainer.config import ParallelConfig
-from tuner.perfmodel import ModelConstants, default_constants, estimate
+from tuner.perfconstants import ModelConstants, default_constants
 from tuner.plan import PlanError, parse_pins
 from tuner.plan import plan as run_plan
+from tuner.pricing import Pricing
 from tuner.spec import SpecError, StudySpec, benchmark_config, parse_spec
 
 
@@ -43,7 +44,7 @@ def check(
         cfg, all_stages=all_stages, extrapolate=gpu and not exact, simulator=Simulator(processes)
     )
     c, cluster = constants, study.cluster
-    est = estimate(study.gpt(), config, cluster, study.training.precision, c)
+    est = Pricing.for_study(study, c).estimate(config)  # in the dtype the oracle's trainer builds
     total = report.peak_bytes * c.memory_scale + c.workspace_bytes
     budget = cluster.device_memory_bytes * (1 - c.memory_margin)
     worst = report.worst

@@ -43,7 +43,7 @@ from tuner.db import StudyBest, Trial, utcnow
 from tuner.dispatch import Dispatcher, DispatchError, JobHandle
 from tuner.lease import Lease
 from tuner.outcome import FailureKind, Outcome, StudyStatus, TrialState, feedback, retry
-from tuner.perfmodel import default_constants, estimate
+from tuner.pricing import Pricing
 from tuner.samplers import make_sampler
 from tuner.space import SearchSpace
 from tuner.spec import StudySpec, benchmark_config, slug
@@ -70,7 +70,7 @@ class StudyRunner:
         poll_s: float = 0.2, on_progress: Callable[[Progress], None] | None = None,
         should_yield: Callable[[], bool] = lambda: False, should_stop: Callable[[], bool] = lambda: False,
         clock: Callable[[], dt.datetime] = utcnow,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] = time.sleep, spec: StudySpec | None = None,
     ) -> None:  # fmt: skip
         self.sessions, self.study_id, self.dispatcher, self.work_dir = (
             sessions,
@@ -83,6 +83,7 @@ class StudyRunner:
         self.not_before: dict[int, dt.datetime] = {}  # trial id -> no new submission before
         self.exhausted = False
         self.progress = Progress()
+        self.spec = spec  # the caller's parsed spec (a worker's), else parsed from the row in load()
 
     # --- the steps ---------------------------------------------------------------------------
 
@@ -109,20 +110,19 @@ class StudyRunner:
     def load(self) -> StudyStatus | None:
         with self.sessions() as s:
             study = s.get(store.Study, self.study_id)
-            self.spec = StudySpec.model_validate(study.spec)
+            self.spec = self.spec or StudySpec.model_validate(study.spec)
             history = [(store.config_of(t), store.outcome_of(t)) for t in store.trials(s, study)]
             stored = store.latest_constants(s, self.spec.cluster.name)
-        self.constants = stored or default_constants(self.spec.cluster)
-        self.model, self.cluster = self.spec.gpt(), self.spec.cluster
+        # One pricing for the study: its dtype is the trials' (StudySpec.trial_dtype), its
+        # constants the cluster's latest calibration or the device kind's defaults.
+        self.pricing = Pricing.for_study(self.spec, stored)
         space = SearchSpace.from_spec(self.spec).enumerate()
         if not space.valid:
             reasons = "; ".join(
                 f"{space.examples[r]} ({n} layouts)" for r, n in space.rejected.most_common(3)
             )
             return self._end(StudyStatus.FAILED, f"no valid layout in the space: {reasons}")
-        self.sampler = make_sampler(self.spec.sampler, space.valid, seed=self.spec.seed, model=self.model,
-                                    cluster=self.cluster, precision=self.spec.training.precision,
-                                    constants=self.constants)  # fmt: skip
+        self.sampler = make_sampler(self.spec.sampler, space.valid, seed=self.spec.seed, pricing=self.pricing)
         for config, outcome in history:
             self.sampler.replay(config, outcome)
             if outcome is not None and outcome.ok and outcome.tokens_per_s > self.progress.best_tokens_per_s:
@@ -224,7 +224,7 @@ class StudyRunner:
         with self.sessions.begin() as s:
             if waiting:
                 store.cancel_waiting(s, self.study_id, f"not run: {reason}", now=self.clock())
-            calibrate_study(s, s.get(store.Study, self.study_id), self.spec, self.constants)
+            calibrate_study(s, s.get(store.Study, self.study_id), self.pricing)
         return self._end(StudyStatus.COMPLETE, reason)
 
     # --- stopping --------------------------------------------------------------------------------
@@ -273,20 +273,21 @@ class StudyRunner:
     # --- helpers ---------------------------------------------------------------------------------
 
     def _new_trial(self, used: store.Usage) -> Trial | None:
-        """Ask the sampler for a layout; predicted not to fit -> PRUNED (told), ask again."""
+        """Ask the sampler for a layout; predicted not to fit -> PRUNED (told), ask again. The
+        stored prediction is the one the sampler chose it by (not priced again)."""
         while may_add_trial(self.spec.budget, used) and not self.exhausted:
             config = self.sampler.ask()
             if config is None:
                 self.exhausted = True
                 return None
-            est = estimate(self.model, config, self.cluster, self.spec.training.precision, self.constants)
+            est = self.sampler.estimate(config)
             with self.sessions.begin() as s:
                 study = s.get(store.Study, self.study_id)
                 trial = store.add_trial(s, study, config, est.to_dict(), TrialState.WAITING)
                 if not (self.spec.prune_predicted_oom and not est.fits):
                     return trial
-                reason = (f"predicted {est.memory_bytes / 2**30:.2f} GiB > {self.cluster.device_memory_gb:g} GB "
-                          f"device memory (margin {self.constants.memory_margin:.0%})")  # fmt: skip
+                reason = (f"predicted {est.memory_bytes / 2**30:.2f} GiB > {self.spec.cluster.device_memory_gb:g} GB "
+                          f"device memory (margin {self.pricing.constants.memory_margin:.0%})")  # fmt: skip
                 store.prune_trial(s, trial, reason, now=self.clock())
             self.sampler.tell(config, Outcome.failed(FailureKind.PREDICTED_OOM, reason))
         return None

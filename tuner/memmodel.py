@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from trainer.config import GPTConfig, ParallelConfig
 
 if TYPE_CHECKING:
-    from tuner.perfmodel import ModelConstants
+    from tuner.perfconstants import ModelConstants
 
 PARTS = ("weights", "grads", "optimizer", "activations")
 

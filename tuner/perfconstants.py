@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tuner.spec import ClusterSpec, cluster_preset
+from tuner.spec import ClusterSpec
 
 
 @dataclass(frozen=True)
@@ -79,17 +79,7 @@ CPU_CONSTANTS = ModelConstants(
 )  # fmt: skip
 
 
-def device_kind(cluster: ClusterSpec | str) -> str:
-    """'cpu' or 'gpu'. By name: a cluster preset's kind, else 'cpu' for names starting 'cpu-' (our
-    own CPU clusters: cpu-local, cpu-4node-*), else 'gpu'."""
-    if isinstance(cluster, ClusterSpec):
-        return cluster.device_kind
-    try:
-        return ClusterSpec(**cluster_preset(cluster)).device_kind
-    except ValueError:
-        return "cpu" if cluster.startswith("cpu-") else "gpu"
-
-
-def default_constants(cluster: ClusterSpec | str) -> ModelConstants:
-    """The constants a study starts from on a cluster nothing was measured on yet."""
-    return CPU_CONSTANTS if device_kind(cluster) == "cpu" else ModelConstants()
+def default_constants(cluster: ClusterSpec) -> ModelConstants:
+    """The constants a study starts from on a cluster nothing was measured on yet: by its device
+    kind (ClusterSpec.device_kind, the one rule)."""
+    return CPU_CONSTANTS if cluster.device_kind == "cpu" else ModelConstants()

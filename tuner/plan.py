@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.config import ParallelConfig
-from tuner.perfmodel import Estimate, ModelConstants, default_constants, estimate
+from tuner.perfconstants import ModelConstants
+from tuner.perfmodel import TERM_LABELS, Estimate
+from tuner.pricing import Pricing
 from tuner.space import SearchSpace
 from tuner.spec import VOCAB_DIVISIBLE_BY, StudySpec, padded_vocab, parse_spec
 
@@ -76,23 +78,13 @@ def candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
         "predicted": {
             "memory_bytes": int(est.memory_bytes), "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
             "tflops_per_device": est.tflops_per_device, "mfu": est.mfu, "fits": est.fits,
-            "terms": {k: getattr(est, k) for k in STEP_TERMS},
+            # every second of step_time_s, by term (tuner.perfmodel.StepTerms: they add up)
+            "terms": est.terms.as_dict(),
         },
     }  # fmt: skip
 
 
-# The parts of a predicted step (tuner.perfmodel.Estimate), as the plan explains a layout's rank.
-STEP_TERMS = {"compute_s": "compute", "tp_comm_s": "tensor-parallel comm", "pp_bubble_s": "pipeline bubble",
-              "pp_p2p_s": "pipeline sends", "dp_comm_s": "data-parallel comm"}  # fmt: skip
-
-
 Scored = list[tuple[ParallelConfig, Estimate]]
-
-
-def score(spec: StudySpec, layouts: list[ParallelConfig], constants: ModelConstants) -> Scored:
-    """Each layout with the performance model's estimate on the study's model and cluster."""
-    model, precision = spec.gpt(), spec.training.precision
-    return [(c, estimate(model, c, spec.cluster, precision, constants)) for c in layouts]
 
 
 def fastest_fitting(scored: Scored) -> tuple[ParallelConfig, Estimate] | None:
@@ -124,9 +116,10 @@ def column_comparison(scored: Scored) -> list[dict[str, Any]]:
             entry["why"] = "no layout without a column axis is predicted to fit"
         else:
             ref_config, ref = base
-            deltas = {k: getattr(est, k) - getattr(ref, k) for k in STEP_TERMS}
+            mine, theirs = est.terms.as_dict(), ref.terms.as_dict()
+            deltas = {k: mine[k] - theirs[k] for k in TERM_LABELS}
             speedup = est.tokens_per_s / ref.tokens_per_s
-            parts = [f"{STEP_TERMS[k]} {d:+.3g} s" for k, d in sorted(deltas.items(), key=lambda kd: -abs(kd[1]))
+            parts = [f"{TERM_LABELS[k]} {d:+.3g} s" for k, d in sorted(deltas.items(), key=lambda kd: -abs(kd[1]))
                      if abs(d) >= 0.005 * ref.step_time_s][:3]  # fmt: skip
             verdict = "wins" if speedup > 1 else "loses"
             entry |= {
@@ -151,7 +144,7 @@ def plan(
     pins = pins or {}
     if pins:
         spec = _pinned_spec(spec, pins)
-    constants = constants or default_constants(spec.cluster)  # the caller passes the database's
+    pricing = Pricing.for_study(spec, constants)  # the caller passes the database's constants
     enum = SearchSpace.from_spec(spec).enumerate()
     valid = [c for c in enum.valid if _agrees(c, pins)]
     if pins and not valid:
@@ -163,10 +156,9 @@ def plan(
             reasons = "; ".join(f"{enum.examples[r]} ({n} layouts)" for r, n in enum.rejected.most_common())
         raise PlanError(f"--config: no valid layout agrees with {pins}: {reasons}")
     model = spec.gpt()
-    scored = score(spec, valid, constants)
+    scored = pricing.rank(valid)
     num_fit = sum(e.fits for _, e in scored)
     shown = scored if include_unfit else [(c, e) for c, e in scored if e.fits]
-    shown.sort(key=lambda ce: ce[1].tokens_per_s, reverse=True)
     return {
         "space_size": enum.space_size,
         "num_valid": len(valid),

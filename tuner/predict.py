@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from trainer.config import MODEL_PRESETS
 from tuner import store
 from tuner.db import Calibration, Study
-from tuner.perfmodel import estimate
+from tuner.pricing import Pricing
 from tuner.space import SearchSpace
 from tuner.spec import SpecError, StudySpec, parse_spec
 
@@ -48,6 +48,8 @@ class PredictedBest(BaseModel):
     predicted_tokens_per_s: float
     predicted_mfu: float
     predicted_memory_bytes: int
+    predicted_step_time_s: float
+    predicted_terms: dict[str, float]  # every second of the step by term (tuner.perfmodel.StepTerms)
     calibration: CalibrationOut
     template_study: str  # the measured study whose settings the prediction reuses
     confirm: str  # one line that runs a short study of the top predicted layouts
@@ -92,19 +94,18 @@ def predicted_best(session: Session, model: str, *, cluster: str | None = None, 
         except SpecError:  # the template's space cannot hold this model (e.g. tp values the heads refuse)
             continue
         row = store.latest_calibration(session, cluster_key=name)
-        constants = store.constants_of(row)
-        gpt = spec.gpt()
-        scored = [(c, estimate(gpt, c, spec.cluster, spec.training.precision, constants))
-                  for c in SearchSpace.from_spec(spec).enumerate().valid]  # fmt: skip
-        fitting = [(c, e) for c, e in scored if e.fits]
-        if not fitting:
+        pricing = Pricing.for_study(spec, store.constants_of(row))
+        best = pricing.fastest_fitting(SearchSpace.from_spec(spec).enumerate().valid)
+        if best is None:
             continue
-        config, est = max(fitting, key=lambda ce: ce[1].tokens_per_s)
+        config, est = best
+        gpt = pricing.model
         out.append(PredictedBest(
             model=model, num_params=gpt.num_params, cluster=name, gpus=spec.devices,
             global_batch_size=spec.training.global_batch_size, layout=config.describe(), config=config.to_dict(),
             vocab_size=est.vocab_size, predicted_tokens_per_s=est.tokens_per_s, predicted_mfu=est.mfu,
-            predicted_memory_bytes=int(est.memory_bytes),
+            predicted_memory_bytes=int(est.memory_bytes), predicted_step_time_s=est.step_time_s,
+            predicted_terms=est.terms.as_dict(),
             calibration=CalibrationOut(cluster=name, study_id=row.study_id, num_points=row.num_points,
                                        rms_log_error=row.rms_log_error, created_at=row.created_at.isoformat()),
             template_study=template.name, confirm=confirm_command(model, name, gpus, global_batch),

@@ -4,7 +4,6 @@ studies/, JSON bodies, CLI flags); the tuner works on trainer.config's frozen da
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -23,54 +22,13 @@ from pydantic import (
 )
 
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig
+from trainer.devices import DEVICES, Device, DeviceKind, Dtype, device_kind, find_device
+from tuner.hardware import cluster_preset
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SAMPLERS = ("grid", "random", "tpe", "gp", "nsga2", "cbo", "model")
 
-
-def _cpu_local() -> dict[str, Any]:
-    """This machine, each core a 'device'. The peak is the trainer's measured one when it has been
-    measured here (trainer/metrics.py caches it), else a nominal 0.05 TFLOP/s per core (fp32 AVX2
-    at ~3 GHz reaches 0.05-0.1)."""
-    cores = os.cpu_count() or 1
-    try:
-        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    except (ValueError, OSError, AttributeError):
-        mem_gb = 8.0
-    return {
-        "name": "cpu-local", "gpus_per_node": cores, "num_nodes": 1,
-        "device_memory_gb": round(mem_gb / cores, 1), "peak_tflops": 0.05,
-        # gloo over loopback: a few GB/s and tens of microseconds per message.
-        "intra_node_gbps": 2.0, "inter_node_gbps": 2.0,
-        "intra_node_latency_us": 50.0, "inter_node_latency_us": 50.0, "cores_per_node": cores,
-    }  # fmt: skip
-
-
-# Data-sheet numbers: dense bf16 TFLOP/s per device; NVLink/Infinity Fabric per-GPU unidirectional
-# bandwidth inside a node; the node's total network injection bandwidth between nodes.
-CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
-    # DGX A100: NVLink3 600 GB/s bidirectional = 300 per direction; 8 x 200 Gb/s HDR = 200 GB/s.
-    "a100-80gb": {"gpus_per_node": 8, "device_memory_gb": 80, "peak_tflops": 312, "intra_node_gbps": 300,
-                  "inter_node_gbps": 200, "intra_node_latency_us": 5, "inter_node_latency_us": 10},
-    # DGX H100: NVLink4 900 GB/s bidirectional = 450 per direction; 8 x 400 Gb/s NDR = 400 GB/s.
-    "h100-80gb": {"gpus_per_node": 8, "device_memory_gb": 80, "peak_tflops": 989, "intra_node_gbps": 450,
-                  "inter_node_gbps": 400, "intra_node_latency_us": 4, "inter_node_latency_us": 8},
-    "h200-141gb": {"gpus_per_node": 8, "device_memory_gb": 141, "peak_tflops": 989, "intra_node_gbps": 450,
-                   "inter_node_gbps": 400, "intra_node_latency_us": 4, "inter_node_latency_us": 8},
-    # Frontier (OLCF user guide): 4 MI250X = 8 GCDs per node, 64 GB HBM2e and 191.5 TFLOP/s bf16 per
-    # GCD; Infinity Fabric 50-100 GB/s between GCDs of different MI250X (50 taken: rings cross them);
-    # 4 x 25 GB/s Slingshot-11 NICs per node.
-    "frontier-mi250x": {"gpus_per_node": 8, "device_memory_gb": 64, "peak_tflops": 191.5,
-                        "intra_node_gbps": 50, "inter_node_gbps": 100, "intra_node_latency_us": 8,
-                        "inter_node_latency_us": 15},
-    # Perlmutter GPU nodes (NERSC docs): 4 A100-40GB, NVLink3 4 links per pair (100 GB/s per
-    # direction to each peer), 4 x 25 GB/s Slingshot-11.
-    "perlmutter-a100-40gb": {"gpus_per_node": 4, "device_memory_gb": 40, "peak_tflops": 312,
-                             "intra_node_gbps": 100, "inter_node_gbps": 100, "intra_node_latency_us": 5,
-                             "inter_node_latency_us": 12},
-}  # fmt: skip
-CLUSTER_PRESET_NAMES = ("cpu-local", *CLUSTER_PRESETS)
 
 # Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by (default 128)
 # times tp (megatron/training/tokenizer: _vocab_size_with_padding), so that the embedding and the
@@ -101,14 +59,6 @@ def slug(name: str) -> str:
     if safe == name:
         return name
     return f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
-
-
-def cluster_preset(name: str) -> dict[str, Any]:
-    if name == "cpu-local":
-        return _cpu_local()
-    if name not in CLUSTER_PRESETS:
-        raise ValueError(f"unknown cluster preset {name!r}; valid: {list(CLUSTER_PRESET_NAMES)}")
-    return {"name": name, "num_nodes": 1, **CLUSTER_PRESETS[name]}
 
 
 def model_preset(name: str) -> dict[str, Any]:
@@ -162,6 +112,9 @@ class ModelSpec(_Strict):
 
 class ClusterSpec(_Strict):
     name: str = "custom"
+    # The device model, a row of trainer/devices.py's table ("A100", "H100", "MI250X", "cpu", ...):
+    # its fp32 peak and memory bandwidth. None: only peak_tflops is known.
+    device: str | None = None
     gpus_per_node: PositiveInt
     num_nodes: PositiveInt = 1
     device_memory_gb: PositiveFloat
@@ -175,11 +128,31 @@ class ClusterSpec(_Strict):
     # fraction: 4 emulated nodes on one 2-core machine have 0.5 cores each.
     cores_per_node: PositiveFloat | None = None
 
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        if v is not None and find_device(v) is None:
+            raise ValueError(f"unknown device {v!r}; valid: {[d.name for d in DEVICES] + ['cpu']}")
+        return v
+
     @property
-    def device_kind(self) -> Literal["cpu", "gpu"]:
-        """'cpu' for ranks sharing CPU cores (cores_per_node set, as on cpu-local), else 'gpu'. It
-        picks the performance model's default constants (tuner.perfmodel.default_constants)."""
-        return "cpu" if self.cores_per_node is not None else "gpu"
+    def device_kind(self) -> DeviceKind:
+        """'cpu' for ranks sharing CPU cores (cores_per_node set, as on cpu-local), else 'gpu'
+        (trainer/devices.py's one rule). It decides where trials run (StudySpec.device) and the
+        performance model's default constants (tuner.perfconstants.default_constants)."""
+        return device_kind(self.cores_per_node)
+
+    @property
+    def device_row(self) -> Device | None:
+        return find_device(self.device) if self.device else None
+
+    def peak_tflops_for(self, dtype: Dtype) -> float:
+        """The dense peak in the dtype trials compute in: the device's fp32 peak for fp32 (a GPU's
+        plain fp32 is 8-16x below its tensor cores), else peak_tflops."""
+        row = self.device_row
+        if dtype == "fp32" and row is not None and self.device_kind == "gpu":
+            return row.peak_tflops_fp32
+        return self.peak_tflops
 
     @property
     def total_devices(self) -> int:
@@ -381,24 +354,30 @@ class StudySpec(_Strict):
 
     @property
     def device(self) -> Literal["cpu", "cuda"]:
-        """Where trials run: trial.device, with `auto` = the CPU on cpu-local, a GPU elsewhere."""
+        """Where trials run: trial.device, with `auto` = the CPU on a cluster of CPU ranks
+        (cluster.device_kind), a GPU elsewhere."""
         if self.trial.device != "auto":
             return self.trial.device
-        return "cpu" if self.cluster.name == "cpu-local" else "cuda"
+        return "cpu" if self.cluster.device_kind == "cpu" else "cuda"
+
+    @property
+    def trial_dtype(self) -> Dtype:
+        """The dtype trials compute in, the one rule for the trainer's config (benchmark_config)
+        and the pricing (tuner.pricing.Pricing.for_study): CPU ranks run fp32, GPUs bf16 mixed
+        precision (fp16 studies too: the trainer has no fp16 loss scaling), fp32 studies fp32."""
+        return "fp32" if self.training.precision == "fp32" or self.device == "cpu" else "bf16"
 
 
 def benchmark_config(
     spec: StudySpec, config: ParallelConfig, best_tokens_per_s: float | None = None
 ) -> BenchmarkConfig:
     """What the trainer runs for `config` in this study: the one derivation used by the runner,
-    the allocation runner and the exports. Device `auto` is the CPU on cluster cpu-local and a GPU
-    anywhere else; CPU ranks run fp32, GPUs bf16 mixed precision (fp16 studies too: the trainer
-    has no fp16 loss scaling); the trainer reports OOM above the cluster's device memory. The model
-    has the vocabulary padded for the layout's tp (padded_model), as Megatron-LM pads it.
+    the allocation runner and the exports. The device is StudySpec.device, the dtype
+    StudySpec.trial_dtype (the pricing's too); the trainer reports OOM above the cluster's device
+    memory. The model has the vocabulary padded for the layout's tp (padded_model), as Megatron-LM pads it.
     `best_tokens_per_s` (the best measured so far at this layout's device count) sets the floor
     below which the trial prunes itself while running."""
-    t, device = spec.trial, spec.device
-    dtype = "fp32" if spec.training.precision == "fp32" or device == "cpu" else "bf16"
+    t, device, dtype = spec.trial, spec.device, spec.trial_dtype
     floor = (
         t.prune_running_fraction * best_tokens_per_s
         if t.prune_running_fraction and best_tokens_per_s

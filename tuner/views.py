@@ -17,8 +17,8 @@ from tuner import store
 from tuner.db import Study, StudyBest, Trial, aware, utcnow
 from tuner.outcome import TrialState
 from tuner.payoff import Measured, Payoff, payoff
-from tuner.perfmodel import estimate
 from tuner.predict import CalibrationOut
+from tuner.pricing import Pricing
 from tuner.spec import StudySpec
 
 
@@ -63,6 +63,10 @@ class TrialOut(BaseModel):
     step_time_median_s: float | None
     predicted_tokens_per_s: float | None
     predicted_memory_bytes: float | None
+    # The stored prediction's step, term by term (they add up to it); None for trials stored
+    # before the estimate had terms.
+    predicted_step_time_s: float | None = None
+    predicted_terms: dict[str, float] | None = None
     failure_kind: str | None
     failure_message: str | None
     job_id: str | None
@@ -154,6 +158,7 @@ def trial(t: Trial) -> TrialOut:
         tokens_per_s=t.tokens_per_s, tflops_per_device=t.tflops_per_device, mfu=t.mfu,
         peak_memory_bytes=t.peak_memory_bytes, step_time_median_s=t.step_time_median_s,
         predicted_tokens_per_s=t.predicted_tokens_per_s, predicted_memory_bytes=t.predicted_memory_bytes,
+        predicted_step_time_s=(t.predicted or {}).get("step_time_s"), predicted_terms=(t.predicted or {}).get("terms"),
         failure_kind=t.failure_kind, failure_message=t.failure_message, job_id=t.job_id, job_state=t.job_state,
         attempts=t.attempts, attempt_log=t.attempt_log, device_s=t.device_s or 0.0, told=t.told,
         log_path=t.log_path, started_at=t.started_at, finished_at=t.finished_at,
@@ -316,15 +321,13 @@ def study_calibration(session: Session, study: Study) -> StudyCalibration:
         return StudyCalibration(
             calibration=None, trials=[], median_error_proposed=None, median_error_calibrated=None
         )
-    constants = store.constants_of(row)
-    spec = StudySpec.model_validate(study.spec)
-    gpt, precision = spec.gpt(), spec.training.precision
+    pricing = Pricing.for_study(StudySpec.model_validate(study.spec), store.constants_of(row))
     out = []
     for t in store.trials(session, study, (TrialState.COMPLETE,)):
         if not t.tokens_per_s:
             continue
         config = store.config_of(t)
-        est = estimate(gpt, config, spec.cluster, precision, constants)
+        est = pricing.estimate(config)
         out.append(CalibratedTrial(number=t.number, layout=config.describe(), tokens_per_s=t.tokens_per_s,
                                    proposed_tokens_per_s=t.predicted_tokens_per_s,
                                    calibrated_tokens_per_s=est.tokens_per_s, calibrated_memory_bytes=est.memory_bytes))  # fmt: skip

@@ -104,7 +104,7 @@ def _run_claimed(sessions, study_id: int, owner: store.Owner, settings: Settings
             dispatcher = make_dispatcher(spec, backend, site=settings.slurm.site())
             try:
                 status = StudyRunner(sessions, study_id, dispatcher, settings.work_dir, lease,
-                                     should_yield=stop.is_set).run()  # fmt: skip
+                                     should_yield=stop.is_set, spec=spec).run()  # fmt: skip
             finally:
                 close_dispatcher(dispatcher)
             log.info("study %d: %s", study_id, status.value)
@@ -137,7 +137,7 @@ def run_in_allocation(study_id: int, *, margin_s: float | None = None) -> StudyS
         gpu=spec.device == "cuda", end=end, margin_s=margin_s, env={**spec.slurm.env}, python=sys.executable,
     )  # fmt: skip
     return run_study(sessions, study_id, dispatcher, settings.work_dir, owner=store.Owner.this_process("alloc"),
-                     lease_s=settings.lease_s, poll_s=0.5,
+                     lease_s=settings.lease_s, poll_s=0.5, spec=spec,
                      should_yield=lambda: dispatcher.time_left() < margin_s)  # fmt: skip
 
 

@@ -64,6 +64,13 @@ function logAxis(text, values, format) {
 const empty = (text) => [{ text, xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false, font: { color: "#888" } }];
 const measured = (trials) => trials.filter((t) => t.state === "COMPLETE" && t.tokens_per_s !== null);
 const hover = (t) => `#${t.number} ${plotText(t.layout)}`;
+// A stored prediction's three largest terms, each with its share of the predicted step (the terms
+// add up to it: tuner/perfmodel.py StepTerms); empty for trials stored before the terms existed.
+const topTerms = (t) => {
+  if (!t.predicted_terms || !t.predicted_step_time_s) return "";
+  const top = Object.entries(t.predicted_terms).filter(([, v]) => v > 0).sort((a, b) => b[1] - a[1]).slice(0, 3);
+  return "<br>predicted step: " + top.map(([k, v]) => `${k.replace(/_s$/, "").replaceAll("_", " ")} ${(100 * v / t.predicted_step_time_s).toFixed(0)} %`).join(", ");
+};
 
 // Each completed trial's tokens/s by trial number, and the best so far.
 export function history(div, trials) {
@@ -150,7 +157,7 @@ export function predicted(div, trials, calibration) {
     { type: "scatter", mode: "lines", name: "moved by the calibration", x: moves.map((m) => m[0]), y: moves.map((m) => m[1]),
       line: { color: "#c0c6cc", width: 1 }, hoverinfo: "skip", showlegend: moves.length > 0 },
     { type: "scatter", mode: "markers", name: "predicted when proposed", x: both.map((t) => t.predicted_tokens_per_s), y: both.map((t) => t.tokens_per_s),
-      text: both.map((t) => `${hover(t)}<br>predicted ${fmt.int(t.predicted_tokens_per_s)} when proposed (${off(t.predicted_tokens_per_s, t.tokens_per_s)})`),
+      text: both.map((t) => `${hover(t)}<br>predicted ${fmt.int(t.predicted_tokens_per_s)} when proposed (${off(t.predicted_tokens_per_s, t.tokens_per_s)})${topTerms(t)}`),
       hovertemplate: "%{text}<br>measured %{y:,.0f}<extra></extra>", marker: { size: 7, color: ACCENT, opacity: 0.75 } },
     { type: "scatter", mode: "markers", name: "calibrated model", x: fitted.map((t) => t.calibrated_tokens_per_s), y: fitted.map((t) => t.tokens_per_s),
       text: fitted.map((t) => `${hover(t)}<br>calibrated model ${fmt.int(t.calibrated_tokens_per_s)} (${off(t.calibrated_tokens_per_s, t.tokens_per_s)})`),

@@ -16,7 +16,8 @@ from trainer.config import ParallelConfig
 from tuner import store
 from tuner.db import connect
 from tuner.outcome import FailureKind, Outcome
-from tuner.perfmodel import CPU_CONSTANTS, ModelConstants, estimate
+from tuner.perfconstants import CPU_CONSTANTS, ModelConstants
+from tuner.perfmodel import estimate
 from tuner.settings import Settings
 from tuner.spec import parse_spec
 

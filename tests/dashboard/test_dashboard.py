@@ -32,7 +32,7 @@ from tests.dashboard.helpers import (
 from tuner import store
 from tuner.db import Calibration, Trial, connect
 from tuner.outcome import Outcome, StudyStatus, feedback
-from tuner.perfmodel import ModelConstants
+from tuner.perfconstants import ModelConstants
 
 pytestmark = pytest.mark.browser
 

@@ -11,8 +11,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from trainer.config import ParallelConfig as P
 from trainer.parallel_dims import ParallelDims
 from trainer.topology import axis_strides, expected_spans, groups, members_per_node, placement
-from tuner.perfmodel import _group_link
-from tuner.spec import ClusterSpec, cluster_preset
+from tuner.collectives import group_link
+from tuner.hardware import cluster_preset
+from tuner.spec import ClusterSpec
 
 LAYOUTS = [
     P(tp=2, pp=2, dp_replicate=2, micro_batch_size=1, num_microbatches=2),
@@ -80,6 +81,6 @@ def test_the_model_prices_a_group_at_the_tier_the_rule_puts_it_on(
     # 4 nodes x 2 devices: 100 GB/s inside a node, 1 GB/s between nodes.
     cluster = ClusterSpec(**{**cluster_preset("a100-80gb"), "gpus_per_node": 2, "num_nodes": 4,
                              "intra_node_gbps": 100.0, "inter_node_gbps": 1.0})  # fmt: skip
-    gbps, _ = _group_link(cluster, size, stride)
+    gbps = group_link(cluster, size, stride).gbps
     assert (gbps == 100.0) == inside
     assert (members_per_node(size, stride, 2) >= size) == inside

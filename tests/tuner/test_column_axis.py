@@ -12,11 +12,12 @@ from trainer.config import GPTConfig, ParallelConfig
 from tuner import store
 from tuner.db import connect
 from tuner.export import export_layout
+from tuner.hardware import cluster_preset
 from tuner.outcome import Outcome
 from tuner.perfmodel import estimate
 from tuner.plan import plan
 from tuner.space import RULE_CROSS_NODE_TENSOR, RULE_GPUS, SearchSpace
-from tuner.spec import ClusterSpec, SpaceSpec, cluster_preset, parse_spec
+from tuner.spec import ClusterSpec, SpaceSpec, parse_spec
 
 MODEL = GPTConfig(num_layers=4, hidden_size=72, num_heads=6, vocab_size=1000, seq_len=64)
 KNOBS = {"pp": [1], "micro_batch_size": [1], "zero_stage": [0], "activation_checkpoint": ["none"]}

@@ -22,8 +22,9 @@ from tuner.db import Calibration, connect
 from tuner.dispatch import JobHandle
 from tuner.dispatch.local import LocalDispatcher
 from tuner.export import export_layout
+from tuner.fitting import Measurement, rms_log_error
 from tuner.loop import run_study
-from tuner.perfmodel import Measurement, ModelConstants, rms_log_error
+from tuner.perfconstants import ModelConstants
 from tuner.spec import parse_spec
 
 pytestmark = pytest.mark.distributed

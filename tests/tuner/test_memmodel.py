@@ -8,9 +8,11 @@ import dataclasses
 import pytest
 
 from trainer.config import GPTConfig, ParallelConfig
+from tuner.hardware import cluster_preset
 from tuner.memmodel import _in_flight, activation_bytes_per_token, model_state_bytes
-from tuner.perfmodel import ModelConstants, estimate
-from tuner.spec import ClusterSpec, cluster_preset
+from tuner.perfconstants import ModelConstants
+from tuner.perfmodel import estimate
+from tuner.spec import ClusterSpec
 
 GPT3 = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048, vocab_size=51200)
 FLASH, NO_FLASH = ModelConstants(), ModelConstants(flash_attention=False)

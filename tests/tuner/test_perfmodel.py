@@ -9,19 +9,13 @@ import random
 import pytest
 
 from trainer.config import MODEL_PRESETS, GPTConfig, ParallelConfig
-from tuner.perfmodel import (
-    CPU_CONSTANTS,
-    FITTED,
-    Measurement,
-    ModelConstants,
-    calibrate,
-    default_constants,
-    estimate,
-    fit_memory_scale,
-    memory,
-)
+from tuner.fitting import Measurement, calibrate, fit_memory_scale
+from tuner.hardware import cluster_preset
+from tuner.memmodel import memory
+from tuner.perfconstants import CPU_CONSTANTS, FITTED, ModelConstants, default_constants
+from tuner.perfmodel import estimate
 from tuner.space import SearchSpace, layout
-from tuner.spec import ClusterSpec, SpaceSpec, cluster_preset
+from tuner.spec import ClusterSpec, SpaceSpec
 
 GPT3 = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048, vocab_size=51200)
 
@@ -215,7 +209,9 @@ def test_cpu_clusters_start_from_their_own_defaults() -> None:
     cpu = ClusterSpec(**cluster_preset("cpu-local"))
     assert default_constants(cpu) == CPU_CONSTANTS != ModelConstants()
     assert default_constants(a100(1)) == ModelConstants()
-    assert default_constants("cpu-4node-200mbit") == CPU_CONSTANTS  # by name: our own CPU clusters
+    # the one rule (ClusterSpec.device_kind): ranks sharing cores, whatever the cluster is called
+    four_nodes = ClusterSpec(**{**cluster_preset("cpu-local"), "name": "cpu-4node-200mbit", "cores_per_node": 0.5})
+    assert default_constants(four_nodes) == CPU_CONSTANTS
 
 
 def test_calibrate_fits_only_the_named_constants() -> None:

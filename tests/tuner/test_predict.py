@@ -20,7 +20,7 @@ from trainer.config import ParallelConfig as P
 from tuner import store, views
 from tuner.db import connect
 from tuner.outcome import Outcome
-from tuner.perfmodel import ModelConstants
+from tuner.perfconstants import ModelConstants
 from tuner.settings import Settings
 from tuner.spec import parse_spec
 

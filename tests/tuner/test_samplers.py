@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 
 from trainer.config import GPTConfig
+from tuner.hardware import cluster_preset
 from tuner.outcome import FailureKind, Outcome
-from tuner.perfmodel import ModelConstants, estimate
+from tuner.perfconstants import ModelConstants
+from tuner.perfmodel import estimate
+from tuner.pricing import Pricing
 from tuner.samplers import SAMPLERS, make_sampler
 from tuner.space import SearchSpace
-from tuner.spec import ClusterSpec, SpaceSpec, cluster_preset
+from tuner.spec import ClusterSpec, SpaceSpec
 
 # optuna's GP sampler refits its Gaussian process on every ask (~20 s for a small space here).
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "gp" else n for n in SAMPLERS]
@@ -47,7 +50,7 @@ def run_trial(config) -> Outcome:
 
 
 def make(name: str, candidates=CANDIDATES, seed: int = 0):
-    return make_sampler(name, candidates, seed=seed, model=MODEL, cluster=CLUSTER)
+    return make_sampler(name, candidates, seed=seed, pricing=Pricing(MODEL, CLUSTER, "bf16", ModelConstants()))
 
 
 def drive(sampler, n: int) -> list:
@@ -126,12 +129,12 @@ def test_model_exploration_bonus_shrinks_as_the_model_stops_being_surprised() ->
 
 
 def test_model_starts_from_the_device_kinds_defaults() -> None:
-    from tuner.perfmodel import CPU_CONSTANTS
+    from tuner.perfconstants import CPU_CONSTANTS, default_constants
 
     cpu = ClusterSpec(**{**cluster_preset("cpu-local"), "gpus_per_node": 8, "cores_per_node": 2})
-    sampler = make_sampler("model", CANDIDATES, model=MODEL, cluster=cpu)
-    assert sampler.initial == CPU_CONSTANTS
-    assert make("model").initial == ModelConstants()
+    sampler = make_sampler("model", CANDIDATES, pricing=Pricing(MODEL, cpu, "fp32", default_constants(cpu)))
+    assert sampler.initial.constants == CPU_CONSTANTS
+    assert make("model").initial.constants == ModelConstants()
 
 
 def test_cbo_removes_its_log_directory_when_dropped() -> None:

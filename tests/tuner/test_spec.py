@@ -6,17 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from tuner.hardware import CLUSTER_PRESET_NAMES, cluster_preset
 from tuner.space import layout
-from tuner.spec import (
-    CLUSTER_PRESET_NAMES,
-    ClusterSpec,
-    SpecError,
-    benchmark_config,
-    cluster_preset,
-    load_spec,
-    padded_vocab,
-    parse_spec,
-)
+from tuner.spec import ClusterSpec, SpecError, benchmark_config, load_spec, padded_vocab, parse_spec
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
 BASE = {

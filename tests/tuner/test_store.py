@@ -10,7 +10,7 @@ from trainer.config import ParallelConfig
 from tuner import store
 from tuner.db import DatabaseError, connect
 from tuner.outcome import FailureKind, Feedback, Outcome, TrialState, feedback
-from tuner.perfmodel import ModelConstants
+from tuner.perfconstants import ModelConstants
 from tuner.spec import parse_spec
 
 SPEC = parse_spec({"name": "s1", "model": "gpt-tiny", "cluster": "cpu-local", "num_gpus": 2,

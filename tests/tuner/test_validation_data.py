@@ -20,6 +20,7 @@ from bench.validation_data import (
     load_validation,
     megatron_padded_vocab,
 )
+from tuner.spec import ClusterSpec
 
 SHARED_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "validation"
 HEADER = (
@@ -100,12 +101,13 @@ def test_one_model_cluster_and_batch_per_table(tables: dict[str, list[Measuremen
 
 
 def test_clusters_have_every_key(tables: dict[str, list[Measurement]]) -> None:
-    keys = {"name", "gpus_per_node", "num_nodes", "device_memory_gb", "peak_tflops", "intra_node_gbps",
+    keys = {"name", "device", "gpus_per_node", "num_nodes", "device_memory_gb", "peak_tflops", "intra_node_gbps",
             "inter_node_gbps", "intra_node_latency_us", "inter_node_latency_us"}  # fmt: skip
     for rows in tables.values():
         for m in rows:
             assert set(m.cluster) == keys
-            assert all(v > 0 for k, v in m.cluster.items() if k != "name")
+            assert all(v > 0 for k, v in m.cluster.items() if k not in ("name", "device"))
+            assert ClusterSpec(**m.cluster).device_row is not None  # a row of trainer/devices.py
     first = tables["bigscience_bloomprequel_177B_h12288_L96_384gpu_gbs2048"]
     assert first[0].cluster is not first[1].cluster  # callers may edit one row's copy
 

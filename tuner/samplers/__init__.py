@@ -4,47 +4,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainer.config import GPTConfig, ParallelConfig
-from tuner.perfmodel import ModelConstants, estimate
+from trainer.config import ParallelConfig
+from tuner.pricing import Pricing
 from tuner.samplers.base import BaseSampler, GridSampler, RandomSampler, Sampler
-from tuner.spec import SAMPLERS, ClusterSpec
+from tuner.spec import SAMPLERS
 
 __all__ = ["SAMPLERS", "BaseSampler", "Sampler", "make_sampler"]
 
 
 def make_sampler(
-    name: str,
-    candidates: Sequence[ParallelConfig],
-    *,
-    seed: int = 0,
-    model: GPTConfig,
-    cluster: ClusterSpec,
-    precision: str = "bf16",
-    constants: ModelConstants | None = None,
+    name: str, candidates: Sequence[ParallelConfig], *, seed: int = 0, pricing: Pricing
 ) -> BaseSampler:
-    """A sampler over `candidates` (the valid layouts). The performance model orders `grid`,
-    warm-starts the optuna and deephyper samplers, and drives `model`."""
+    """A sampler over `candidates` (the valid layouts), priced by the study's `pricing`. The
+    performance model orders `grid`, warm-starts the optuna and deephyper samplers, and drives
+    `model`; every sampler hands its estimates back (BaseSampler.estimate)."""
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; valid: {list(SAMPLERS)}")
     candidates = list(candidates)
     if name == "random":
-        return RandomSampler(candidates, seed)
+        return RandomSampler(candidates, seed, pricing=pricing)
     if name == "model":
         from tuner.samplers.model import ModelSampler
 
-        return ModelSampler(
-            candidates, seed, model=model, cluster=cluster, precision=precision, constants=constants
-        )
-    predicted = sorted(
-        candidates, key=lambda c: -estimate(model, c, cluster, precision, constants).tokens_per_s
-    ) if candidates else []  # fmt: skip
+        return ModelSampler(candidates, seed, pricing=pricing)
+    predicted = [c for c, _ in pricing.rank(candidates)]
     if name == "grid":
-        return GridSampler(candidates, seed, order=predicted)
+        return GridSampler(candidates, seed, pricing=pricing, order=predicted)
     warm = predicted[0] if predicted else None
     if name == "cbo":
         from tuner.samplers.external import CBOSampler
 
-        return CBOSampler(candidates, seed, warm_start=warm)
+        return CBOSampler(candidates, seed, pricing=pricing, warm_start=warm)
     from tuner.samplers.external import OptunaSampler
 
-    return OptunaSampler(candidates, seed, kind=name, warm_start=warm)
+    return OptunaSampler(candidates, seed, pricing=pricing, kind=name, warm_start=warm)

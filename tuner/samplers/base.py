@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from trainer.config import ParallelConfig
 from tuner.outcome import Feedback, Outcome, feedback
+
+if TYPE_CHECKING:
+    from tuner.perfmodel import Estimate
+    from tuner.pricing import Pricing
 
 
 class Sampler(Protocol):
@@ -25,15 +29,22 @@ class Sampler(Protocol):
     def replay(self, config: ParallelConfig, outcome: Outcome | None) -> None:
         """A trial from the database: finished (outcome) or still pending (None)."""
 
+    def estimate(self, config: ParallelConfig) -> Estimate:
+        """The estimate the sampler priced `config` with when it proposed it (the runner stores and
+        prunes by it; it is not priced again)."""
+
 
 class BaseSampler:
     """Keeps the candidates, what was proposed, and what was measured; subclasses pick."""
 
     name = "base"
 
-    def __init__(self, candidates: Sequence[ParallelConfig], seed: int = 0):
+    def __init__(
+        self, candidates: Sequence[ParallelConfig], seed: int = 0, *, pricing: Pricing | None = None
+    ):
         self.candidates = list(candidates)
         self.seed = seed
+        self.pricing = pricing  # the study's (tuner.pricing); None only for samplers that never price
         self.rng = random.Random(seed)
         self.seen: set[ParallelConfig] = set()
         self.history: list[tuple[ParallelConfig, Outcome]] = []
@@ -64,6 +75,11 @@ class BaseSampler:
         if outcome is not None:
             self.tell(config, outcome)
 
+    def estimate(self, config: ParallelConfig) -> Estimate:
+        if self.pricing is None:
+            raise ValueError(f"sampler {self.name!r} was made without a pricing: it cannot estimate layouts")
+        return self.pricing.estimate(config)  # memoised: what ranking the space already priced
+
     def _propose(self) -> ParallelConfig | None:
         raise NotImplementedError
 
@@ -81,9 +97,11 @@ class GridSampler(BaseSampler):
         self,
         candidates: Sequence[ParallelConfig],
         seed: int = 0,
+        *,
+        pricing: Pricing | None = None,
         order: Sequence[ParallelConfig] | None = None,
     ):
-        super().__init__(candidates, seed)
+        super().__init__(candidates, seed, pricing=pricing)
         self.order = list(order) if order is not None else list(candidates)
 
     def _propose(self) -> ParallelConfig | None:

@@ -13,11 +13,14 @@ layout to try (docs/samplers.md)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import ParallelConfig
 from tuner.outcome import Feedback, Outcome
 from tuner.samplers.base import BaseSampler
+
+if TYPE_CHECKING:
+    from tuner.pricing import Pricing
 
 KNOBS = (
     "tp",
@@ -52,9 +55,10 @@ def _value(outcome: Outcome) -> float:
 
 class _Categorical(BaseSampler):
     def __init__(
-        self, candidates: Sequence[ParallelConfig], seed: int = 0, warm_start: ParallelConfig | None = None
-    ):
-        super().__init__(candidates, seed)
+        self, candidates: Sequence[ParallelConfig], seed: int = 0, *, pricing: Pricing | None = None,
+        warm_start: ParallelConfig | None = None,
+    ):  # fmt: skip
+        super().__init__(candidates, seed, pricing=pricing)
         self.knobs = _knob_names(self.candidates)
         self.index = {tuple(_knobs(c, self.knobs).items()): c for c in self.candidates}
         all_knobs = [_knobs(c, self.knobs) for c in self.candidates]
@@ -74,11 +78,12 @@ class _Categorical(BaseSampler):
 
 class OptunaSampler(_Categorical):
     def __init__(
-        self, candidates, seed: int = 0, kind: str = "tpe", warm_start: ParallelConfig | None = None
-    ):
+        self, candidates, seed: int = 0, *, pricing: Pricing | None = None, kind: str = "tpe",
+        warm_start: ParallelConfig | None = None,
+    ):  # fmt: skip
         import optuna
 
-        super().__init__(candidates, seed, warm_start)
+        super().__init__(candidates, seed, pricing=pricing, warm_start=warm_start)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.name = kind
         make = {
@@ -142,8 +147,9 @@ class CBOSampler(_Categorical):
     name = "cbo"
 
     def __init__(
-        self, candidates, seed: int = 0, warm_start: ParallelConfig | None = None, log_dir: str | None = None
-    ):
+        self, candidates, seed: int = 0, *, pricing: Pricing | None = None, warm_start: ParallelConfig | None = None,
+        log_dir: str | None = None,
+    ):  # fmt: skip
         import tempfile
         import warnings
 
@@ -151,7 +157,7 @@ class CBOSampler(_Categorical):
 
         warnings.filterwarnings("ignore", message="The objective has been evaluated at this point before")
 
-        super().__init__(candidates, seed, warm_start)
+        super().__init__(candidates, seed, pricing=pricing, warm_start=warm_start)
         problem = HpProblem(seed=seed)
         for k in self.knobs:
             problem.add_hyperparameter([str(v) for v in self.choices[k]], k)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.config import ParallelConfig
+from tuner.fitting import Measurement, calibrate
 from tuner.outcome import FailureKind, Feedback, Outcome
-from tuner.perfmodel import Measurement, ModelConstants, calibrate, default_constants, estimate
+from tuner.pricing import Pricing
 from tuner.samplers.base import BaseSampler
-from tuner.spec import ClusterSpec
 
 PRIOR_SIGMA = 0.3  # log-space spread of an uncalibrated prediction (~35 %), until surprises say
 PRIOR_POINTS = 2.0  # what PRIOR_SIGMA weighs against the surprises measured so far
@@ -24,24 +24,17 @@ class ModelSampler(BaseSampler):
     that trial, pooled with PRIOR_SIGMA worth PRIOR_POINTS trials. So the exploration bonus starts
     at PRIOR_SIGMA and shrinks as the calibrated model stops being surprised (and grows while it
     keeps being wrong). A layout that ran out of memory puts a wall at its predicted memory:
-    layouts predicted to need as much or more are not proposed while others remain."""
+    layouts predicted to need as much or more are not proposed while others remain. Its estimates
+    (BaseSampler.estimate) are the current calibration's: what each proposal was chosen by."""
 
     name = "model"
 
     def __init__(
-        self,
-        candidates: Sequence[ParallelConfig],
-        seed: int = 0,
-        *,
-        model: GPTConfig,
-        cluster: ClusterSpec,
-        precision: str = "bf16",
-        constants: ModelConstants | None = None,
-        beta: float = 1.0,
+        self, candidates: Sequence[ParallelConfig], seed: int = 0, *, pricing: Pricing, beta: float = 1.0
     ):
-        super().__init__(candidates, seed)
-        self.model, self.cluster, self.precision, self.beta = model, cluster, precision, beta
-        self.initial = self.constants = constants or default_constants(cluster)
+        super().__init__(candidates, seed, pricing=pricing)
+        self.beta = beta
+        self.initial = pricing  # every recalibration starts from the study's constants
         self.measured: list[Measurement] = []
         self.surprises: list[float] = []  # log(measured / predicted before the trial), per trial
         self.sigma = PRIOR_SIGMA
@@ -50,13 +43,9 @@ class ModelSampler(BaseSampler):
         self._predict()
 
     def _predict(self) -> None:
-        ests = [
-            estimate(self.model, c, self.cluster, self.precision, self.constants) for c in self.candidates
-        ]
-        self.log_tps = {
-            c: math.log(max(e.tokens_per_s, 1e-12)) for c, e in zip(self.candidates, ests, strict=True)
-        }
-        self.memory = {c: e.memory_bytes for c, e in zip(self.candidates, ests, strict=True)}
+        ests = [(c, self.pricing.estimate(c)) for c in self.candidates]
+        self.log_tps = {c: math.log(max(e.tokens_per_s, 1e-12)) for c, e in ests}
+        self.memory = {c: e.memory_bytes for c, e in ests}
 
     def _propose(self) -> ParallelConfig | None:
         left = self.remaining()
@@ -83,12 +72,10 @@ class ModelSampler(BaseSampler):
             (PRIOR_POINTS * PRIOR_SIGMA**2 + sum(r * r for r in self.surprises))
             / (PRIOR_POINTS + len(self.surprises))
         )
-        self.measured.append(
-            Measurement(self.model, config, self.cluster, outcome.step_time_s, self.precision)
-        )
+        self.measured.append(self.pricing.measurement(config, outcome.step_time_s))
         n = len(self.measured)
         if n > 30 and n % 10:  # past 30 points recalibrate every 10th: each fit costs ~n estimates
             return
         points = sorted(self.measured, key=lambda m: m.step_time_s)[:MAX_CALIBRATION_POINTS]
-        self.constants = calibrate(points, self.initial)
+        self.pricing = self.initial.with_constants(calibrate(points, self.initial.constants))
         self._predict()

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from trainer.config import ParallelConfig
 from tuner.db import Calibration, Study, StudyBest, Trial, aware
-from tuner.perfmodel import ModelConstants
+from tuner.perfconstants import ModelConstants
 
 # Rebuilds study_bests from the trials (the migration that adds it; bulk loaders). Ties: lowest id.
 REBUILD_BESTS_SQL = """
