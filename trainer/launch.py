@@ -11,14 +11,14 @@ and a rank can outlive its launcher.
 
 The result is judged by the result file rank 0 writes, not by an exit code: a gloo rank can abort
 at exit after the result was written (about 6 in 140 CPU launches), and a failed trial exits 0 on
-purpose (trainer/failures.py). work_dir holds config.json, result.json, log.txt and launch.json.
+purpose (trainer/failures.py). The files of work_dir (config.json, result.json, log.txt,
+launch.json) and the variables of a trial's environment: trainer/trial_dir.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -30,12 +30,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import BenchmarkConfig, BenchmarkResult
+from trainer.trial_dir import (
+    CONFIG_FILE,
+    LAUNCH_FILE,
+    LAUNCHER_VAR,
+    LOG_FILE,
+    RESULT_FILE,
+    TAG_VAR,
+    NoResult,
+    load_result,
+    prepare,
+    read_launch,
+    with_log_tail,
+    write_launch,
+)
 
-RESULT_FILE = "result.json"
-CONFIG_FILE = "config.json"
-LOG_FILE = "log.txt"
-LAUNCH_FILE = "launch.json"
-TAG_VAR = "PARALLEL_TUNER_TRIAL"
 # trainer.spawn, torchrun and srun forward SIGTERM to their ranks (srun to the step's tasks on
 # every node): give them this long before everything tagged here gets SIGTERM and then SIGKILL.
 COMMAND_GRACE_S = 5.0
@@ -59,8 +68,7 @@ def ranks_command(num_procs: int, config: Path, out: Path, python: str = sys.exe
     return [*launcher, *_trainer_args(config, out)]
 
 
-LAUNCHERS = {"spawn": ranks_command, "torchrun": torchrun_command}
-LAUNCHER_VAR = "PARALLEL_TUNER_LAUNCHER"  # which one local trials use; spawn unless set
+LAUNCHERS = {"spawn": ranks_command, "torchrun": torchrun_command}  # LAUNCHER_VAR picks; spawn unless set
 
 
 def launcher_name() -> str:
@@ -178,9 +186,7 @@ class LocalRun:
     def attach(cls, work_dir: Path) -> LocalRun | None:
         """The trial in `work_dir` as its launch.json describes it; None if there is none. Raises
         ValueError if it was launched on another host (its pid means nothing here)."""
-        try:
-            info = json.loads((work_dir / LAUNCH_FILE).read_text())
-        except FileNotFoundError:
+        if (info := read_launch(work_dir)) is None:
             return None
         if info["host"] != socket.gethostname():
             raise ValueError(
@@ -227,30 +233,17 @@ class LocalRun:
 
     def _read(self) -> BenchmarkResult:
         try:
-            return BenchmarkResult.from_json(self.result_path.read_text())
-        except (OSError, ValueError) as e:
+            return load_result(self.work_dir)
+        except NoResult as e:
             code = (
                 self.process.returncode
                 if self.process is not None
-                else _launch_info(self.work_dir).get("exit_code")
+                else (read_launch(self.work_dir) or {}).get("exit_code")
             )
             return BenchmarkResult(
                 status="error",
                 error=with_log_tail(f"no valid result file ({e}); exit code {code}", self.work_dir),
             )
-
-
-def with_log_tail(reason: str, work_dir: Path, limit: int = 3000) -> str:
-    log = work_dir / LOG_FILE
-    tail = log.read_text(errors="replace")[-limit:] if log.exists() else ""
-    return f"{reason}\n--- log tail ---\n{tail}"
-
-
-def _launch_info(work_dir: Path) -> dict:
-    try:
-        return json.loads((work_dir / LAUNCH_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def new_tag() -> str:
@@ -273,10 +266,7 @@ def start_local(
     tag = tag or new_tag()
     if "\0" in tag:
         raise ValueError(f"a trial tag cannot hold a NUL byte: {tag!r}")
-    work_dir.mkdir(parents=True, exist_ok=True)
-    (work_dir / CONFIG_FILE).write_text(cfg.to_json())
-    for name in (RESULT_FILE, LAUNCH_FILE):
-        (work_dir / name).unlink(missing_ok=True)
+    prepare(work_dir, cfg)
     cmd = command or LAUNCHERS[launcher_name()](
         cfg.parallel.world_size, work_dir / CONFIG_FILE, work_dir / RESULT_FILE, python
     )
@@ -312,7 +302,7 @@ def supervise(command: list[str], work_dir: Path, timeout_s: float | None) -> in
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
     info = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "host": socket.gethostname(),
             "tag": tag, "timeout_s": timeout_s, "started_at": started_at}  # fmt: skip
-    _atomic_write(work_dir / LAUNCH_FILE, json.dumps(info))
+    write_launch(work_dir, info)
     try:
         # Its own process group: SIGTERM to it reaches the command's children (srun, the
         # ranks trainer.spawn started).
@@ -351,16 +341,8 @@ def _stop(proc: subprocess.Popen, tag: str) -> None:
 
 
 def _finish(work_dir: Path, info: dict, exit_code: int) -> int:
-    _atomic_write(
-        work_dir / LAUNCH_FILE, json.dumps({**info, "exit_code": exit_code, "ended_at": time.time()})
-    )
+    write_launch(work_dir, {**info, "exit_code": exit_code, "ended_at": time.time()})
     return exit_code
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _write_new(path: Path, text: str) -> bool:
