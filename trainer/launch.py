@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainer.config import BenchmarkConfig, BenchmarkResult
@@ -37,6 +37,7 @@ from trainer.trial_dir import (
     LOG_FILE,
     RESULT_FILE,
     TAG_VAR,
+    LaunchRecord,
     NoResult,
     load_result,
     prepare,
@@ -188,11 +189,11 @@ class LocalRun:
         ValueError if it was launched on another host (its pid means nothing here)."""
         if (info := read_launch(work_dir)) is None:
             return None
-        if info["host"] != socket.gethostname():
+        if info.host != socket.gethostname():
             raise ValueError(
-                f"the trial in {work_dir} was launched on host {info['host']!r}, this is {socket.gethostname()!r}"
+                f"the trial in {work_dir} was launched on host {info.host!r}, this is {socket.gethostname()!r}"
             )
-        return cls(work_dir, info["tag"], info["pid"], info["start_time"], info["timeout_s"])
+        return cls(work_dir, info.tag, info.pid, info.start_time, info.timeout_s)
 
     @property
     def result_path(self) -> Path:
@@ -235,11 +236,10 @@ class LocalRun:
         try:
             return load_result(self.work_dir)
         except NoResult as e:
-            code = (
-                self.process.returncode
-                if self.process is not None
-                else (read_launch(self.work_dir) or {}).get("exit_code")
-            )
+            if self.process is not None:
+                code = self.process.returncode
+            else:
+                code = launch.exit_code if (launch := read_launch(self.work_dir)) else None
             return BenchmarkResult(
                 status="error",
                 error=with_log_tail(f"no valid result file ({e}); exit code {code}", self.work_dir),
@@ -300,8 +300,8 @@ def supervise(command: list[str], work_dir: Path, timeout_s: float | None) -> in
     stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
-    info = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "host": socket.gethostname(),
-            "tag": tag, "timeout_s": timeout_s, "started_at": started_at}  # fmt: skip
+    info = LaunchRecord(pid=os.getpid(), start_time=process_start_time(os.getpid()), host=socket.gethostname(),
+                        tag=tag, timeout_s=timeout_s, started_at=started_at)  # fmt: skip
     write_launch(work_dir, info)
     try:
         # Its own process group: SIGTERM to it reaches the command's children (srun, the
@@ -340,8 +340,8 @@ def _stop(proc: subprocess.Popen, tag: str) -> None:
         proc.wait()
 
 
-def _finish(work_dir: Path, info: dict, exit_code: int) -> int:
-    write_launch(work_dir, {**info, "exit_code": exit_code, "ended_at": time.time()})
+def _finish(work_dir: Path, info: LaunchRecord, exit_code: int) -> int:
+    write_launch(work_dir, replace(info, exit_code=exit_code, ended_at=time.time()))
     return exit_code
 
 

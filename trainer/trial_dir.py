@@ -10,8 +10,8 @@ pyproject.toml keeps it so).
                                  when the time limit ended the trial (load_result, read_result)
     result.json.rank<r>.fail.json   a failed rank's report, for rank 0 to find the root cause
     log.txt                      every rank's stdout and stderr (log_tail)
-    launch.json                  a local trial's supervisor: pid, start time, host, tag, time limit,
-                                 then its exit code (read_launch; written by trainer/launch.py)
+    launch.json                  a local trial's supervisor (LaunchRecord: pid, start time, host,
+                                 tag, time limit, then its exit code; written by trainer/launch.py)
     job.sbatch                   the job script of a trial submitted with sbatch
 
 A result is judged by result.json, never by an exit code (trainer/launch.py says why). Torch's own
@@ -21,10 +21,11 @@ their own names; the variables below are ours.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from trainer.config import BenchmarkConfig, BenchmarkResult
 
@@ -130,17 +131,43 @@ def with_log_tail(reason: str, work_dir: Path, chars: int = LOG_TAIL_CHARS) -> s
     return f"{reason}\n--- log tail ---\n{log_tail(work_dir, chars)}"
 
 
-def read_launch(work_dir: Path) -> dict[str, Any] | None:
-    """A local trial's launch record (launch.json), None when there is none or it is unreadable."""
+@dataclass(frozen=True)
+class LaunchRecord:
+    """launch.json: a local trial's supervisor, written as it starts and again, with its exit
+    code, as it ends. A worker re-attaches to the trial through it, on this host by pid and start
+    time (a reused pid has another start time), from another host by waiting out its time limit."""
+
+    pid: int
+    start_time: int | None  # clock ticks since boot: /proc/<pid>/stat field 22
+    host: str
+    tag: str
+    timeout_s: float | None
+    started_at: float  # time.time()
+    exit_code: int | None = None  # None while the supervisor runs
+    ended_at: float | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.exit_code is not None
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        if not self.ended:  # no exit_code key while running: what readers before this class checked
+            del data["exit_code"], data["ended_at"]
+        return json.dumps(data)
+
+
+def read_launch(work_dir: Path) -> LaunchRecord | None:
+    """A local trial's launch record, None when there is none or it is unreadable."""
     try:
         info = json.loads((work_dir / LAUNCH_FILE).read_text())
-    except (OSError, ValueError):
+        return LaunchRecord(**info)
+    except (OSError, ValueError, TypeError):  # TypeError: not an object, or not these fields
         return None
-    return info if isinstance(info, dict) else None
 
 
-def write_launch(work_dir: Path, info: dict[str, Any]) -> None:
-    atomic_write(work_dir / LAUNCH_FILE, json.dumps(info))
+def write_launch(work_dir: Path, record: LaunchRecord) -> None:
+    atomic_write(work_dir / LAUNCH_FILE, record.to_json())
 
 
 def atomic_write(path: Path, text: str) -> None:

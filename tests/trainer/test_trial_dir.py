@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from trainer.trial_dir import (
     LAUNCH_FILE,
     LOG_FILE,
     RESULT_FILE,
+    LaunchRecord,
     NoResult,
     load_result,
     log_tail,
@@ -62,7 +65,7 @@ def test_prepare_writes_the_config_and_clears_an_earlier_attempt(tmp_path: Path)
     cfg = tiny_config(ParallelConfig(dp_replicate=2, micro_batch_size=4))
     prepare(work, tiny_config(ParallelConfig()))
     write_result(work / RESULT_FILE, RESULT)
-    write_launch(work, {"pid": 1})
+    write_launch(work, LaunchRecord(pid=1, start_time=1, host="n1", tag="t", timeout_s=60, started_at=0.0))
     (work / LOG_FILE).write_text("the first attempt's log\n")
     prepare(work, cfg)
     assert read_config(work) == cfg
@@ -88,14 +91,21 @@ def test_the_log_tail_keeps_whole_characters(tmp_path: Path) -> None:
     assert log_tail(tmp_path) == "ok \ufffd\ufffd done"
 
 
-def test_a_launch_record_that_is_missing_or_unreadable_is_none(tmp_path: Path) -> None:
+def test_a_launch_record_reads_back_and_says_whether_the_supervisor_ended(tmp_path: Path) -> None:
+    running = LaunchRecord(pid=42, start_time=7, host="n1", tag="trial-a", timeout_s=None, started_at=1.5)
+    write_launch(tmp_path, running)
+    assert read_launch(tmp_path) == running and not running.ended
+    assert "exit_code" not in json.loads((tmp_path / LAUNCH_FILE).read_text())
+    ended = replace(running, exit_code=0, ended_at=9.0)
+    write_launch(tmp_path, ended)
+    assert read_launch(tmp_path) == ended and ended.ended
+
+
+@pytest.mark.parametrize("text", ['{"pid": 4', "[1, 2]", '{"pid": 4}', '{"pid": 4, "host": "n1", "shoe": 1}'])
+def test_a_launch_record_that_is_unreadable_is_none(tmp_path: Path, text: str) -> None:
     assert read_launch(tmp_path) is None
-    (tmp_path / LAUNCH_FILE).write_text('{"pid": 4')
+    (tmp_path / LAUNCH_FILE).write_text(text)  # cut short, not an object, fields missing or foreign
     assert read_launch(tmp_path) is None
-    (tmp_path / LAUNCH_FILE).write_text("[1, 2]")  # JSON, not a record
-    assert read_launch(tmp_path) is None
-    write_launch(tmp_path, {"pid": 42, "host": "n1"})
-    assert read_launch(tmp_path) == {"pid": 42, "host": "n1"}
 
 
 def test_rank_failure_files_sit_beside_their_result(tmp_path: Path) -> None:

@@ -117,8 +117,8 @@ class LocalDispatcher:
         result = run.poll()
         if result is None:
             return JobReport("RUNNING")
-        supervisor_ended = "exit_code" in (read_launch(job.work_dir) or {})
-        if job in self.adopted and read_result(job.work_dir) is None and not supervisor_ended:
+        launch = read_launch(job.work_dir)
+        if job in self.adopted and read_result(job.work_dir) is None and not (launch and launch.ended):
             # A supervisor ends by writing its exit code; one we adopted that is gone without it
             # (and without a result) was killed with its worker or its host.
             return self._end(job, JobReport("LOST", Outcome.failed(
@@ -170,10 +170,10 @@ class LocalDispatcher:
         place), or it runs on another host."""
         result = read_result(job.work_dir)
         launch = read_launch(job.work_dir)
-        if job.host != self.host and (launch or {}).get("pid") == job.pid:
+        if job.host != self.host and launch is not None and launch.pid == job.pid:
             if result is not None:
                 return self._end(job, JobReport("ENDED", classify(result)))
-            deadline = launch.get("started_at", 0) + launch.get("timeout_s", 0) + FOREIGN_GRACE_S
+            deadline = launch.started_at + (launch.timeout_s or 0) + FOREIGN_GRACE_S
             if time.time() < deadline:
                 return JobReport(f"RUNNING on {job.host}")
         return self._end(job, JobReport("LOST", Outcome.failed(
