@@ -49,6 +49,7 @@ from sqlalchemy.exc import SQLAlchemyError  # noqa: E402
 
 from tests.postgres import PostgresServer, postgres_instance  # noqa: E402
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: E402
+from trainer.trial_dir import CONFIG_FILE  # noqa: E402
 from tuner import store  # noqa: E402
 from tuner.db import connect, make_engine  # noqa: E402
 from tuner.dispatch import JobHandle  # noqa: E402
@@ -306,7 +307,7 @@ class Chaos:
 
 def _ranks(work_dir: Path) -> list[int]:
     """The trainer processes of the trial in `work_dir` (its config path is on their command line)."""
-    config = str(work_dir / "config.json")
+    config = str(work_dir / CONFIG_FILE)
     pids = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():

@@ -121,8 +121,9 @@ def table_row(
 def slurm_runner(num_nodes: int, inter_node_mbit: int | None) -> Iterator[Runner]:
     """A local Slurm cluster of `num_nodes` for the table's lifetime; each run one job on it."""
     from tests.slurm_cluster import slurm_cluster
+    from trainer.trial_dir import read_result
     from tuner.dispatch.sbatch import SiteSettings
-    from tuner.dispatch.slurm import SlurmDispatcher, read_result
+    from tuner.dispatch.slurm import SlurmDispatcher
     from tuner.outcome import FailureKind
     from tuner.spec import SlurmSpec
 

@@ -42,10 +42,10 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from trainer.launch import LAUNCHER_VAR, LAUNCHERS  # noqa: E402
+from trainer.launch import LAUNCHERS  # noqa: E402
+from trainer.trial_dir import FORKSERVER_VAR, LAUNCHER_VAR  # noqa: E402
 from tuner import store  # noqa: E402
 from tuner.db import connect  # noqa: E402
-from tuner.dispatch.local import FORKSERVER_VAR  # noqa: E402
 
 TUNER = str(Path(sys.executable).parent / "tuner")
 FIXED = {"stable_rel_ci": None, "prune_running_fraction": None}

@@ -33,9 +33,9 @@ from trainer.metrics import LiveBytesTracker, cpu_name, grad_norm_, peak_tflops_
 from trainer.model import GPT, cross_entropy_loss, init_param_
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import data_parallel_modules, parallelize_gpt
-from trainer.spawn import STORE_FD_VAR
 from trainer.stopping import measurement_stop
 from trainer.topology import placement
+from trainer.trial_dir import FAULT_VAR, STORE_FD_VAR, write_result
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: timedelta) -> None:
@@ -395,7 +395,7 @@ def inject_fault(rank: int, step: int) -> None:
     """Test hook: TRAINER_FAULT="<raise|hang|exit|oom>:<rank>:<step>[:<job name>]" makes that rank
     fail that way at the start of that (0-based) step, to exercise the failure paths for real; with
     a job name, only in the Slurm job of that name (one attempt of a trial, not its retry)."""
-    spec = os.environ.get("TRAINER_FAULT")
+    spec = os.environ.get(FAULT_VAR)
     if not spec:
         return
     kind, fault_rank, fault_step, *job = spec.split(":", 3)
@@ -411,7 +411,7 @@ def inject_fault(rank: int, step: int) -> None:
         os._exit(1)
     if kind == "hang":
         time.sleep(3600)
-    raise ValueError(f"TRAINER_FAULT kind {kind!r} is not one of raise/hang/exit/oom")
+    raise ValueError(f"{FAULT_VAR} kind {kind!r} is not one of raise/hang/exit/oom")
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -493,8 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer.benchmark: bad config {args.config}: {e}", file=sys.stderr)
         result = BenchmarkResult(status="invalid", error=f"bad config: {e}")
         if dist_env()[0] == 0:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(result.to_json())
+            write_result(args.out, result)
         return 2
     result = run(cfg, args.out)
     rank = dist_env()[0]

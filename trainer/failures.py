@@ -24,6 +24,7 @@ import traceback
 from pathlib import Path
 
 from trainer.config import BenchmarkResult
+from trainer.trial_dir import atomic_write, rank_failure_file, rank_failure_files, write_result
 
 # Messages of a collective that failed because a peer went away or timed out: the consequence
 # of a failure elsewhere, so never the root cause when another rank reported something else.
@@ -90,7 +91,7 @@ class FailureBoard:
 
     def _fail_path(self, rank: int) -> Path:
         assert self.out is not None
-        return self.out.with_name(f"{self.out.name}.rank{rank}.fail.json")
+        return rank_failure_file(self.out, rank)
 
     def post(self, exc: BaseException) -> dict:
         """Record this rank's failure; returns the record."""
@@ -105,14 +106,14 @@ class FailureBoard:
             "run_id": self.run_id,
         }
         if self.out is not None and self.world_size > 1:
-            _atomic_write(self._fail_path(self.rank), json.dumps(record))
+            atomic_write(self._fail_path(self.rank), json.dumps(record))
         return record
 
     def _posted(self) -> list[dict]:
         if self.out is None:
             return []
         records = []
-        for path in self.out.parent.glob(f"{self.out.name}.rank*.fail.json"):
+        for path in rank_failure_files(self.out):
             try:
                 rec = json.loads(path.read_text())
             except (OSError, ValueError):
@@ -144,7 +145,7 @@ class FailureBoard:
         with self._lock:
             if self._written or self.out is None or self.rank != 0:
                 return False
-            _atomic_write(self.out, result.to_json())
+            write_result(self.out, result)
             self._written = True
             return True
 
@@ -162,10 +163,3 @@ class FailureBoard:
                 if self.rank == 0:
                     self.finish()
                 os._exit(0)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -3,23 +3,25 @@ each rank of a trial, instead of every rank starting a Python that imports them 
 rank's start on the 2-core VM: torch, torch.distributed.tensor, torch._dynamo; docs/benchmarks.md,
 "Trial cost").
 
-    server = ForkServer.start()     # the tuner's side, torch-free (tuner/dispatch/local.py)
-    env[SOCKET_VAR] = server.path   # the trials started with it fork their ranks from it
+    server = ForkServer.start()     # the tuner's side (trainer/forkclient.py, torch-free)
+    env[SOCKET_VAR] = server.path   # trainer/trial_dir.py: the trials started with it fork their ranks
     server.close()
 
     python -m trainer.forkserver --socket PATH --parent PID      (what start() runs)
 
-trainer.spawn asks it for a rank (fork_rank) when the trial's environment names a server and the
-rank's command is `<the server's python> -m trainer.benchmark ...`; otherwise, or when the server
-does not answer, it starts the rank as a process of its own, as before.
+This module is the server: it imports torch and the trainer, so nothing torch-free imports it.
+trainer.spawn asks it for a rank (trainer/forkclient.py: fork_rank) when the trial's environment
+names a server and the rank's command is `<the server's python> -m trainer.benchmark ...`;
+otherwise, or when the server does not answer, it starts the rank as a process of its own.
 
 What a forked rank keeps of a started one:
 - the trial's tag in /proc/PID/environ, by which every process of a trial is found and killed
   (trainer/launch.py). A forked process shows its parent's initial environment there, so the server
-  starts with a placeholder tag of TAG_ROOM bytes and each child writes its trial's tag over the
-  placeholder in its own copy of that block before the server answers; a longer tag, or a block
-  that cannot be written, is refused (the rank is then started as a process), and so is a trial
-  whose environment differs from the server's in a variable read at start-up (READ_AT_IMPORT);
+  starts with a placeholder tag of TAG_ROOM bytes (trainer/forkclient.py) and each child writes
+  its trial's tag over the placeholder in its own copy of that block before the server answers; a
+  longer tag, or a block that cannot be written, is refused (the rank is then started as a
+  process), and so is a trial whose environment differs from the server's in a variable read at
+  start-up (READ_AT_IMPORT);
 - its environment (os.environ is the trial's; OMP_NUM_THREADS, which OpenMP read when the
   server imported torch, is applied with torch.set_num_threads), working directory, stdout and stderr (passed over
   the socket: the trial's log) and rank 0's store socket;
@@ -42,131 +44,21 @@ import json
 import os
 import re
 import select
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
-import uuid
 from pathlib import Path
 
-from trainer.launch import TAG_VAR, local_env, proc_stat
+from trainer.forkclient import read_message
+from trainer.launch import proc_stat
+from trainer.trial_dir import STORE_FD_VAR, TAG_VAR
 
-SOCKET_VAR = "TRAINER_FORKSERVER"  # a trial's environment: the server's socket path
-TAG_ROOM = 128  # bytes of the placeholder tag, the longest trial tag a forked rank can carry
 IDLE_S = 120.0
-BENCHMARK = ["-m", "trainer.benchmark"]
-LOST = 255  # exit code of a rank whose server ended before it reported one
 # Prefixes of environment variables read when Python starts or torch is imported: a trial whose
 # values differ from the server's has its ranks started as processes.
 READ_AT_IMPORT = ("PYTHON", "LD_", "TORCH_", "PYTORCH_", "OMP_", "KMP_", "GOMP_", "MKL_", "CUDA_")
-
-
-# --- trainer.spawn's side -------------------------------------------------------------------------
-
-
-class ForkedRank:
-    """A rank the server forked, with what trainer.spawn uses of a Popen."""
-
-    def __init__(self, conn: socket.socket, pid: int):
-        self.conn, self.pid = conn, pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None and select.select([self.conn], [], [], 0)[0]:
-            reply = _read_message(self.conn)
-            self.returncode = reply["exit"] if reply and "exit" in reply else LOST
-            self.conn.close()
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-
-def fork_rank(path: str, command: list[str], env: dict[str, str], store_fd: int | None = None,
-              timeout_s: float = 30.0) -> ForkedRank | None:  # fmt: skip
-    """The rank `command` forked by the server at `path`, with `env`, this process's stdout,
-    stderr and working directory, and `store_fd` (rank 0's store socket); None when the command
-    is not the server's to run or the server refuses or does not answer (why goes to stderr)."""
-    if command[1:3] != BENCHMARK:
-        return None
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(timeout_s)
-    request = {"python": command[0], "argv": command[3:], "env": env, "cwd": os.getcwd()}
-    fds = [1, 2] + ([store_fd] if store_fd is not None else [])
-    try:
-        conn.connect(path)
-        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
-        reply = _read_message(conn)
-    except OSError as e:
-        reply = {"error": f"{type(e).__name__}: {e}"}
-    if not reply or "pid" not in reply:
-        print(f"trainer.forkserver: starting the rank as a process: {reply and reply.get('error')}",
-              file=sys.stderr, flush=True)  # fmt: skip
-        conn.close()
-        return None
-    conn.settimeout(None)
-    return ForkedRank(conn, reply["pid"])
-
-
-def _read_message(conn: socket.socket, data: bytes = b"") -> dict | None:
-    """One JSON line (`data`: its start, already read), None at the end of the stream."""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(65536)
-        if not chunk:
-            return None
-        data += chunk
-    return json.loads(data)
-
-
-# --- the tuner's side -----------------------------------------------------------------------------
-
-
-class ForkServer:
-    """A started server: its socket `path`, its process and its own (placeholder) tag."""
-
-    def __init__(self, process: subprocess.Popen, path: str, tag: str):
-        self.process, self.path, self.tag = process, path, tag
-
-    @classmethod
-    def start(cls, python: str = sys.executable, timeout_s: float = 120.0) -> ForkServer | None:
-        """Start a server and wait until it listens; None (why on stderr) if it does not."""
-        path = str(Path(tempfile.mkdtemp(prefix="pt-forkserver-")) / "socket")
-        tag = f"forkserver-{uuid.uuid4().hex[:16]}-".ljust(TAG_ROOM, "_")
-        argv = [python, "-m", "trainer.forkserver", f"--socket={path}", f"--parent={os.getpid()}"]
-        process = subprocess.Popen(argv, env={**local_env(), TAG_VAR: tag}, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
-        server = cls(process, path, tag)
-        ready = select.select([process.stdout], [], [], timeout_s)[0]
-        line = process.stdout.readline() if ready else b""
-        if line.strip() != b"ready":
-            print(f"trainer.forkserver: not started ({line.decode(errors='replace').strip() or 'no answer'})",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            server.close(wait_s=5.0)
-            return None
-        return server
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def close(self, wait_s: float = 0.0) -> None:
-        """Stop taking requests; the server exits once its ranks have ended. Waits up to `wait_s`
-        for that (then kills it: its ranks are the trials' supervisors' to stop)."""
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            if wait_s:
-                self.process.kill()
-        if self.process.stdout:
-            self.process.stdout.close()
-        shutil.rmtree(Path(self.path).parent, ignore_errors=True)
 
 
 # --- the server -----------------------------------------------------------------------------------
@@ -227,7 +119,7 @@ def _accept(listener: socket.socket, ranks: dict[int, socket.socket | None]) -> 
     fds: list[int] = []
     try:
         data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
-        if (request := _read_message(conn, data)) is None:
+        if (request := read_message(conn, data)) is None:
             raise OSError("the request ended early")
         pid = _fork(request, fds, [listener, conn, *(c for c in ranks.values() if c)])
     except (OSError, ValueError, KeyError) as e:
@@ -320,8 +212,6 @@ def _become_rank(request: dict, fds: list[int], conns: list[socket.socket], read
     retag(request["env"].get(TAG_VAR, ""))
     env = dict(request["env"])
     if len(fds) > 2:  # rank 0's store socket, under its number here
-        from trainer.spawn import STORE_FD_VAR
-
         env[STORE_FD_VAR] = str(fds[2])
     os.chdir(request["cwd"])
     os.environ.clear()

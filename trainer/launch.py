@@ -11,14 +11,14 @@ and a rank can outlive its launcher.
 
 The result is judged by the result file rank 0 writes, not by an exit code: a gloo rank can abort
 at exit after the result was written (about 6 in 140 CPU launches), and a failed trial exits 0 on
-purpose (trainer/failures.py). work_dir holds config.json, result.json, log.txt and launch.json.
+purpose (trainer/failures.py). The files of work_dir (config.json, result.json, log.txt,
+launch.json) and the variables of a trial's environment: trainer/trial_dir.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -26,16 +26,26 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainer.config import BenchmarkConfig, BenchmarkResult
+from trainer.trial_dir import (
+    CONFIG_FILE,
+    LAUNCH_FILE,
+    LAUNCHER_VAR,
+    LOG_FILE,
+    RESULT_FILE,
+    TAG_VAR,
+    LaunchRecord,
+    NoResult,
+    load_result,
+    prepare,
+    read_launch,
+    with_log_tail,
+    write_launch,
+)
 
-RESULT_FILE = "result.json"
-CONFIG_FILE = "config.json"
-LOG_FILE = "log.txt"
-LAUNCH_FILE = "launch.json"
-TAG_VAR = "PARALLEL_TUNER_TRIAL"
 # trainer.spawn, torchrun and srun forward SIGTERM to their ranks (srun to the step's tasks on
 # every node): give them this long before everything tagged here gets SIGTERM and then SIGKILL.
 COMMAND_GRACE_S = 5.0
@@ -59,8 +69,7 @@ def ranks_command(num_procs: int, config: Path, out: Path, python: str = sys.exe
     return [*launcher, *_trainer_args(config, out)]
 
 
-LAUNCHERS = {"spawn": ranks_command, "torchrun": torchrun_command}
-LAUNCHER_VAR = "PARALLEL_TUNER_LAUNCHER"  # which one local trials use; spawn unless set
+LAUNCHERS = {"spawn": ranks_command, "torchrun": torchrun_command}  # LAUNCHER_VAR picks; spawn unless set
 
 
 def launcher_name() -> str:
@@ -178,15 +187,13 @@ class LocalRun:
     def attach(cls, work_dir: Path) -> LocalRun | None:
         """The trial in `work_dir` as its launch.json describes it; None if there is none. Raises
         ValueError if it was launched on another host (its pid means nothing here)."""
-        try:
-            info = json.loads((work_dir / LAUNCH_FILE).read_text())
-        except FileNotFoundError:
+        if (info := read_launch(work_dir)) is None:
             return None
-        if info["host"] != socket.gethostname():
+        if info.host != socket.gethostname():
             raise ValueError(
-                f"the trial in {work_dir} was launched on host {info['host']!r}, this is {socket.gethostname()!r}"
+                f"the trial in {work_dir} was launched on host {info.host!r}, this is {socket.gethostname()!r}"
             )
-        return cls(work_dir, info["tag"], info["pid"], info["start_time"], info["timeout_s"])
+        return cls(work_dir, info.tag, info.pid, info.start_time, info.timeout_s)
 
     @property
     def result_path(self) -> Path:
@@ -227,30 +234,16 @@ class LocalRun:
 
     def _read(self) -> BenchmarkResult:
         try:
-            return BenchmarkResult.from_json(self.result_path.read_text())
-        except (OSError, ValueError) as e:
-            code = (
-                self.process.returncode
-                if self.process is not None
-                else _launch_info(self.work_dir).get("exit_code")
-            )
+            return load_result(self.work_dir)
+        except NoResult as e:
+            if self.process is not None:
+                code = self.process.returncode
+            else:
+                code = launch.exit_code if (launch := read_launch(self.work_dir)) else None
             return BenchmarkResult(
                 status="error",
                 error=with_log_tail(f"no valid result file ({e}); exit code {code}", self.work_dir),
             )
-
-
-def with_log_tail(reason: str, work_dir: Path, limit: int = 3000) -> str:
-    log = work_dir / LOG_FILE
-    tail = log.read_text(errors="replace")[-limit:] if log.exists() else ""
-    return f"{reason}\n--- log tail ---\n{tail}"
-
-
-def _launch_info(work_dir: Path) -> dict:
-    try:
-        return json.loads((work_dir / LAUNCH_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def new_tag() -> str:
@@ -273,10 +266,7 @@ def start_local(
     tag = tag or new_tag()
     if "\0" in tag:
         raise ValueError(f"a trial tag cannot hold a NUL byte: {tag!r}")
-    work_dir.mkdir(parents=True, exist_ok=True)
-    (work_dir / CONFIG_FILE).write_text(cfg.to_json())
-    for name in (RESULT_FILE, LAUNCH_FILE):
-        (work_dir / name).unlink(missing_ok=True)
+    prepare(work_dir, cfg)
     cmd = command or LAUNCHERS[launcher_name()](
         cfg.parallel.world_size, work_dir / CONFIG_FILE, work_dir / RESULT_FILE, python
     )
@@ -310,9 +300,9 @@ def supervise(command: list[str], work_dir: Path, timeout_s: float | None) -> in
     stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
-    info = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "host": socket.gethostname(),
-            "tag": tag, "timeout_s": timeout_s, "started_at": started_at}  # fmt: skip
-    _atomic_write(work_dir / LAUNCH_FILE, json.dumps(info))
+    info = LaunchRecord(pid=os.getpid(), start_time=process_start_time(os.getpid()), host=socket.gethostname(),
+                        tag=tag, timeout_s=timeout_s, started_at=started_at)  # fmt: skip
+    write_launch(work_dir, info)
     try:
         # Its own process group: SIGTERM to it reaches the command's children (srun, the
         # ranks trainer.spawn started).
@@ -350,17 +340,9 @@ def _stop(proc: subprocess.Popen, tag: str) -> None:
         proc.wait()
 
 
-def _finish(work_dir: Path, info: dict, exit_code: int) -> int:
-    _atomic_write(
-        work_dir / LAUNCH_FILE, json.dumps({**info, "exit_code": exit_code, "ended_at": time.time()})
-    )
+def _finish(work_dir: Path, info: LaunchRecord, exit_code: int) -> int:
+    write_launch(work_dir, replace(info, exit_code=exit_code, ended_at=time.time()))
     return exit_code
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _write_new(path: Path, text: str) -> bool:

@@ -36,14 +36,10 @@ import subprocess
 import sys
 import time
 
-from trainer.forkserver import SOCKET_VAR, ForkedRank, fork_rank
+from trainer.forkclient import ForkedRank, fork_rank
+from trainer.trial_dir import SOCKET_VAR, STORE_FD_VAR
 
 GRACE_S = 5.0
-
-
-# The listening socket handed to rank 0 for the rendezvous store (its port cannot be taken between
-# being chosen and being listened on); set, empty, on the other ranks. trainer/benchmark.py reads it.
-STORE_FD_VAR = "TRAINER_STORE_FD"
 
 
 def store_socket(host: str = "127.0.0.1") -> socket.socket:

@@ -17,7 +17,7 @@ import shlex
 from collections.abc import Callable
 
 from trainer.config import ParallelConfig
-from trainer.launch import CONFIG_FILE, RESULT_FILE
+from trainer.trial_dir import CONFIG_FILE, RESULT_FILE
 from tuner.dispatch.sbatch import (
     SITE_OPTIONS,
     SiteSettings,

@@ -36,6 +36,7 @@ from pathlib import Path
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 
+from trainer.trial_dir import LOG_FILE
 from tuner import store
 from tuner.budget import may_add_trial, stop_reason
 from tuner.calibration import calibrate_study
@@ -168,7 +169,7 @@ class StudyRunner:
             with self.sessions.begin() as s:
                 trial = s.get(Trial, trial.id)
                 if job is not None:
-                    store.attach_job(s, trial, str(job), str(self._trial_dir(trial) / "log.txt"))
+                    store.attach_job(s, trial, str(job), str(self._trial_dir(trial) / LOG_FILE))
                 else:
                     store.submission_failed(
                         s, trial, f"no job named {name} was found after a restart; re-queued"
@@ -308,7 +309,7 @@ class StudyRunner:
         except DispatchError as e:
             return self._submission_failed(trial.id, str(e))
         with self.sessions.begin() as s:
-            store.attach_job(s, s.get(Trial, trial.id), str(job), str(work_dir / "log.txt"))
+            store.attach_job(s, s.get(Trial, trial.id), str(job), str(work_dir / LOG_FILE))
             store.count_dispatch_failure(s, self.study_id, reset=True)
         self.not_before.pop(trial.id, None)
         return None

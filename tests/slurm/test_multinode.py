@@ -18,11 +18,12 @@ from tests.trainer.helpers import GLOBAL_BATCH, tiny_config
 from trainer.benchmark import run
 from trainer.config import BenchmarkResult
 from trainer.config import ParallelConfig as P
+from trainer.trial_dir import read_result
 from tuner import store
 from tuner.db import connect
 from tuner.dispatch import JobHandle
 from tuner.dispatch.sbatch import SiteSettings
-from tuner.dispatch.slurm import SlurmDispatcher, read_result
+from tuner.dispatch.slurm import SlurmDispatcher
 from tuner.loop import run_study
 from tuner.spec import SlurmSpec, parse_spec
 

@@ -86,7 +86,8 @@ def test_bad_config_file_exits_cleanly_with_invalid_result(tmp_path: Path) -> No
 
 
 def test_world_size_mismatch_is_invalid(tmp_path: Path) -> None:
-    from trainer.launch import CONFIG_FILE, torchrun_command
+    from trainer.launch import torchrun_command
+    from trainer.trial_dir import CONFIG_FILE
 
     cfg = tiny_config(TP2)
     (tmp_path / CONFIG_FILE).write_text(cfg.to_json())

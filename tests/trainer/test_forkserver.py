@@ -18,10 +18,8 @@ import pytest
 from tests.trainer.helpers import tiny_config
 from tests.trainer.test_launch import assert_nothing_left, wait_for_processes
 from trainer.config import ParallelConfig
-from trainer.forkserver import SOCKET_VAR, TAG_ROOM, ForkServer
+from trainer.forkclient import TAG_ROOM, ForkServer
 from trainer.launch import (
-    LOG_FILE,
-    TAG_VAR,
     kill_trial,
     local_env,
     new_tag,
@@ -30,6 +28,7 @@ from trainer.launch import (
     start_local,
     trial_processes,
 )
+from trainer.trial_dir import LOG_FILE, SOCKET_VAR, TAG_VAR
 from tuner.dispatch.local import LocalDispatcher
 
 DP2 = ParallelConfig(dp_replicate=2, micro_batch_size=4)
@@ -159,7 +158,7 @@ def test_the_fork_server_dying_ends_its_trials_and_the_next_trial_gets_a_new_one
 
 def test_the_server_stops_when_the_process_that_started_it_ends() -> None:
     code = (
-        "from trainer.forkserver import ForkServer; s = ForkServer.start(); print(s.process.pid, flush=True)"
+        "from trainer.forkclient import ForkServer; s = ForkServer.start(); print(s.process.pid, flush=True)"
     )
     starter = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=local_env(),
                              timeout=120)  # fmt: skip

@@ -22,9 +22,6 @@ import pytest
 from tests.trainer.helpers import tiny_config
 from trainer.config import BenchmarkResult, ParallelConfig
 from trainer.launch import (
-    LAUNCH_FILE,
-    RESULT_FILE,
-    TAG_VAR,
     LocalRun,
     is_alive,
     kill_trial,
@@ -36,6 +33,7 @@ from trainer.launch import (
     start_local,
     trial_processes,
 )
+from trainer.trial_dir import LAUNCH_FILE, RESULT_FILE, TAG_VAR
 
 P = ParallelConfig
 TP2 = P(tp=2, micro_batch_size=8)

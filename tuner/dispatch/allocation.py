@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from trainer.config import BenchmarkConfig
-from trainer.launch import CONFIG_FILE, RESULT_FILE
+from trainer.trial_dir import CONFIG_FILE, RESULT_FILE
 from tuner.dispatch.base import JobHandle
 from tuner.dispatch.local import LocalDispatcher
 from tuner.dispatch.sbatch import (

@@ -4,7 +4,8 @@ carries the trial's tag, so nothing outlives a trial even when the worker that s
 
 CPU trials fork their ranks from a fork server this dispatcher starts with its first trial
 (trainer/forkserver.py: torch is imported once, not by every rank of every trial; a trial whose
-server is gone starts its ranks as processes). PARALLEL_TUNER_FORKSERVER=0 turns it off.
+server is gone starts its ranks as processes). PARALLEL_TUNER_FORKSERVER=0 turns it off
+(FORKSERVER_VAR; the files and variables of a trial: trainer/trial_dir.py).
 
 Devices are partitioned between concurrent trials: CPU slots (one per core) here, GPU ids through
 CUDA_VISIBLE_DEVICES on a GPU host. A handle is `local:<host>/<supervisor pid>@<work dir>`; a
@@ -13,7 +14,6 @@ time, so a reused pid is never mistaken for the trial)."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -21,16 +21,15 @@ import weakref
 from pathlib import Path
 
 from trainer.config import BenchmarkConfig
-from trainer.forkserver import SOCKET_VAR, ForkServer
-from trainer.launch import CONFIG_FILE, LAUNCH_FILE, LocalRun, launcher_name, start_local
+from trainer.forkclient import ForkServer
+from trainer.launch import LocalRun, launcher_name, start_local
+from trainer.trial_dir import FORKSERVER_VAR, SOCKET_VAR, read_config, read_launch, read_result
 from tuner.dispatch.base import DispatchError, JobHandle, JobReport
-from tuner.dispatch.slurm import read_result
 from tuner.outcome import FailureKind, Outcome, classify
 
 # A trial on another host (a worker there died; its work dir is shared): its supervisor ends it
 # by its own limit, so it is given up only this long after that limit.
 FOREIGN_GRACE_S = 120.0
-FORKSERVER_VAR = "PARALLEL_TUNER_FORKSERVER"  # "0": every rank of a CPU trial starts its own Python
 
 
 class LocalDispatcher:
@@ -118,8 +117,8 @@ class LocalDispatcher:
         result = run.poll()
         if result is None:
             return JobReport("RUNNING")
-        supervisor_ended = "exit_code" in (_launch_info(job.work_dir) or {})
-        if job in self.adopted and read_result(job.work_dir) is None and not supervisor_ended:
+        launch = read_launch(job.work_dir)
+        if job in self.adopted and read_result(job.work_dir) is None and not (launch and launch.ended):
             # A supervisor ends by writing its exit code; one we adopted that is gone without it
             # (and without a result) was killed with its worker or its host.
             return self._end(job, JobReport("LOST", Outcome.failed(
@@ -170,26 +169,19 @@ class LocalDispatcher:
         """A trial we cannot watch: its supervisor is gone (another attempt's launch.json in its
         place), or it runs on another host."""
         result = read_result(job.work_dir)
-        launch = _launch_info(job.work_dir)
-        if job.host != self.host and (launch or {}).get("pid") == job.pid:
+        launch = read_launch(job.work_dir)
+        if job.host != self.host and launch is not None and launch.pid == job.pid:
             if result is not None:
                 return self._end(job, JobReport("ENDED", classify(result)))
-            deadline = launch.get("started_at", 0) + launch.get("timeout_s", 0) + FOREIGN_GRACE_S
+            deadline = launch.started_at + (launch.timeout_s or 0) + FOREIGN_GRACE_S
             if time.time() < deadline:
                 return JobReport(f"RUNNING on {job.host}")
         return self._end(job, JobReport("LOST", Outcome.failed(
             FailureKind.INFRA, f"trial supervisor {job.id} is gone without a result")))  # fmt: skip
 
 
-def _launch_info(work_dir: Path) -> dict | None:
-    try:
-        return json.loads((work_dir / LAUNCH_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _world_size(work_dir: Path) -> int:
     try:
-        return BenchmarkConfig.from_json((work_dir / CONFIG_FILE).read_text()).parallel.world_size
+        return read_config(work_dir).parallel.world_size
     except (OSError, ValueError):
         return 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import BenchmarkConfig
+from trainer.trial_dir import CONFIG_FILE, RESULT_FILE
 from tuner.spec import SlurmSpec
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -162,8 +163,6 @@ def trainer_command(python: str, config: str, out: str) -> str:
 def render_script(cfg: BenchmarkConfig, *, work_dir: Path, spec: SlurmSpec, site: SiteSettings,
                   env: dict[str, str]) -> str:  # fmt: skip
     """A trial's job script: site setup, modules, environment, then the trainer under srun."""
-    from trainer.launch import CONFIG_FILE, RESULT_FILE
-
     lines = ["#!/bin/bash", "# parallel-tuner trial (tuner/dispatch/slurm.py); resources are sbatch options",
              "set -u", *preamble(spec, site, env), f"cd {shlex.quote(str(work_dir))}",
              trainer_command(site.python, str(work_dir / CONFIG_FILE), str(work_dir / RESULT_FILE))]  # fmt: skip

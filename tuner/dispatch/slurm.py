@@ -3,8 +3,9 @@
 Why not submitit: it pickles a Python callable and runs it once per task; we launch the trainer
 module under `srun` with our own rendezvous (trainer/benchmark.py reads SLURM_*), need the same
 steps inside one allocation (tuner/dispatch/allocation.py), and want a job's files (config.json,
-result.json, log.txt) to be the whole contract so that a restarted worker re-attaches from the job
-handle alone. What reaches sbatch: tuner/dispatch/sbatch.py. Golden files: tests/slurm/golden/.
+result.json, log.txt: trainer/trial_dir.py) to be the whole contract so that a restarted worker
+re-attaches from the job handle alone. What reaches sbatch: tuner/dispatch/sbatch.py. Golden
+files: tests/slurm/golden/.
 
 Polling is one `sacct` call (plus one `squeue` for jobs sacct has not recorded yet) for every
 watched job per interval; the interval backs off from 1 s to 30 s while nothing changes and drops
@@ -21,14 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import BenchmarkConfig, BenchmarkResult
-from trainer.launch import CONFIG_FILE, LOG_FILE, RESULT_FILE, TAG_VAR
+from trainer.config import BenchmarkConfig
+from trainer.trial_dir import LOG_FILE, SCRIPT_FILE, TAG_VAR, log_tail, prepare, read_result
 from tuner.dispatch.base import DispatchError, JobHandle, JobReport
 from tuner.dispatch.sbatch import SiteSettings, SlurmResources, job_name, render_script
 from tuner.outcome import FailureKind, Outcome, classify
 from tuner.spec import SlurmSpec
-
-SCRIPT_FILE = "job.sbatch"
 
 # Slurm job states (sacct/squeue) -> what they mean for a trial.
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURING", "COMPLETING",
@@ -73,9 +72,7 @@ class SlurmDispatcher:
         return True  # Slurm queues; the study's trials_in_flight bounds what we submit
 
     def submit(self, cfg: BenchmarkConfig, *, name: str, work_dir: Path, timeout_s: float) -> JobHandle:
-        work_dir.mkdir(parents=True, exist_ok=True)
-        (work_dir / CONFIG_FILE).write_text(cfg.to_json())
-        (work_dir / RESULT_FILE).unlink(missing_ok=True)
+        prepare(work_dir, cfg)
         # Every process of the trial carries its tag, as local trials do (trainer/launch.py).
         env = {**self.env, TAG_VAR: name}
         (work_dir / SCRIPT_FILE).write_text(render_script(cfg, work_dir=work_dir, spec=self.spec,
@@ -169,20 +166,6 @@ class SlurmDispatcher:
             FailureKind.CRASH,
             f"Slurm job {slurm_id} ended {state} (exit {w.exit_code}) without a result\n{tail}",
         )
-
-
-def read_result(work_dir: Path) -> BenchmarkResult | None:
-    try:
-        return BenchmarkResult.from_json((work_dir / RESULT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def log_tail(work_dir: Path, chars: int = 3000) -> str:
-    try:
-        return (work_dir / LOG_FILE).read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
 
 
 def sbatch(args: Sequence[str], timeout_s: float = SUBMIT_TIMEOUT_S) -> str:
