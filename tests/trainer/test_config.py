@@ -16,7 +16,7 @@ TINY = MODEL_PRESETS["gpt-tiny"]
 def test_config_module_does_not_import_torch() -> None:
     """The contract modules the tuner imports, and the local launch path (the static check:
     pyproject.toml's import-linter contracts)."""
-    modules = ["config", "topology", "trial_dir", "launch", "forkclient", "spawn"]
+    modules = ["config", "topology", "devices", "trial_dir", "launch", "forkclient", "spawn"]
     code = f"import sys, {', '.join('trainer.' + m for m in modules)}; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -210,7 +210,9 @@ def test_cpu_clusters_start_from_their_own_defaults() -> None:
     assert default_constants(cpu) == CPU_CONSTANTS != ModelConstants()
     assert default_constants(a100(1)) == ModelConstants()
     # the one rule (ClusterSpec.device_kind): ranks sharing cores, whatever the cluster is called
-    four_nodes = ClusterSpec(**{**cluster_preset("cpu-local"), "name": "cpu-4node-200mbit", "cores_per_node": 0.5})
+    four_nodes = ClusterSpec(
+        **{**cluster_preset("cpu-local"), "name": "cpu-4node-200mbit", "cores_per_node": 0.5}
+    )
     assert default_constants(four_nodes) == CPU_CONSTANTS
 
 

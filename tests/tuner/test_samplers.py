@@ -50,7 +50,9 @@ def run_trial(config) -> Outcome:
 
 
 def make(name: str, candidates=CANDIDATES, seed: int = 0):
-    return make_sampler(name, candidates, seed=seed, pricing=Pricing(MODEL, CLUSTER, "bf16", ModelConstants()))
+    return make_sampler(
+        name, candidates, seed=seed, pricing=Pricing(MODEL, CLUSTER, "bf16", ModelConstants())
+    )
 
 
 def drive(sampler, n: int) -> list:
