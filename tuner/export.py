@@ -107,13 +107,21 @@ def _torchtitan_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str
 
 
 def _megatron_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
-    layers, c = spec.gpt().num_layers, config
+    layers, c, reasons = spec.gpt().num_layers, config, []
     if c.pp > 1 and layers % c.num_stages:
-        return [
+        reasons.append(
             f"num_layers ({layers}) is not a multiple of pp ({c.pp}) x virtual_stages ({c.virtual_stages}) "
             f"= {c.num_stages}: Megatron-LM splits layers evenly over stages"
-        ]
-    return []
+        )
+    if _interleaved(c) and c.num_microbatches < c.pp:
+        # forward_backward_pipelining_with_interleaving raises ValueError unless the micro-batch group
+        # lies in [pp, num_microbatches]: no --microbatch-group-size-per-virtual-pipeline-stage fits.
+        reasons.append(
+            f"num_microbatches ({c.num_microbatches}) < pp ({c.pp}): Megatron-LM's interleaved schedule runs "
+            f"each virtual stage on groups of at least pp micro-batches (megatron/core/pipeline_parallel/"
+            f"schedules.py); our trainer ran one round of {c.num_microbatches}"
+        )
+    return reasons
 
 
 # format -> why that stack cannot run a layout our trainer measured (empty: it can). A layout knob
@@ -259,8 +267,10 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
         ("--tensor-model-parallel-size", c.tp),
         ("--pipeline-model-parallel-size", c.pp),
     ]
-    if c.pp > 1 and c.pp_schedule == "interleaved_1f1b":
+    if _interleaved(c):
         args.append(("--num-layers-per-virtual-pipeline-stage", m.num_layers // c.num_stages))
+        if _microbatch_group(c) != c.pp:  # Megatron's default group is pp micro-batches
+            args.append(("--microbatch-group-size-per-virtual-pipeline-stage", _microbatch_group(c)))
     if c.sequence_parallel:
         args.append(("--sequence-parallel", None))
     args += [
@@ -303,6 +313,20 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
     argv = [f"{env}{torchrun} pretrain_gpt.py"]
     argv += [f"    {flag}" if value is None else f"    {flag} {value}" for flag, value in args]
     return "\n".join([*lines, " \\\n".join(argv)]) + "\n"
+
+
+def _interleaved(config: ParallelConfig) -> bool:
+    return config.pp > 1 and config.pp_schedule == "interleaved_1f1b"
+
+
+def _microbatch_group(config: ParallelConfig) -> int:
+    """The micro-batches each virtual stage runs before the next, as our trainer measured them: torch's
+    ScheduleInterleaved1F1B runs max(1, M // pp) rounds of M / rounds micro-batches (M divides evenly:
+    ParallelConfig.problems). Megatron's --microbatch-group-size-per-virtual-pipeline-stage is that
+    group, default pp; its schedule refuses a group outside [pp, M], or M % group in (0, pp), so with
+    M not a multiple of pp only this flag makes it run, and in the same order (test_export.py)."""
+    rounds = max(1, config.num_microbatches // config.pp)
+    return config.num_microbatches // rounds
 
 
 def _megatron_fsdp2(config: ParallelConfig) -> bool:
@@ -348,6 +372,12 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
                      "all dp ranks; --num-distributed-optimizer-instances sets replicas where supported.")  # fmt: skip
     if c.pp > 1 and c.pp_schedule == "gpipe":
         notes.append("Megatron has no GPipe schedule: it runs 1F1B over the same micro-batches.")
+    if _interleaved(c) and _microbatch_group(c) != c.pp:
+        notes.append(
+            f"--microbatch-group-size-per-virtual-pipeline-stage {_microbatch_group(c)}: {c.num_microbatches} "
+            f"micro-batches are not a multiple of pp ({c.pp}), which Megatron's interleaved schedule refuses "
+            "with its default group (pp); this group is the one measured (torch's Interleaved1F1B rounds)."
+        )
     if c.activation_checkpoint == "selective":
         notes.append("selective recompute is the attention core in both (Korthikanti et al. 2022).")
     if spec.training.precision == "fp16":

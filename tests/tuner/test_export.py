@@ -11,6 +11,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -333,6 +334,121 @@ def test_megatron_fsdp2_of_an_fp16_study_runs_bf16() -> None:
     _, flags = _megatron_args(text)
     assert "--use-torch-fsdp2" in flags and "--bf16" in flags and "--fp16" not in flags
     assert "--use-torch-fsdp2 does not support fp16" in text
+
+
+# Interleaved layouts beyond the golden cases: micro-batch counts that are not a multiple of pp (6 and 10
+# on pp 4: torch's Interleaved1F1B runs them in rounds of 6 and 5), and one below pp, which
+# `tuner plan --model gpt-1.3b --cluster h100-80gb --gpus 8 --global-batch 6` ranked first (pp4 v2, 3
+# micro-batches).
+def _interleaved(num_microbatches: int, global_batch: int) -> tuple[StudySpec, ParallelConfig]:
+    return _spec("gpt-1.3b", "h100-80gb", 8, global_batch, "bf16"), ParallelConfig(
+        pp=4,
+        dp_replicate=2,
+        num_microbatches=num_microbatches,
+        pp_schedule="interleaved_1f1b",
+        virtual_stages=2,
+    )
+
+
+MORE_MEGATRON = {"m6_pp4": _interleaved(6, 12), "m10_pp4": _interleaved(10, 20)}
+FEWER_MICROBATCHES_THAN_PP = _interleaved(3, 6)
+
+
+def _megatron_schedule_layout(text: str) -> list[int | None]:
+    """[pp, virtual stages, micro-batches, group or None] as Megatron derives them from the command:
+    micro-batches = global batch / (micro-batch x dp), dp = world / (tp x pp)."""
+    launcher, flags = _megatron_args(text)
+    options = dict(word.split("=", 1) for word in launcher if word.startswith("--"))
+    world = int(options["--nproc-per-node"]) * int(options["--nnodes"])
+    tp, pp = int(flags["--tensor-model-parallel-size"]), int(flags["--pipeline-model-parallel-size"])
+    layers_per_rank = int(flags["--num-layers"]) // pp
+    virtual = layers_per_rank // int(flags["--num-layers-per-virtual-pipeline-stage"])
+    microbatches = int(flags["--global-batch-size"]) // (
+        int(flags["--micro-batch-size"]) * world // (tp * pp)
+    )
+    group = flags.get("--microbatch-group-size-per-virtual-pipeline-stage")
+    return [pp, virtual, microbatches, None if group is None else int(group)]
+
+
+INTERLEAVED_CASES = ["gpt13b_h100", *MORE_MEGATRON]
+
+
+def _megatron_text(case: str) -> str:
+    if case in MORE_MEGATRON:
+        return export_layout("megatron", *MORE_MEGATRON[case])
+    return (GOLDEN / f"export_megatron_{case}.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def megatron_schedules() -> dict[str, dict]:
+    """{name: what Megatron's own interleaved schedule decided} for every interleaved export, the same
+    commands without a micro-batch group flag (`<case>:default`), and the layout below pp with every
+    group (`fewer:<group>`). One process (tests/tuner/megatron_schedule.py) keeps megatron.core's
+    imports out of this one."""
+    layouts = {}
+    for case in INTERLEAVED_CASES:
+        layouts[case] = _megatron_schedule_layout(_megatron_text(case))
+        layouts[f"{case}:default"] = [*layouts[case][:3], None]
+    config = FEWER_MICROBATCHES_THAN_PP[1]
+    for group in [None, *range(1, 2 * config.pp + 1)]:
+        layouts[f"fewer:{group}"] = [config.pp, config.virtual_stages, config.num_microbatches, group]
+    helper = Path(__file__).parent / "megatron_schedule.py"
+    run = subprocess.run([sys.executable, str(helper), json.dumps(layouts)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+def _trainer_forward_order(config: ParallelConfig, rank: int) -> list[list[int]]:
+    """(micro-batch, model chunk) of each forward pass of `rank`, in the order the trainer's schedule
+    (torch's ScheduleInterleaved1F1B, trainer/pipeline.py) runs them."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    stages = [SimpleNamespace(group_size=config.pp, group_rank=rank, stage_index=rank + k * config.pp,
+                              num_stages=config.num_stages, is_first=False, is_last=False)
+              for k in range(config.virtual_stages)]  # fmt: skip
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=config.num_microbatches)
+    return [[a.microbatch_index, a.stage_index // config.pp] for a in schedule.pipeline_order[rank]
+            if a is not None and a.computation_type == _ComputationType.FORWARD]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", INTERLEAVED_CASES)
+def test_megatrons_interleaved_schedule_runs_the_export_in_the_measured_order(
+    case: str, megatron_schedules: dict
+) -> None:
+    """Megatron's schedule accepts the exported micro-batch count and group (validate_args does not
+    check them: only forward_backward_pipelining_with_interleaving does, at the first step), and runs
+    each rank's forward passes in the order our trainer measured."""
+    decided = megatron_schedules[case]
+    assert decided["megatron_core"] == "0.16.1" and decided["error"] is None, decided
+    config = MORE_MEGATRON[case][1] if case in MORE_MEGATRON else CASES[case][1]
+    for rank in range(config.pp):
+        assert decided["table"] == _trainer_forward_order(config, rank)
+
+
+def test_megatron_refuses_the_default_group_when_microbatches_are_not_a_multiple_of_pp(
+    megatron_schedules: dict,
+) -> None:
+    """Why the export writes --microbatch-group-size-per-virtual-pipeline-stage: without it
+    Megatron's schedule refuses 6 and 10 micro-batches on pp 4 (and accepts 8 on pp 2)."""
+    assert megatron_schedules["gpt13b_h100:default"]["error"] is None
+    for case in MORE_MEGATRON:
+        assert "The remainder of M" in megatron_schedules[f"{case}:default"]["error"]
+    assert _megatron_schedule_layout(_megatron_text("m6_pp4"))[3] == 6
+    assert _megatron_schedule_layout(_megatron_text("m10_pp4"))[3] == 5
+    assert "group (pp); this group is the one measured" in _megatron_text("m10_pp4")
+
+
+def test_megatron_refuses_fewer_microbatches_than_pp(megatron_schedules: dict) -> None:
+    """3 micro-batches on pp 4: Megatron's schedule refuses every group (it must lie in [pp, 3]), so
+    the export is refused with the reason; our trainer runs it (sbatch)."""
+    spec, config = FEWER_MICROBATCHES_THAN_PP
+    for group in [None, *range(1, 2 * config.pp + 1)]:
+        assert megatron_schedules[f"fewer:{group}"]["error"], group
+    assert export_layout("sbatch", spec, config)
+    with pytest.raises(
+        ValueError, match=r"megatron: .*num_microbatches \(3\) < pp \(4\): Megatron-LM's interleaved"
+    ):
+        export_layout("megatron", spec, config)
 
 
 def test_megatron_refuses_an_uneven_layer_split() -> None:
