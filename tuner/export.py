@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from trainer.config import ParallelConfig
 from trainer.launch import CONFIG_FILE, RESULT_FILE
@@ -27,6 +29,9 @@ from tuner.dispatch.sbatch import (
     trainer_command,
 )
 from tuner.spec import SlurmSpec, StudySpec, benchmark_config, slug
+
+if TYPE_CHECKING:
+    from tuner.settings import SlurmSettings
 
 FORMATS = ("torchtitan", "megatron", "sbatch")
 # The releases the exports are written for and tested against (docs/exports.md).
@@ -42,13 +47,15 @@ _AC_MODULE = "torchtitan.distributed.activation_checkpoint"
 TORCHTITAN_AC = {"none": ("", "None"), "full": (_AC_MODULE, "FullAC.Config()"),
                  "selective": (_AC_MODULE, "SelectiveAC.Config()")}  # fmt: skip
 TORCHTITAN_CONFIG_FN = "tuned_layout"
+EXPORT_PYTHON = "python"  # the sbatch export's interpreter when the site names none: the job's PATH
 
 
 def export_layout(
     fmt: str, spec: StudySpec, config: ParallelConfig, *, site: SiteSettings | None = None
 ) -> str:
     """The launch config for `config` in format `fmt` (one of FORMATS). `site` (sbatch only)
-    supplies Slurm defaults and the job preamble; None: no site options, `python` from PATH.
+    supplies Slurm defaults, the job preamble and the python (export_site: the TUNER_SLURM_*
+    settings); None: no site options, `python` from PATH.
     ValueError when the model cannot run the layout or the stack cannot express it."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; valid: {list(FORMATS)}")
@@ -67,7 +74,14 @@ def export_layout(
         return _torchtitan(spec, config)
     if fmt == "megatron":
         return _megatron(spec, config)
-    return _sbatch(spec, config, site or SiteSettings(python="python"))
+    return _sbatch(spec, config, site or SiteSettings(python=EXPORT_PYTHON))
+
+
+def export_site(slurm: SlurmSettings) -> SiteSettings:
+    """The site an sbatch export is written for: the TUNER_SLURM_* settings, as trial jobs take them
+    (what a spec sets wins), except that without TUNER_SLURM_PYTHON the job runs `python` from its
+    PATH, not the path of this process's interpreter, which is a path on the exporting machine."""
+    return slurm.site(default_python=EXPORT_PYTHON)
 
 
 def _header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
@@ -393,7 +407,9 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
 def _sbatch(spec: StudySpec, config: ParallelConfig, site: SiteSettings) -> str:
     """The job script that runs trainer.benchmark for this layout, as tuner/dispatch/slurm.py's
     jobs do, with the resources as #SBATCH lines. Those lines are not shell and cannot be quoted,
-    so every value is a number, a slug, or a name that passed SlurmSpec's checks (the site's too)."""
+    so every value is a number, a slug, or a name that passed SlurmSpec's checks (the site's too).
+    Unlike a trial job it runs anywhere: no path of the exporting machine (the trainer comes from
+    the site's python), the nodes to itself, and it stops at the first failing line."""
     q, s = shlex.quote, spec.slurm
     cfg = benchmark_config(spec, config)  # exactly what the study measured (tests/tuner/test_export.py)
     SlurmSpec(
@@ -402,13 +418,17 @@ def _sbatch(spec: StudySpec, config: ParallelConfig, site: SiteSettings) -> str:
     resources = SlurmResources.for_trial(cfg, name=slug(spec.name), timeout_s=spec.trial.timeout_s, spec=s,
                                          site=site, gpus_per_node=spec.cluster.gpus_per_node)  # fmt: skip
     run_dir = q(slug(spec.name)) + '-"$SLURM_JOB_ID"'
-    lines = ["#!/bin/bash", *resources.sbatch_lines()]
+    lines = ["#!/bin/bash", *replace(resources, exclusive=True).sbatch_lines()]
     timing = (
         f"--time is the study's trial timeout ({spec.trial.timeout_s:g} s): the trainer warms up "
         f"{cfg.warmup_steps} and measures {cfg.measure_steps} steps; result.json has the figures."
     )
-    lines += _comments([*_header(spec, config, "sbatch job"), timing])
-    lines += ["set -u", *preamble(s, site, {})]
+    python = (
+        "the python below (TUNER_SLURM_PYTHON, else the job's PATH) must import trainer: install "
+        "'parallel-tuner[trainer]' for it, or set PYTHONPATH in the site's setup (TUNER_SLURM_SETUP)."
+    )
+    lines += _comments([*_header(spec, config, "sbatch job"), timing, python])
+    lines += ["set -euo pipefail", *preamble(s, site, {}, checkout=None)]
     lines += [
         "# one directory per job, under the submit directory (sbatch's working directory)",
         f"mkdir -p {run_dir}",

@@ -472,6 +472,11 @@ def test_sbatch_is_valid_bash_with_directives_first_and_the_config_inline(case: 
     cfg = _heredoc_config(script)
     assert (cfg.parallel, cfg.model) == (config, padded_model(spec.gpt(), config.tp))
     assert lines[-1].endswith("-m trainer.benchmark --config config.json --out result.json")
+    # A benchmark on nodes of its own, stopped by the first failing line, and no path of the machine
+    # that exported it: the trainer comes from the site's python.
+    assert "#SBATCH --exclusive" in lines and lines[first_command] == "set -euo pipefail"
+    assert str(ROOT) not in script and sys.executable not in script
+    assert not [line for line in lines if line.startswith("export PYTHONPATH")]
 
 
 def test_sbatch_resources_and_precision() -> None:
@@ -537,3 +542,68 @@ def test_a_hostile_study_or_cluster_name_appears_only_as_its_slug(tmp_path: Path
         str(run_dir), "--kill-on-bad-exit=1", "--wait=60", "--distribution=block", "python", "-m", "trainer.benchmark", "--config", "config.json",
         "--out", "result.json",
     ]  # fmt: skip
+
+
+def test_the_exported_job_stops_at_the_first_failing_line(tmp_path: Path) -> None:
+    """A site setup line that fails (a module the cluster lacks, say) ends the job before srun."""
+    spec, config, _ = CASES["tiny_cpu"]
+    script = export_layout("sbatch", spec, config, site=SiteSettings(setup=("false",), python="python"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\ntouch "$SRUN_RAN"\n')
+    (bin_dir / "srun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SRUN_RAN": str(tmp_path / "srun-ran")}
+    run = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env)
+    assert run.returncode == 1 and not (tmp_path / "srun-ran").exists()
+    assert not (tmp_path / f"{slug(spec.name)}-7").exists()
+
+
+def _study_with_a_result(db: str, slurm: dict) -> int:
+    """A tiny CPU study with one completed trial in a fresh database; `slurm` is its spec's section."""
+    from tests import records
+    from tuner import store
+    from tuner.db import connect
+    from tuner.outcome import Outcome
+
+    spec = _spec("gpt-tiny", {"preset": "cpu-local", "gpus_per_node": 2}, 2, 8, "fp32", slurm=slurm)
+    with connect(db).begin() as s:
+        study = store.create_study(s, spec)
+        records.record_trial(s, study, ParallelConfig(dp_replicate=2, micro_batch_size=4),
+                             Outcome(ok=True, tokens_per_s=900.0, mfu=0.1, step_time_s=0.3,
+                                     peak_memory_bytes=10_000, tflops_per_device=0.01))  # fmt: skip
+        records.finish(s, study.id)
+        return study.id
+
+
+def test_the_cli_and_the_api_export_the_sites_slurm_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TUNER_SLURM_ACCOUNT, PARTITION, PYTHON and SETUP reach the exported script as they reach a trial
+    job, from `tuner export` and from the API alike; what the study's spec sets wins."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from tuner.settings import Settings
+
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    study_id = _study_with_a_result(db, {"partition": "gpu"})
+    setup = tmp_path / "setup.sh"
+    setup.write_text("source /opt/site/env.sh\n")
+    site = {"TUNER_SLURM_ACCOUNT": "site-acct", "TUNER_SLURM_PARTITION": "site-part",
+            "TUNER_SLURM_PYTHON": "/opt/site/bin/python", "TUNER_SLURM_SETUP": str(setup)}  # fmt: skip
+    tuner = str(Path(sys.executable).parent / "tuner")
+    argv = [tuner, "export", str(study_id), "--format", "sbatch"]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TUNER_")}, "TUNER_DATABASE_URL": db}
+    cli = subprocess.run(argv, capture_output=True, text=True, env={**env, **site}, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    lines = cli.stdout.splitlines()
+    assert {"#SBATCH --account=site-acct", "#SBATCH --partition=gpu", "source /opt/site/env.sh"} <= set(lines)
+    assert "#SBATCH --partition=site-part" not in lines
+    assert lines[-1].startswith("exec srun ") and " /opt/site/bin/python -m trainer.benchmark " in lines[-1]
+    for name, value in {**site, "TUNER_DATABASE_URL": db}.items():
+        monkeypatch.setenv(name, value)
+    api = TestClient(create_app(Settings.from_env())).get(f"/api/studies/{study_id}/export?format=sbatch")
+    assert api.status_code == 200 and api.text == cli.stdout
+    # Without TUNER_SLURM_PYTHON: python from the job's PATH, not this machine's interpreter.
+    bare = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120).stdout.splitlines()
+    assert " python -m trainer.benchmark " in bare[-1] and not [line for line in bare if "--account" in line]
