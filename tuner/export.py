@@ -47,6 +47,11 @@ _AC_MODULE = "torchtitan.distributed.activation_checkpoint"
 TORCHTITAN_AC = {"none": ("", "None"), "full": (_AC_MODULE, "FullAC.Config()"),
                  "selective": (_AC_MODULE, "SelectiveAC.Config()")}  # fmt: skip
 TORCHTITAN_CONFIG_FN = "tuned_layout"
+# What the export's base config (torchtitan's llama3_debugmodel) reads, relative to the working
+# directory: files of a torchtitan source checkout that the package does not ship (tests/tuner/test_export.py
+# reads them from torchtitan's own parse).
+TORCHTITAN_BASE_TOKENIZER = "./tests/assets/tokenizer"
+TORCHTITAN_BASE_DATASET = ("c4_test", "tests/assets/c4_test")
 EXPORT_PYTHON = "python"  # the sbatch export's interpreter when the site names none: the job's PATH
 
 
@@ -170,10 +175,15 @@ def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
     c = config
     module = f"{slug(spec.name).replace('-', '_').replace('.', '_')}_layout"
     torchrun, multi_node = _torchrun(spec, config)
+    dataset, dataset_path = TORCHTITAN_BASE_DATASET
     run = [
-        f"save as {module}.py on PYTHONPATH, then run:",
+        f"save as {module}.py on PYTHONPATH, then run from the root of a torchtitan {TORCHTITAN_VERSION} "
+        "source checkout:",
         f"  {torchrun} -m torchtitan.train --module {module} --config {TORCHTITAN_CONFIG_FN}",
         *multi_node,
+        f"(BASE reads its tokenizer from {TORCHTITAN_BASE_TOKENIZER} and the {dataset} dataset from "
+        f"{dataset_path}, relative to the working directory; the torchtitan package ships neither. With "
+        "your own BASE, run it where its paths resolve.)",
     ]
     lines = _comments([*_header(spec, config, f"torchtitan {TORCHTITAN_VERSION} config"), *run, "",
                        *_torchtitan_notes(spec, config)])  # fmt: skip
@@ -185,6 +195,7 @@ def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
         "",
         "# The model, data, tokenizer and optimizer: replace with your config function that builds the",
         "# model above (torchtitan has no GPT with learned positions; llama3 is the nearest family).",
+        "# llama3_debugmodel's tokenizer and data are in torchtitan's source tree only (see the top).",
         "BASE = llama3_debugmodel",
         "",
         "",

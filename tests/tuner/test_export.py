@@ -224,6 +224,23 @@ def test_torchtitan_parses_the_export_into_the_measured_layout(case: str, torcht
                                                                                         c.micro_batch_size)  # fmt: skip
 
 
+@pytest.mark.parametrize("case", TORCHTITAN_CASES)
+def test_torchtitan_export_says_where_its_base_reads_tokenizer_and_data(
+    case: str, torchtitan_parsed: dict
+) -> None:
+    """The debug config the export starts from reads a tokenizer and a dataset by paths relative to a
+    torchtitan source checkout, which are not found elsewhere: the run note names them, as torchtitan
+    parsed them."""
+    parsed = torchtitan_parsed[case]
+    assert parsed["assets_found"] is False  # the parse ran outside a checkout
+    spec, config = TORCHTITAN_CASES[case]
+    text = export_layout("torchtitan", spec, config)
+    note = " ".join(line.removeprefix("# ") for line in text.splitlines() if line.startswith("#"))
+    assert f"then run from the root of a torchtitan {TORCHTITAN_VERSION} source checkout:" in note
+    assert f"tokenizer from {parsed['hf_assets_path']} and the {parsed['dataset']} dataset from " \
+           f"{parsed['dataset_path']}, relative to the working directory" in note  # fmt: skip
+
+
 def test_torchtitan_refuses_pipeline_parallelism_with_cuda_graphs(torchtitan_parsed: dict) -> None:
     """Why the export sets disable_cuda_graphs with pp > 1: torchtitan's own check."""
     error = torchtitan_parsed["no_cuda_graphs_rule"]["error"]
