@@ -1,0 +1,127 @@
+"""What pyproject.toml declares. Every third-party package that tuner/, api/ and trainer/ import is
+declared, in the core dependencies or in the extra of the code that imports it, so `pip install
+parallel-tuner` (or `[api]`, `[worker]`, `[trainer]`) gives each command what it imports. Found by
+reading each module's imports (a function's lazy imports too), not by running them: a missing
+package shows only on the path that imports it (`tuner trials --csv` without pandas ended in a
+traceback). And every declared floor is in constraints/floors.txt, which `make check-floors`
+installs (scripts/check-floors.sh, docs/dependencies.md)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from collections.abc import Iterator
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+FIRST_PARTY = ("trainer", "tuner", "api")
+# Import name -> distribution, where they differ.
+DISTRIBUTION = {
+    "yaml": "pyyaml",
+    "pydantic_settings": "pydantic-settings",
+    "prometheus_client": "prometheus-client",
+}
+# The extra a module needs besides the core dependencies (longest matching path prefix wins): the API
+# (`tuner serve`, the dashboard), the bundled trainer (torch), and what only a worker running a study
+# imports: the external samplers and the calibration fit (lazily, so `tuner plan` runs on the core).
+EXTRA = {
+    "api/": "api",
+    "trainer/": "trainer",
+    "tuner/samplers/external.py": "worker",
+    "tuner/perfmodel.py": "worker",
+}
+
+
+def _declared() -> dict[str, set[str]]:
+    """{"core" or an extra: canonical distribution names}; the `all` extra's self-reference is left out."""
+    groups = {"core": PYPROJECT["dependencies"], **PYPROJECT["optional-dependencies"]}
+    return {
+        group: {canonicalize_name(Requirement(r).name) for r in reqs} - {"parallel-tuner"}
+        for group, reqs in groups.items()
+    }
+
+
+def _third_party_imports(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, top-level name) of every absolute import of another project's package in `path`."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top not in sys.stdlib_module_names and top not in FIRST_PARTY and top != "__future__":
+                yield node.lineno, top
+
+
+def _extra_of(relative: str) -> str | None:
+    prefixes = [p for p in EXTRA if relative.startswith(p)]
+    return EXTRA[max(prefixes, key=len)] if prefixes else None
+
+
+def _imports() -> dict[tuple[str, int], str]:
+    """{(file relative to the root, line): distribution} over every module of the three packages."""
+    found = {}
+    for package in FIRST_PARTY:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            relative = path.relative_to(ROOT).as_posix()
+            for line, top in _third_party_imports(path):
+                found[relative, line] = canonicalize_name(DISTRIBUTION.get(top, top))
+    return found
+
+
+def test_every_third_party_import_is_declared_for_the_code_that_imports_it() -> None:
+    declared = _declared()
+    undeclared = []
+    for (relative, line), dist in sorted(_imports().items()):
+        extra = _extra_of(relative)
+        allowed = declared["core"] | (declared[extra] if extra else set())
+        if dist not in allowed:
+            where = f"the core dependencies or the {extra!r} extra" if extra else "the core dependencies"
+            undeclared.append(f"{relative}:{line} imports {dist}, which is not in {where}")
+    assert not undeclared, "\n".join(undeclared)
+
+
+def test_the_scan_sees_each_group_and_the_names_map_to_their_distributions() -> None:
+    """The scan is not vacuous (it finds what each group is for), and each import name maps to the
+    distribution that installs it here (importlib.metadata), so the mapping cannot drift."""
+    found = set(_imports().values())
+    assert {"typer", "sqlalchemy", "pyyaml", "pandas", "fastapi", "starlette", "torch", "optuna"} <= found
+    installed = packages_distributions()
+    for name, dist in DISTRIBUTION.items():
+        assert dist in {canonicalize_name(d) for d in installed.get(name, [])}, (name, installed.get(name))
+    assert set(EXTRA.values()) <= set(_declared()), "an extra named in EXTRA is not in pyproject.toml"
+    for prefix in EXTRA:
+        assert (ROOT / prefix).exists(), f"{prefix} (EXTRA) does not exist"
+
+
+def test_every_declared_floor_is_pinned_in_constraints_floors() -> None:
+    """constraints/floors.txt pins each declared requirement at its bound (or, where the bound names
+    no patch release, a first release under it: 1.11 -> 1.11.1), so `make check-floors` installs every
+    floor; scripts/check-floors.sh applies the same rule to what it installed."""
+    floors = {}
+    for line in (ROOT / "constraints" / "floors.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, pin = line.split("==")
+            floors[canonicalize_name(name)] = Version(pin)
+    groups = [PYPROJECT["dependencies"], *PYPROJECT["optional-dependencies"].values()]
+    wrong = []
+    for req in (Requirement(r) for reqs in groups for r in reqs):
+        name = canonicalize_name(req.name)
+        if name == "parallel-tuner":
+            continue
+        bound = next(Version(s.version) for s in req.specifier if s.operator in (">=", "=="))
+        pin = floors.get(name)
+        if pin is None or pin < bound or pin.release[: len(bound.release)] != bound.release:
+            wrong.append(f"{req}: constraints/floors.txt pins {pin}")
+    assert not wrong, "\n".join(wrong)
