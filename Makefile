@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps demo test test-fast lint format bench clean
+.PHONY: setup system-deps demo test test-fast check-floors lint format bench clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ system-deps:
 # under a minute, for the edit-test loop (the study runner's state machine is in it).
 test-fast: setup
 	$(BIN)/python -m pytest tests -m "not distributed and not slurm and not browser and not slow"
+
+# Every declared dependency at its floor (constraints/floors.txt) in a throwaway venv, then ruff and
+# the fast group there (scripts/check-floors.sh, docs/dependencies.md). Needs PyPI; CI runs it.
+check-floors:
+	PYTHON=$(PYTHON) bash scripts/check-floors.sh
 
 lint: setup
 	$(BIN)/ruff check .

@@ -9,6 +9,7 @@ from typing import Protocol
 from sqlalchemy.orm import sessionmaker
 
 from tuner import store, views
+from tuner.settings import SlurmSettings
 from tuner.spec import StudySpec
 
 
@@ -36,8 +37,9 @@ class Backend(Protocol):
 
 
 class DatabaseBackend:
-    def __init__(self, sessions: sessionmaker):
+    def __init__(self, sessions: sessionmaker, slurm: SlurmSettings | None = None):
         self.sessions = sessions
+        self.slurm = slurm  # the site's TUNER_SLURM_* settings, for the sbatch export
 
     def _study(self, s, ref: str) -> store.Study:
         found = store.get_study(s, ref)
@@ -85,7 +87,7 @@ class DatabaseBackend:
             return store.cancel(s, self._study(s, ref).id, "cancelled from the CLI").message
 
     def export(self, ref: str, fmt: str) -> str:
-        from tuner.export import export_layout
+        from tuner.export import export_layout, export_site
 
         with self.sessions() as s:
             study = self._study(s, ref)
@@ -93,7 +95,10 @@ class DatabaseBackend:
             if best is None:
                 raise BackendError(f"study {ref!r} has no completed trial yet")
             try:
-                return export_layout(fmt, StudySpec.model_validate(study.spec), store.config_of(best))
+                site = export_site(self.slurm) if fmt == "sbatch" and self.slurm else None
+                return export_layout(
+                    fmt, StudySpec.model_validate(study.spec), store.config_of(best), site=site
+                )
             except ValueError as e:
                 raise BackendError(str(e)) from None
 

@@ -32,7 +32,7 @@ FINAL_WORDS = ("done", "failed", "cancelled")
 
 
 def backend(ctx: typer.Context, url: str | None, token: str | None) -> Backend:
-    return HttpBackend(url, token) if url else DatabaseBackend(sessions(ctx.obj))
+    return HttpBackend(url, token) if url else DatabaseBackend(sessions(ctx.obj), ctx.obj.slurm)
 
 
 def _echo_json(rows) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from trainer.config import ParallelConfig
 from trainer.trial_dir import CONFIG_FILE, RESULT_FILE
@@ -27,6 +29,9 @@ from tuner.dispatch.sbatch import (
     trainer_command,
 )
 from tuner.spec import SlurmSpec, StudySpec, benchmark_config, slug
+
+if TYPE_CHECKING:
+    from tuner.settings import SlurmSettings
 
 FORMATS = ("torchtitan", "megatron", "sbatch")
 # The releases the exports are written for and tested against (docs/exports.md).
@@ -42,13 +47,20 @@ _AC_MODULE = "torchtitan.distributed.activation_checkpoint"
 TORCHTITAN_AC = {"none": ("", "None"), "full": (_AC_MODULE, "FullAC.Config()"),
                  "selective": (_AC_MODULE, "SelectiveAC.Config()")}  # fmt: skip
 TORCHTITAN_CONFIG_FN = "tuned_layout"
+# What the export's base config (torchtitan's llama3_debugmodel) reads, relative to the working
+# directory: files of a torchtitan source checkout that the package does not ship (tests/tuner/test_export.py
+# reads them from torchtitan's own parse).
+TORCHTITAN_BASE_TOKENIZER = "./tests/assets/tokenizer"
+TORCHTITAN_BASE_DATASET = ("c4_test", "tests/assets/c4_test")
+EXPORT_PYTHON = "python"  # the sbatch export's interpreter when the site names none: the job's PATH
 
 
 def export_layout(
     fmt: str, spec: StudySpec, config: ParallelConfig, *, site: SiteSettings | None = None
 ) -> str:
     """The launch config for `config` in format `fmt` (one of FORMATS). `site` (sbatch only)
-    supplies Slurm defaults and the job preamble; None: no site options, `python` from PATH.
+    supplies Slurm defaults, the job preamble and the python (export_site: the TUNER_SLURM_*
+    settings); None: no site options, `python` from PATH.
     ValueError when the model cannot run the layout or the stack cannot express it."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; valid: {list(FORMATS)}")
@@ -67,7 +79,14 @@ def export_layout(
         return _torchtitan(spec, config)
     if fmt == "megatron":
         return _megatron(spec, config)
-    return _sbatch(spec, config, site or SiteSettings(python="python"))
+    return _sbatch(spec, config, site or SiteSettings(python=EXPORT_PYTHON))
+
+
+def export_site(slurm: SlurmSettings) -> SiteSettings:
+    """The site an sbatch export is written for: the TUNER_SLURM_* settings, as trial jobs take them
+    (what a spec sets wins), except that without TUNER_SLURM_PYTHON the job runs `python` from its
+    PATH, not the path of this process's interpreter, which is a path on the exporting machine."""
+    return slurm.site(default_python=EXPORT_PYTHON)
 
 
 def _header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
@@ -107,13 +126,21 @@ def _torchtitan_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str
 
 
 def _megatron_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
-    layers, c = spec.gpt().num_layers, config
+    layers, c, reasons = spec.gpt().num_layers, config, []
     if c.pp > 1 and layers % c.num_stages:
-        return [
+        reasons.append(
             f"num_layers ({layers}) is not a multiple of pp ({c.pp}) x virtual_stages ({c.virtual_stages}) "
             f"= {c.num_stages}: Megatron-LM splits layers evenly over stages"
-        ]
-    return []
+        )
+    if _interleaved(c) and c.num_microbatches < c.pp:
+        # forward_backward_pipelining_with_interleaving raises ValueError unless the micro-batch group
+        # lies in [pp, num_microbatches]: no --microbatch-group-size-per-virtual-pipeline-stage fits.
+        reasons.append(
+            f"num_microbatches ({c.num_microbatches}) < pp ({c.pp}): Megatron-LM's interleaved schedule runs "
+            f"each virtual stage on groups of at least pp micro-batches (megatron/core/pipeline_parallel/"
+            f"schedules.py); our trainer ran one round of {c.num_microbatches}"
+        )
+    return reasons
 
 
 # format -> why that stack cannot run a layout our trainer measured (empty: it can). A layout knob
@@ -148,10 +175,15 @@ def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
     c = config
     module = f"{slug(spec.name).replace('-', '_').replace('.', '_')}_layout"
     torchrun, multi_node = _torchrun(spec, config)
+    dataset, dataset_path = TORCHTITAN_BASE_DATASET
     run = [
-        f"save as {module}.py on PYTHONPATH, then run:",
+        f"save as {module}.py on PYTHONPATH, then run from the root of a torchtitan {TORCHTITAN_VERSION} "
+        "source checkout:",
         f"  {torchrun} -m torchtitan.train --module {module} --config {TORCHTITAN_CONFIG_FN}",
         *multi_node,
+        f"(BASE reads its tokenizer from {TORCHTITAN_BASE_TOKENIZER} and the {dataset} dataset from "
+        f"{dataset_path}, relative to the working directory; the torchtitan package ships neither. With "
+        "your own BASE, run it where its paths resolve.)",
     ]
     lines = _comments([*_header(spec, config, f"torchtitan {TORCHTITAN_VERSION} config"), *run, "",
                        *_torchtitan_notes(spec, config)])  # fmt: skip
@@ -163,6 +195,7 @@ def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
         "",
         "# The model, data, tokenizer and optimizer: replace with your config function that builds the",
         "# model above (torchtitan has no GPT with learned positions; llama3 is the nearest family).",
+        "# llama3_debugmodel's tokenizer and data are in torchtitan's source tree only (see the top).",
         "BASE = llama3_debugmodel",
         "",
         "",
@@ -259,8 +292,10 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
         ("--tensor-model-parallel-size", c.tp),
         ("--pipeline-model-parallel-size", c.pp),
     ]
-    if c.pp > 1 and c.pp_schedule == "interleaved_1f1b":
+    if _interleaved(c):
         args.append(("--num-layers-per-virtual-pipeline-stage", m.num_layers // c.num_stages))
+        if _microbatch_group(c) != c.pp:  # Megatron's default group is pp micro-batches
+            args.append(("--microbatch-group-size-per-virtual-pipeline-stage", _microbatch_group(c)))
     if c.sequence_parallel:
         args.append(("--sequence-parallel", None))
     args += [
@@ -303,6 +338,20 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
     argv = [f"{env}{torchrun} pretrain_gpt.py"]
     argv += [f"    {flag}" if value is None else f"    {flag} {value}" for flag, value in args]
     return "\n".join([*lines, " \\\n".join(argv)]) + "\n"
+
+
+def _interleaved(config: ParallelConfig) -> bool:
+    return config.pp > 1 and config.pp_schedule == "interleaved_1f1b"
+
+
+def _microbatch_group(config: ParallelConfig) -> int:
+    """The micro-batches each virtual stage runs before the next, as our trainer measured them: torch's
+    ScheduleInterleaved1F1B runs max(1, M // pp) rounds of M / rounds micro-batches (M divides evenly:
+    ParallelConfig.problems). Megatron's --microbatch-group-size-per-virtual-pipeline-stage is that
+    group, default pp; its schedule refuses a group outside [pp, M], or M % group in (0, pp), so with
+    M not a multiple of pp only this flag makes it run, and in the same order (test_export.py)."""
+    rounds = max(1, config.num_microbatches // config.pp)
+    return config.num_microbatches // rounds
 
 
 def _megatron_fsdp2(config: ParallelConfig) -> bool:
@@ -348,6 +397,12 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
                      "all dp ranks; --num-distributed-optimizer-instances sets replicas where supported.")  # fmt: skip
     if c.pp > 1 and c.pp_schedule == "gpipe":
         notes.append("Megatron has no GPipe schedule: it runs 1F1B over the same micro-batches.")
+    if _interleaved(c) and _microbatch_group(c) != c.pp:
+        notes.append(
+            f"--microbatch-group-size-per-virtual-pipeline-stage {_microbatch_group(c)}: {c.num_microbatches} "
+            f"micro-batches are not a multiple of pp ({c.pp}), which Megatron's interleaved schedule refuses "
+            "with its default group (pp); this group is the one measured (torch's Interleaved1F1B rounds)."
+        )
     if c.activation_checkpoint == "selective":
         notes.append("selective recompute is the attention core in both (Korthikanti et al. 2022).")
     if spec.training.precision == "fp16":
@@ -363,7 +418,9 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
 def _sbatch(spec: StudySpec, config: ParallelConfig, site: SiteSettings) -> str:
     """The job script that runs trainer.benchmark for this layout, as tuner/dispatch/slurm.py's
     jobs do, with the resources as #SBATCH lines. Those lines are not shell and cannot be quoted,
-    so every value is a number, a slug, or a name that passed SlurmSpec's checks (the site's too)."""
+    so every value is a number, a slug, or a name that passed SlurmSpec's checks (the site's too).
+    Unlike a trial job it runs anywhere: no path of the exporting machine (the trainer comes from
+    the site's python), the nodes to itself, and it stops at the first failing line."""
     q, s = shlex.quote, spec.slurm
     cfg = benchmark_config(spec, config)  # exactly what the study measured (tests/tuner/test_export.py)
     SlurmSpec(
@@ -372,13 +429,17 @@ def _sbatch(spec: StudySpec, config: ParallelConfig, site: SiteSettings) -> str:
     resources = SlurmResources.for_trial(cfg, name=slug(spec.name), timeout_s=spec.trial.timeout_s, spec=s,
                                          site=site, gpus_per_node=spec.cluster.gpus_per_node)  # fmt: skip
     run_dir = q(slug(spec.name)) + '-"$SLURM_JOB_ID"'
-    lines = ["#!/bin/bash", *resources.sbatch_lines()]
+    lines = ["#!/bin/bash", *replace(resources, exclusive=True).sbatch_lines()]
     timing = (
         f"--time is the study's trial timeout ({spec.trial.timeout_s:g} s): the trainer warms up "
         f"{cfg.warmup_steps} and measures {cfg.measure_steps} steps; result.json has the figures."
     )
-    lines += _comments([*_header(spec, config, "sbatch job"), timing])
-    lines += ["set -u", *preamble(s, site, {})]
+    python = (
+        "the python below (TUNER_SLURM_PYTHON, else the job's PATH) must import trainer: install "
+        "'parallel-tuner[trainer]' for it, or set PYTHONPATH in the site's setup (TUNER_SLURM_SETUP)."
+    )
+    lines += _comments([*_header(spec, config, "sbatch job"), timing, python])
+    lines += ["set -euo pipefail", *preamble(s, site, {}, checkout=None)]
     lines += [
         "# one directory per job, under the submit directory (sbatch's working directory)",
         f"mkdir -p {run_dir}",

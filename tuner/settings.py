@@ -36,22 +36,29 @@ class SlurmSettings(BaseSettings):
     qos: str | None = Field(None, pattern=_SLURM_NAME, max_length=64)
     constraint: str | None = Field(None, pattern=_SLURM_CONSTRAINT, max_length=128)
     setup: Path | None = None
-    python: str = sys.executable  # the interpreter on the compute nodes (same path on a shared FS)
+    # The interpreter on the compute nodes. Unset: a trial job runs this process's own (the same path
+    # on a shared file system), an exported script `python` from the job's PATH (site()).
+    python: str | None = None
     # The interface ranks talk over: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME in every job.
     socket_ifname: str | None = Field(None, pattern=_IFNAME)
 
-    @field_validator("account", "partition", "qos", "constraint", "socket_ifname", "setup", mode="before")
+    @field_validator("account", "partition", "qos", "constraint", "socket_ifname", "setup", "python",
+                     mode="before")  # fmt: skip
     @classmethod
     def _empty_is_none(cls, v):
         return v or None
 
-    def site(self):
-        """The dispatch layer's frozen view of these settings."""
+    def site(self, *, default_python: str = sys.executable):
+        """The dispatch layer's frozen view of these settings; `default_python` when
+        TUNER_SLURM_PYTHON is unset."""
         from tuner.dispatch.sbatch import SiteSettings
 
-        setup = tuple(self.setup.read_text().splitlines()) if self.setup else ()
-        return SiteSettings(self.account, self.partition, self.qos, self.constraint, setup, self.python,
-                            self.socket_ifname)  # fmt: skip
+        try:
+            setup = tuple(self.setup.read_text().splitlines()) if self.setup else ()
+        except OSError as e:
+            raise SettingsError(f"TUNER_SLURM_SETUP: cannot read {self.setup}: {e.strerror}") from None
+        return SiteSettings(self.account, self.partition, self.qos, self.constraint, setup,
+                            self.python or default_python, self.socket_ifname)  # fmt: skip
 
 
 class Settings(BaseSettings):

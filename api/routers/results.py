@@ -62,7 +62,7 @@ def export(
 ) -> Response:
     """The study's best layout as a launch config: torchtitan, Megatron-LM arguments, or an sbatch
     script running the bundled trainer."""
-    from tuner.export import export_layout
+    from tuner.export import export_layout, export_site
 
     study = study_or_404(session, study_id)
     best = store.best_trial(session, study)
@@ -70,7 +70,7 @@ def export(
         raise ApiError(409, "no_result", f"study {study_id} has no completed trial yet")
     try:
         text = export_layout(format, StudySpec.model_validate(study.spec), store.config_of(best),
-                             site=settings.slurm.site() if format == "sbatch" else None)  # fmt: skip
+                             site=export_site(settings.slurm) if format == "sbatch" else None)  # fmt: skip
     except ValueError as e:  # a layout the framework cannot run: the reason
         raise ApiError(422, "not_exportable", str(e)) from None
     media = {"torchtitan": "text/x-python", "megatron": "text/plain", "sbatch": "text/x-shellscript"}

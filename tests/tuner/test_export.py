@@ -11,6 +11,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -223,6 +224,23 @@ def test_torchtitan_parses_the_export_into_the_measured_layout(case: str, torcht
                                                                                         c.micro_batch_size)  # fmt: skip
 
 
+@pytest.mark.parametrize("case", TORCHTITAN_CASES)
+def test_torchtitan_export_says_where_its_base_reads_tokenizer_and_data(
+    case: str, torchtitan_parsed: dict
+) -> None:
+    """The debug config the export starts from reads a tokenizer and a dataset by paths relative to a
+    torchtitan source checkout, which are not found elsewhere: the run note names them, as torchtitan
+    parsed them."""
+    parsed = torchtitan_parsed[case]
+    assert parsed["assets_found"] is False  # the parse ran outside a checkout
+    spec, config = TORCHTITAN_CASES[case]
+    text = export_layout("torchtitan", spec, config)
+    note = " ".join(line.removeprefix("# ") for line in text.splitlines() if line.startswith("#"))
+    assert f"then run from the root of a torchtitan {TORCHTITAN_VERSION} source checkout:" in note
+    assert f"tokenizer from {parsed['hf_assets_path']} and the {parsed['dataset']} dataset from " \
+           f"{parsed['dataset_path']}, relative to the working directory" in note  # fmt: skip
+
+
 def test_torchtitan_refuses_pipeline_parallelism_with_cuda_graphs(torchtitan_parsed: dict) -> None:
     """Why the export sets disable_cuda_graphs with pp > 1: torchtitan's own check."""
     error = torchtitan_parsed["no_cuda_graphs_rule"]["error"]
@@ -335,6 +353,121 @@ def test_megatron_fsdp2_of_an_fp16_study_runs_bf16() -> None:
     assert "--use-torch-fsdp2 does not support fp16" in text
 
 
+# Interleaved layouts beyond the golden cases: micro-batch counts that are not a multiple of pp (6 and 10
+# on pp 4: torch's Interleaved1F1B runs them in rounds of 6 and 5), and one below pp, which
+# `tuner plan --model gpt-1.3b --cluster h100-80gb --gpus 8 --global-batch 6` ranked first (pp4 v2, 3
+# micro-batches).
+def _interleaved(num_microbatches: int, global_batch: int) -> tuple[StudySpec, ParallelConfig]:
+    return _spec("gpt-1.3b", "h100-80gb", 8, global_batch, "bf16"), ParallelConfig(
+        pp=4,
+        dp_replicate=2,
+        num_microbatches=num_microbatches,
+        pp_schedule="interleaved_1f1b",
+        virtual_stages=2,
+    )
+
+
+MORE_MEGATRON = {"m6_pp4": _interleaved(6, 12), "m10_pp4": _interleaved(10, 20)}
+FEWER_MICROBATCHES_THAN_PP = _interleaved(3, 6)
+
+
+def _megatron_schedule_layout(text: str) -> list[int | None]:
+    """[pp, virtual stages, micro-batches, group or None] as Megatron derives them from the command:
+    micro-batches = global batch / (micro-batch x dp), dp = world / (tp x pp)."""
+    launcher, flags = _megatron_args(text)
+    options = dict(word.split("=", 1) for word in launcher if word.startswith("--"))
+    world = int(options["--nproc-per-node"]) * int(options["--nnodes"])
+    tp, pp = int(flags["--tensor-model-parallel-size"]), int(flags["--pipeline-model-parallel-size"])
+    layers_per_rank = int(flags["--num-layers"]) // pp
+    virtual = layers_per_rank // int(flags["--num-layers-per-virtual-pipeline-stage"])
+    microbatches = int(flags["--global-batch-size"]) // (
+        int(flags["--micro-batch-size"]) * world // (tp * pp)
+    )
+    group = flags.get("--microbatch-group-size-per-virtual-pipeline-stage")
+    return [pp, virtual, microbatches, None if group is None else int(group)]
+
+
+INTERLEAVED_CASES = ["gpt13b_h100", *MORE_MEGATRON]
+
+
+def _megatron_text(case: str) -> str:
+    if case in MORE_MEGATRON:
+        return export_layout("megatron", *MORE_MEGATRON[case])
+    return (GOLDEN / f"export_megatron_{case}.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def megatron_schedules() -> dict[str, dict]:
+    """{name: what Megatron's own interleaved schedule decided} for every interleaved export, the same
+    commands without a micro-batch group flag (`<case>:default`), and the layout below pp with every
+    group (`fewer:<group>`). One process (tests/tuner/megatron_schedule.py) keeps megatron.core's
+    imports out of this one."""
+    layouts = {}
+    for case in INTERLEAVED_CASES:
+        layouts[case] = _megatron_schedule_layout(_megatron_text(case))
+        layouts[f"{case}:default"] = [*layouts[case][:3], None]
+    config = FEWER_MICROBATCHES_THAN_PP[1]
+    for group in [None, *range(1, 2 * config.pp + 1)]:
+        layouts[f"fewer:{group}"] = [config.pp, config.virtual_stages, config.num_microbatches, group]
+    helper = Path(__file__).parent / "megatron_schedule.py"
+    run = subprocess.run([sys.executable, str(helper), json.dumps(layouts)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+def _trainer_forward_order(config: ParallelConfig, rank: int) -> list[list[int]]:
+    """(micro-batch, model chunk) of each forward pass of `rank`, in the order the trainer's schedule
+    (torch's ScheduleInterleaved1F1B, trainer/pipeline.py) runs them."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    stages = [SimpleNamespace(group_size=config.pp, group_rank=rank, stage_index=rank + k * config.pp,
+                              num_stages=config.num_stages, is_first=False, is_last=False)
+              for k in range(config.virtual_stages)]  # fmt: skip
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=config.num_microbatches)
+    return [[a.microbatch_index, a.stage_index // config.pp] for a in schedule.pipeline_order[rank]
+            if a is not None and a.computation_type == _ComputationType.FORWARD]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", INTERLEAVED_CASES)
+def test_megatrons_interleaved_schedule_runs_the_export_in_the_measured_order(
+    case: str, megatron_schedules: dict
+) -> None:
+    """Megatron's schedule accepts the exported micro-batch count and group (validate_args does not
+    check them: only forward_backward_pipelining_with_interleaving does, at the first step), and runs
+    each rank's forward passes in the order our trainer measured."""
+    decided = megatron_schedules[case]
+    assert decided["megatron_core"] == "0.16.1" and decided["error"] is None, decided
+    config = MORE_MEGATRON[case][1] if case in MORE_MEGATRON else CASES[case][1]
+    for rank in range(config.pp):
+        assert decided["table"] == _trainer_forward_order(config, rank)
+
+
+def test_megatron_refuses_the_default_group_when_microbatches_are_not_a_multiple_of_pp(
+    megatron_schedules: dict,
+) -> None:
+    """Why the export writes --microbatch-group-size-per-virtual-pipeline-stage: without it
+    Megatron's schedule refuses 6 and 10 micro-batches on pp 4 (and accepts 8 on pp 2)."""
+    assert megatron_schedules["gpt13b_h100:default"]["error"] is None
+    for case in MORE_MEGATRON:
+        assert "The remainder of M" in megatron_schedules[f"{case}:default"]["error"]
+    assert _megatron_schedule_layout(_megatron_text("m6_pp4"))[3] == 6
+    assert _megatron_schedule_layout(_megatron_text("m10_pp4"))[3] == 5
+    assert "group (pp); this group is the one measured" in _megatron_text("m10_pp4")
+
+
+def test_megatron_refuses_fewer_microbatches_than_pp(megatron_schedules: dict) -> None:
+    """3 micro-batches on pp 4: Megatron's schedule refuses every group (it must lie in [pp, 3]), so
+    the export is refused with the reason; our trainer runs it (sbatch)."""
+    spec, config = FEWER_MICROBATCHES_THAN_PP
+    for group in [None, *range(1, 2 * config.pp + 1)]:
+        assert megatron_schedules[f"fewer:{group}"]["error"], group
+    assert export_layout("sbatch", spec, config)
+    with pytest.raises(
+        ValueError, match=r"megatron: .*num_microbatches \(3\) < pp \(4\): Megatron-LM's interleaved"
+    ):
+        export_layout("megatron", spec, config)
+
+
 def test_megatron_refuses_an_uneven_layer_split() -> None:
     spec, config = MORE_TORCHTITAN["uneven"]
     assert export_layout("torchtitan", spec, config)  # torchtitan splits unevenly (parsed above)
@@ -356,6 +489,11 @@ def test_sbatch_is_valid_bash_with_directives_first_and_the_config_inline(case: 
     cfg = _heredoc_config(script)
     assert (cfg.parallel, cfg.model) == (config, padded_model(spec.gpt(), config.tp))
     assert lines[-1].endswith("-m trainer.benchmark --config config.json --out result.json")
+    # A benchmark on nodes of its own, stopped by the first failing line, and no path of the machine
+    # that exported it: the trainer comes from the site's python.
+    assert "#SBATCH --exclusive" in lines and lines[first_command] == "set -euo pipefail"
+    assert str(ROOT) not in script and sys.executable not in script
+    assert not [line for line in lines if line.startswith("export PYTHONPATH")]
 
 
 def test_sbatch_resources_and_precision() -> None:
@@ -421,3 +559,68 @@ def test_a_hostile_study_or_cluster_name_appears_only_as_its_slug(tmp_path: Path
         str(run_dir), "--kill-on-bad-exit=1", "--wait=60", "--distribution=block", "python", "-m", "trainer.benchmark", "--config", "config.json",
         "--out", "result.json",
     ]  # fmt: skip
+
+
+def test_the_exported_job_stops_at_the_first_failing_line(tmp_path: Path) -> None:
+    """A site setup line that fails (a module the cluster lacks, say) ends the job before srun."""
+    spec, config, _ = CASES["tiny_cpu"]
+    script = export_layout("sbatch", spec, config, site=SiteSettings(setup=("false",), python="python"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\ntouch "$SRUN_RAN"\n')
+    (bin_dir / "srun").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SRUN_RAN": str(tmp_path / "srun-ran")}
+    run = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env)
+    assert run.returncode == 1 and not (tmp_path / "srun-ran").exists()
+    assert not (tmp_path / f"{slug(spec.name)}-7").exists()
+
+
+def _study_with_a_result(db: str, slurm: dict) -> int:
+    """A tiny CPU study with one completed trial in a fresh database; `slurm` is its spec's section."""
+    from tests import records
+    from tuner import store
+    from tuner.db import connect
+    from tuner.outcome import Outcome
+
+    spec = _spec("gpt-tiny", {"preset": "cpu-local", "gpus_per_node": 2}, 2, 8, "fp32", slurm=slurm)
+    with connect(db).begin() as s:
+        study = store.create_study(s, spec)
+        records.record_trial(s, study, ParallelConfig(dp_replicate=2, micro_batch_size=4),
+                             Outcome(ok=True, tokens_per_s=900.0, mfu=0.1, step_time_s=0.3,
+                                     peak_memory_bytes=10_000, tflops_per_device=0.01))  # fmt: skip
+        records.finish(s, study.id)
+        return study.id
+
+
+def test_the_cli_and_the_api_export_the_sites_slurm_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TUNER_SLURM_ACCOUNT, PARTITION, PYTHON and SETUP reach the exported script as they reach a trial
+    job, from `tuner export` and from the API alike; what the study's spec sets wins."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from tuner.settings import Settings
+
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    study_id = _study_with_a_result(db, {"partition": "gpu"})
+    setup = tmp_path / "setup.sh"
+    setup.write_text("source /opt/site/env.sh\n")
+    site = {"TUNER_SLURM_ACCOUNT": "site-acct", "TUNER_SLURM_PARTITION": "site-part",
+            "TUNER_SLURM_PYTHON": "/opt/site/bin/python", "TUNER_SLURM_SETUP": str(setup)}  # fmt: skip
+    tuner = str(Path(sys.executable).parent / "tuner")
+    argv = [tuner, "export", str(study_id), "--format", "sbatch"]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TUNER_")}, "TUNER_DATABASE_URL": db}
+    cli = subprocess.run(argv, capture_output=True, text=True, env={**env, **site}, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    lines = cli.stdout.splitlines()
+    assert {"#SBATCH --account=site-acct", "#SBATCH --partition=gpu", "source /opt/site/env.sh"} <= set(lines)
+    assert "#SBATCH --partition=site-part" not in lines
+    assert lines[-1].startswith("exec srun ") and " /opt/site/bin/python -m trainer.benchmark " in lines[-1]
+    for name, value in {**site, "TUNER_DATABASE_URL": db}.items():
+        monkeypatch.setenv(name, value)
+    api = TestClient(create_app(Settings.from_env())).get(f"/api/studies/{study_id}/export?format=sbatch")
+    assert api.status_code == 200 and api.text == cli.stdout
+    # Without TUNER_SLURM_PYTHON: python from the job's PATH, not this machine's interpreter.
+    bare = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120).stdout.splitlines()
+    assert " python -m trainer.benchmark " in bare[-1] and not [line for line in bare if "--account" in line]

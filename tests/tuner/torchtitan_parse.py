@@ -6,7 +6,8 @@ own, because loading a config imports triton and registers torchtitan's operator
 
 For each MODULE (a file DIR/MODULE.py) one JSON object: the version of torchtitan, and either
 `error` (what torchtitan refused) or the parsed `parallelism`, `training` and `compile` sections,
-the activation checkpointing policy, the gradient accumulation steps as the trainer derives them,
+the activation checkpointing policy, the tokenizer and dataset paths it reads (and whether the
+tokenizer is found from DIR), the gradient accumulation steps as the trainer derives them,
 and with pp > 1 the layers of each pipeline stage as torchtitan's pipeline splits a model of
 NUM_LAYERS layers.
 """
@@ -44,6 +45,7 @@ def stage_layers(parallelism, num_layers: int) -> list[list[int]]:
 
 def parse(module: str, config_fn: str, num_layers: int) -> dict:
     from torchtitan.config import ConfigManager
+    from torchtitan.hf_datasets.text_datasets import DATASETS
 
     try:  # ConfigManager reports any ImportError inside the module as "Cannot import module"
         importlib.import_module(module)
@@ -64,6 +66,12 @@ def parse(module: str, config_fn: str, num_layers: int) -> dict:
         "training": dataclasses.asdict(train),
         "compile": dataclasses.asdict(config.compile),
         "activation_checkpoint": type(config.activation_checkpoint).__qualname__,
+        # Where the run reads its tokenizer and data (hf_datasets: DATASETS), and whether they exist
+        # from this working directory, which is not a torchtitan source checkout.
+        "hf_assets_path": config.hf_assets_path,
+        "dataset": config.dataloader.dataset,
+        "dataset_path": config.dataloader.dataset_path or DATASETS[config.dataloader.dataset].path,
+        "assets_found": os.path.exists(config.hf_assets_path),
         # torchtitan.trainer.Trainer.__init__: global // (local x data-parallel degree)
         "gradient_accumulation_steps": train.global_batch_size // (train.local_batch_size * dp),
     }

@@ -85,6 +85,7 @@ class SlurmResources:
     output: str | None = None
     chdir: Path | None = None
     requeue: bool = False  # --no-requeue: a node failure ends the job and the tuner decides
+    exclusive: bool = False  # --exclusive: no other job on the nodes (a benchmark measures alone)
 
     @classmethod
     def for_trial(cls, cfg: BenchmarkConfig, *, name: str, timeout_s: float, spec: SlurmSpec,
@@ -116,6 +117,8 @@ class SlurmResources:
         opts.append(f"--time={self.time_minutes}")
         if not self.requeue:
             opts.append("--no-requeue")
+        if self.exclusive:
+            opts.append("--exclusive")
         if self.chdir is not None:
             opts.append(f"--chdir={self.chdir}")
         return [*opts, *self.site]
@@ -130,13 +133,15 @@ class SlurmResources:
         return [f"#SBATCH {o}" for o in self.options()]
 
 
-def preamble(spec: SlurmSpec, site: SiteSettings, env: dict[str, str]) -> list[str]:
-    """Job-script lines before the command: site setup, module loads, this checkout on
-    PYTHONPATH, the exports (`env`, then the spec's; values quoted)."""
+def preamble(spec: SlurmSpec, site: SiteSettings, env: dict[str, str], *,
+             checkout: Path | None = ROOT) -> list[str]:  # fmt: skip
+    """Job-script lines before the command: site setup, module loads, `checkout` (this one, which a
+    trial job reads from the shared file system) on PYTHONPATH unless None, the exports (`env`, then
+    the spec's; values quoted)."""
     q = shlex.quote
     return [
         *site.setup, *[f"module load {q(m)}" for m in spec.modules],
-        f"export PYTHONPATH={q(str(ROOT))}" + "${PYTHONPATH:+:$PYTHONPATH}",
+        *([f"export PYTHONPATH={q(str(checkout))}" + "${PYTHONPATH:+:$PYTHONPATH}"] if checkout else []),
         *[f"export {k}={q(v)}" for k, v in sorted({**site.exports, **env, **spec.env}.items())],
     ]  # fmt: skip
 
