@@ -36,8 +36,8 @@ class DeviceLevel:
 
 
 # A100 SXM4 80GB, the reference: GEMM 271.2 / 312 [MAMF]; HBM triad 1.70 / 2.039 TB/s, FA2 179.5 /
-# 312 TFLOP/s (head dim 64, the benchmark's first configuration: causal off), all-reduce 231.58 /
-# 300 GB/s at 8 GB [AZ-A100].
+# 312 TFLOP/s (head dim 64; causal or not, the page does not say), all-reduce 231.58 / 300 GB/s at
+# 8 GB [AZ-A100].
 A100 = DeviceLevel(gemm=0.869, memory=0.834, flash_attention=0.575, comm=0.772)
 # H100 SXM: GEMM 794.5 / 989 [MAMF]; HBM triad 2.97 / 3.35 TB/s, FA2 327.9 / 989.4 (head dim 128)
 # [AZ-H100]; all-reduce as a ring 367.61 / 450 GB/s [H200-AR] (NVSwitch SHARP reaches 478.87 [AZ-H100],
