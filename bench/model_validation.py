@@ -165,16 +165,17 @@ def print_levels(tables: dict[str, list[Measurement]]) -> None:
           "time, < 1 optimistic):\n")  # fmt: skip
     print("| split | device | model size | tables | layouts | median step error | median MFU error | bias |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    keys: list[tuple[str, str, str]] = sorted({(r["split"], r["device"], r["size"]) for r in rows},
-                                              key=lambda k: (k[0], k[1], [n for _, n in SIZE_BUCKETS].index(k[2])))  # fmt: skip
+    sizes = [name for _, name in SIZE_BUCKETS]
     for sp in ("dev", "held out"):
-        for key in [k for k in keys if k[0] == sp] + [(sp, "all", "all")]:
-            group = [r for r in rows if all(want in ("all", got) for want, got in
-                                            zip(key, (r["split"], r["device"], r["size"]), strict=True))]  # fmt: skip
-            if not group:
-                continue
+        part = [r for r in rows if r["split"] == sp]
+        groups: dict[tuple[str, str], list[dict]] = {}
+        for r in sorted(part, key=lambda r: (r["device"], sizes.index(r["size"]))):
+            groups.setdefault((r["device"], r["size"]), []).append(r)
+        if part:
+            groups["all", "all"] = part
+        for (device, size), group in groups.items():
             ratios = [r["ratio"] for r in group]
-            print(f"| {' | '.join(key)} | {len({r['table'] for r in group})} | {len(group)} | "
+            print(f"| {sp} | {device} | {size} | {len({r['table'] for r in group})} | {len(group)} | "
                   f"{statistics.median(abs(x - 1) for x in ratios):.0%} | "
                   f"{statistics.median(abs(1 / x - 1) for x in ratios):.0%} | {statistics.median(ratios):.2f} |")  # fmt: skip
 
