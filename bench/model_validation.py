@@ -10,6 +10,12 @@ with at least MIN_ROWS layouts that ran:
   table id, not by the measurements), then rho and the median absolute relative error of the
   predicted time over the table's OTHER layouts.
 Targets (issue 3): median rho >= 0.8 uncalibrated, >= 0.9 calibrated.
+Tables any constant was fitted or chosen on (DEV_TABLES: the vTrain h1024 tables for the overhead
+defaults, Korthikanti table 5 for the memory-bound traffic by its MFU trend) are reported apart
+from the held-out ones. Then the level (issue 25): the uncalibrated absolute error per device kind
+and model size, every table that ran (also those with fewer than MIN_ROWS layouts): median
+|predicted / measured - 1| of the step time and of the MFU, and the median predicted / measured
+step time (above 1: the model is pessimistic, below 1: optimistic).
 Then the MFU trend across model sizes (issue 13) on Korthikanti table 5 and the BigScience
 BLOOM-prequel tables: predicted / measured MFU, uncalibrated, should not drift with size (target:
 every table within 10 % of its group's median ratio).
@@ -20,6 +26,7 @@ flash_attention off for public tables (bench/priors.py: cold).
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -37,6 +44,15 @@ from tuner import fitting, perfconstants, perfmodel, spec  # noqa: E402
 
 MIN_ROWS = 4  # a rank correlation over fewer layouts says little
 NUM_CALIBRATION = 3
+# Tables a default constant was fitted or chosen on (docs/perfmodel.md, "Constants and
+# calibration"): the vTrain h1024 tables (the overheads) and Korthikanti table 5 (the memory-bound
+# traffic, chosen by its MFU trend). Every other public table is held out.
+DEV_TABLES = ("vtrain_single_h1024", "korthikanti_tab5")
+SIZE_BUCKETS = ((1e9, "< 1B"), (10e9, "1-10B"), (100e9, "10-100B"), (math.inf, ">= 100B"))
+
+
+def split(table_id: str) -> str:
+    return "dev" if table_id.startswith(DEV_TABLES) else "held out"
 
 
 def _predict(m: fitting.Measurement, constants: perfconstants.ModelConstants) -> float:
@@ -126,6 +142,44 @@ def print_trends(tables: dict[str, list[Measurement]]) -> None:
                   f"{r['ratio']:.2f} | {r['trend_error']:+.0%} |")  # fmt: skip
 
 
+def levels(tables: dict[str, list[Measurement]]) -> list[dict]:
+    """One entry per layout that ran: its split, device, size bucket and predicted / measured step
+    time, uncalibrated (the level, not the ranking: what MFU a plan promises)."""
+    out = []
+    for tid, rows in sorted(tables.items()):
+        for r in rows:
+            if r.status != "ok" or not r.iteration_time_s:
+                continue
+            m = inputs(r)
+            size = spec.padded_model(r.model, r.parallel.tp).num_params
+            bucket = next(name for limit, name in SIZE_BUCKETS if size < limit)
+            out.append({"table": tid, "split": split(tid), "device": r.cluster["device"], "size": bucket,
+                        "ratio": _predict(m, cold(r)) / m.step_time_s})  # fmt: skip
+    return out
+
+
+def print_levels(tables: dict[str, list[Measurement]]) -> None:
+    rows = levels(tables)
+    print("\nLevels, uncalibrated (every layout that ran; step error = |predicted / measured - 1| of the "
+          "step time, MFU error = |measured / predicted - 1|; bias = median predicted / measured step "
+          "time, < 1 optimistic):\n")  # fmt: skip
+    print("| split | device | model size | tables | layouts | median step error | median MFU error | bias |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    sizes = [name for _, name in SIZE_BUCKETS]
+    for sp in ("dev", "held out"):
+        part = [r for r in rows if r["split"] == sp]
+        groups: dict[tuple[str, str], list[dict]] = {}
+        for r in sorted(part, key=lambda r: (r["device"], sizes.index(r["size"]))):
+            groups.setdefault((r["device"], r["size"]), []).append(r)
+        if part:
+            groups["all", "all"] = part
+        for (device, size), group in groups.items():
+            ratios = [r["ratio"] for r in group]
+            print(f"| {sp} | {device} | {size} | {len({r['table'] for r in group})} | {len(group)} | "
+                  f"{statistics.median(abs(x - 1) for x in ratios):.0%} | "
+                  f"{statistics.median(abs(1 / x - 1) for x in ratios):.0%} | {statistics.median(ratios):.2f} |")  # fmt: skip
+
+
 def _median(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
@@ -160,13 +214,22 @@ def main() -> None:
         if (not args.only or args.only in tid) and (not args.exclude or args.exclude not in tid)
     }  # fmt: skip
     results = [r for tid, rows in sorted(tables.items()) if (r := evaluate(tid, rows)) is not None]
+    # Public tables: the dev tables apart from the held-out ones (own tables: by dataset, as before).
     groups: dict[str, list[dict]] = {}
-    for r in results:
-        groups.setdefault(r["table"].split("_")[0], []).append(r)
+    for sp in ("dev", "held out"):
+        part = [r for r in results if args.own or split(r["table"]) == sp]
+        for r in part:
+            groups.setdefault(
+                r["table"].split("_")[0] if args.own else f"{sp}: {r['table'].split('_')[0]}", []
+            ).append(r)
+        if part and not args.own:
+            groups[f"{sp}: all"] = part
+        if args.own:
+            break
     print("| group | tables | layouts | median rho uncalibrated | median rho calibrated (held out) | "
           "median abs. error uncalibrated | median abs. error calibrated (held out) |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, rs in [*sorted(groups.items()), ("all", results)]:
+    for name, rs in [*groups.items(), ("all", results)]:
         print(
             f"| {name} | {len(rs)} | {sum(r['rows'] for r in rs)} | {_fmt(_median([r['rho_uncal'] for r in rs]))} | "
             f"{_fmt(_median([r['rho_cal'] for r in rs]))} | {_fmt(_median([r['mape_uncal'] for r in rs]), True)} | "
@@ -179,6 +242,8 @@ def main() -> None:
         for r in results:
             print(f"| {r['table']} | {r['rows']} | {_fmt(r['rho_uncal'])} | {_fmt(r['rho_cal'])} | "
                   f"{_fmt(r['mape_uncal'], True)} | {_fmt(r['mape_cal'], True)} |")  # fmt: skip
+    if not args.own:
+        print_levels(tables)
     if not args.no_trends and not args.own:
         print_trends(tables)
     skipped = [tid for tid, rows in tables.items() if evaluate(tid, rows) is None]

@@ -2,7 +2,8 @@
 
 A study on a cluster starts from the constants its earlier studies fitted (tuner.store.
 latest_constants). The benchmarks replay one table at a time; `cold` starts from the defaults of
-the table's device kind (tuner.perfconstants.default_constants: nothing known about the cluster),
+the table's device (tuner.perfconstants.default_constants: its published level, nothing measured
+on the cluster),
 `warm` from constants fitted to every OTHER table measured on the same cluster (same `gpu_type`),
 never to the table being judged.
 

@@ -8,18 +8,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tuner.devicelevels import MEMORY_TRAFFIC, device_level
 from tuner.spec import ClusterSpec
 
 
 @dataclass(frozen=True)
 class ModelConstants:
     """Efficiencies the formulas cannot know; `calibrate` fits those in FITTED to measurements.
-    The class defaults are for GPUs; default_constants() gives CPU ranks their own."""
+    The class defaults are for a GPU the cluster does not name; default_constants() gives a named
+    GPU its device's level (tuner/devicelevels.py) and CPU ranks their own."""
 
     # A layer's GEMMs reach compute_efficiency x size / (size + compute_half_size) of peak,
     # size = b*s*h/tp: small micro-batches or thin shards run slower. Between the GEMMs, the
     # memory-bound work (norms, GeLU, dropout, residuals, a softmax over the scores without flash
-    # attention) costs elementwise_flops_per_byte peak FLOPs per byte it moves; relative to the
+    # attention) costs elementwise_flops_per_byte low-precision peak FLOPs per byte of stored
+    # activations (a named GPU's: its memory bandwidth, tuner/devicelevels.py); relative to the
     # GEMMs it shrinks as 1/h, which is why per-GPU throughput rises with model size
     # (Korthikanti table 5: MFU 41.5 % at 22B, 56.3 % at 1T on the same A100s).
     compute_efficiency: float = 0.85
@@ -47,6 +50,10 @@ class ModelConstants:
     # cluster from the trials' measured peaks by fit_memory_scale().
     memory_scale: float = 1.0
     flash_attention: bool = True  # SDPA/flash: the s x s attention scores are never stored
+    # With flash attention, the fraction of peak its kernels reach, as flash-attn's benchmark
+    # counts FLOPs (a causal forward 2sh per token, the backward 2.5 forwards: it recomputes the
+    # scores). None: the attention core is priced like the GEMMs (CPU ranks, stored calibrations).
+    attention_efficiency: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -81,5 +88,20 @@ CPU_CONSTANTS = ModelConstants(
 
 def default_constants(cluster: ClusterSpec) -> ModelConstants:
     """The constants a study starts from on a cluster nothing was measured on yet: by its device
-    kind (ClusterSpec.device_kind, the one rule)."""
-    return CPU_CONSTANTS if cluster.device_kind == "cpu" else ModelConstants()
+    kind (ClusterSpec.device_kind, the one rule); a GPU's grounded in its device's published
+    kernel and collective figures (tuner/devicelevels.py), the class defaults for a GPU the
+    cluster does not name."""
+    if cluster.device_kind == "cpu":
+        return CPU_CONSTANTS
+    level = device_level(cluster.device)
+    if level is None:
+        return ModelConstants()
+    # Memory-bound work at the device's achievable bandwidth: seconds = bytes x MEMORY_TRAFFIC /
+    # (bandwidth x level.memory), in the units the formulas use (FLOPs of cluster.peak_tflops).
+    bytes_per_s = cluster.device_row.memory_gbps * 1e9 * level.memory
+    return ModelConstants(
+        compute_efficiency=level.gemm,
+        elementwise_flops_per_byte=MEMORY_TRAFFIC * cluster.peak_tflops * 1e12 / bytes_per_s,
+        comm_efficiency=level.comm,
+        attention_efficiency=level.flash_attention,
+    )

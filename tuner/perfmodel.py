@@ -154,41 +154,58 @@ def _elementwise_flops(m: GPTConfig, p: ParallelConfig, precision: str, c: Model
 
 @dataclass(frozen=True)
 class _Compute:
-    """One micro-batch's compute on a stage: FLOPs at the GEMMs' efficiency plus the memory-bound
-    work, at the dtype's peak."""
+    """One micro-batch's compute on a stage: FLOPs at the GEMMs' efficiency, plus what runs at its
+    own rate (the memory-bound work; flash attention where its efficiency is known)."""
 
-    layer_fwd: float  # FLOPs of one layer's forward for one micro-batch, per rank
-    gemm_fwd: float
-    recompute: float
+    layer_flops: float  # one layer's forward, backward and recompute FLOPs at the GEMMs' efficiency, per rank
+    layer_own_s: float  # one layer's seconds at their own rate: memory-bound work, flash attention
+    gemm_fwd: float  # one layer's forward GEMM FLOPs (its weight gradients cost as much)
     head_fwd: float
     efficiency: float
-    elementwise: float  # per layer
     peak_flops: float
 
     def stage(self, layers: float, head_share: float = 1.0) -> tuple[float, float]:
         """(seconds, the weight gradients' GEMM seconds within them) of a stage of `layers` layers
         and `head_share` of the LM head."""
         head = head_share * self.head_fwd
-        flops = layers * (3 * self.layer_fwd + self.recompute) + 3 * head
-        seconds = (flops / self.efficiency + layers * self.elementwise) / self.peak_flops
+        flops = layers * self.layer_flops + 3 * head
+        seconds = flops / self.efficiency / self.peak_flops + layers * self.layer_own_s
         return seconds, (layers * self.gemm_fwd + head) / self.efficiency / self.peak_flops
 
 
+def _flash_attention_s(attn_fwd: float, p: ParallelConfig, c: ModelConstants, peak_flops: float) -> float:
+    """One layer's attention core with flash attention, at its own efficiency. Counted as
+    flash-attn's benchmark counts the rate it reports (tuner/devicelevels.py): a causal forward
+    computes half the score matrix, the backward 2.5 forwards (it recomputes the scores), and
+    recompute (full or selective) one more forward."""
+    forwards = 3.5 + (0.0 if p.activation_checkpoint == "none" else 1.0)
+    return attn_fwd / 2 * forwards / (peak_flops * c.attention_efficiency)
+
+
 def _compute(
-    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, peak_flops: float
-) -> _Compute:
+    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, peak_flops: float, memory_peak_flops: float
+) -> _Compute:  # fmt: skip
     """Forward, backward = 2x forward (Megatron-3D sec. 5.1), plus recompute: a whole forward (full)
     or the attention core (selective, Korthikanti sec. 5). The head's V x h matmul sits on the
     last stage. With 2D tensor parallelism the GEMMs split over tp x tp_col ranks, the attention
-    core over the row group's heads only: every column rank repeats it (trainer/tp2d.py)."""
+    core over the row group's heads only: every column rank repeats it (trainer/tp2d.py).
+    Memory-bound work is written in FLOPs of `memory_peak_flops`, the low-precision peak
+    (elementwise_flops_per_byte is per byte at that peak: an fp32 step moves twice the bytes, not
+    at the fp32 peak's rate)."""
     tokens_mb = p.micro_batch_size * m.seq_len
     gemm_fwd = _gemm_fwd_flops_per_token(m) * tokens_mb / (p.tp * p.tp_col)
     attn_fwd = _attention_fwd_flops_per_token(m) * tokens_mb / p.tp
-    layer_fwd = gemm_fwd + attn_fwd
-    recompute = {"none": 0.0, "selective": attn_fwd, "full": layer_fwd}[p.activation_checkpoint]
+    own_s = _elementwise_flops(m, p, precision, c) / memory_peak_flops
+    if c.flash_attention and c.attention_efficiency is not None:
+        recompute = gemm_fwd if p.activation_checkpoint == "full" else 0.0
+        layer_flops = 3 * gemm_fwd + recompute
+        own_s += _flash_attention_s(attn_fwd, p, c, peak_flops)
+    else:
+        layer_fwd = gemm_fwd + attn_fwd
+        recompute = {"none": 0.0, "selective": attn_fwd, "full": layer_fwd}[p.activation_checkpoint]
+        layer_flops = 3 * layer_fwd + recompute
     head_fwd = 2 * m.vocab_size * m.hidden_size * tokens_mb / (p.tp * p.tp_col)
-    return _Compute(layer_fwd, gemm_fwd, recompute, head_fwd, _compute_efficiency(m, p, c),
-                    _elementwise_flops(m, p, precision, c), peak_flops)  # fmt: skip
+    return _Compute(layer_flops, own_s, gemm_fwd, head_fwd, _compute_efficiency(m, p, c), peak_flops)
 
 
 @dataclass(frozen=True)
@@ -233,7 +250,8 @@ class _Rank:
 
 def _rank_step(
     m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
-    compute_mb: float, layers: float, dw_mb: float = 0.0, vocab_share: float = 1.0, peak_flops: float = 1.0,
+    compute_mb: float, layers: float, dw_mb: float = 0.0, vocab_share: float = 1.0,
+    memory_peak_flops: float = 1.0,
 ) -> _Rank:  # fmt: skip
     """The step's parts on `cluster`'s links (compute_mb fixed: the links change only these);
     dw_mb: the weight-gradient GEMMs' share of compute_mb (what 2D tensor parallelism overlaps);
@@ -290,7 +308,7 @@ def _rank_step(
     # work between the GEMMs: it reads weights, gradients, m and v and writes weights, m and v.
     # ZeRO >= 1 shards it over dp; replicated, every data-parallel rank repeats it.
     opt_params = params_rank / (d if p.zero_stage >= 1 else 1)
-    optimizer_s = opt_params * OPTIMIZER_BYTES_PER_PARAM * c.elementwise_flops_per_byte / peak_flops
+    optimizer_s = opt_params * OPTIMIZER_BYTES_PER_PARAM * c.elementwise_flops_per_byte / memory_peak_flops
 
     return _Rank(compute_mb, floor_mb, tp_mb, tp_hidden, c.microbatch_overhead_s, bubble, p2p, dp_comm,
                  dp_exposed, optimizer_s)  # fmt: skip
@@ -318,14 +336,13 @@ def _shared_cores_bound(
     all-reduce, a pipeline's send or a TP exchange in the same phase of the step), so the whole
     world waits on the wire at once."""
     mb = p.num_microbatches
+    memory_peak = cluster.peak_tflops * 1e12
     on_node = cluster if cluster.inter_node_gbps >= cluster.intra_node_gbps else _on_node_links(cluster)
 
     def rank(
         link_cluster: ClusterSpec, compute: float, dw: float, n_layers: float, vocab_share: float
     ) -> _Rank:
-        return _rank_step(
-            m, p, link_cluster, precision, c, compute, n_layers, dw, vocab_share, cost.peak_flops
-        )
+        return _rank_step(m, p, link_cluster, precision, c, compute, n_layers, dw, vocab_share, memory_peak)
 
     compute_mb, dw_mb = cost.stage(layers)
     cpu = slowest if on_node is cluster else rank(on_node, compute_mb, dw_mb, layers, 1.0)
@@ -354,9 +371,11 @@ def estimate(
     mb = p.num_microbatches
     layers = math.ceil(m.num_layers / (p.pp * p.virtual_stages)) * p.virtual_stages
     peak_tflops = cluster.peak_tflops_for("fp32" if precision == "fp32" else "bf16")
-    cost = _compute(m, p, precision, c, peak_tflops * 1e12)
+    cost = _compute(m, p, precision, c, peak_tflops * 1e12, cluster.peak_tflops * 1e12)
     compute_mb, dw_mb = cost.stage(layers)
-    k = _rank_step(m, p, cluster, precision, c, compute_mb, layers, dw_mb, peak_flops=cost.peak_flops)
+    k = _rank_step(
+        m, p, cluster, precision, c, compute_mb, layers, dw_mb, memory_peak_flops=cluster.peak_tflops * 1e12
+    )
     dedicated = k.step_s(mb)
     shared = 0.0
     if cluster.cores_per_node:

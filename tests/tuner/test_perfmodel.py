@@ -9,6 +9,9 @@ import random
 import pytest
 
 from trainer.config import MODEL_PRESETS, GPTConfig, ParallelConfig
+from trainer.devices import find_device
+from tuner import perfmodel
+from tuner.devicelevels import LEVELS, MEMORY_TRAFFIC
 from tuner.fitting import Measurement, calibrate, fit_memory_scale
 from tuner.hardware import cluster_preset
 from tuner.memmodel import memory
@@ -208,7 +211,9 @@ def test_the_estimate_prices_the_padded_vocabulary() -> None:
 def test_cpu_clusters_start_from_their_own_defaults() -> None:
     cpu = ClusterSpec(**cluster_preset("cpu-local"))
     assert default_constants(cpu) == CPU_CONSTANTS != ModelConstants()
-    assert default_constants(a100(1)) == ModelConstants()
+    # a GPU cluster that names no device: the class defaults (a named one: test_gpu_defaults_...)
+    unnamed = ClusterSpec(**{**cluster_preset("a100-80gb"), "device": None})
+    assert default_constants(unnamed) == ModelConstants()
     # the one rule (ClusterSpec.device_kind): ranks sharing cores, whatever the cluster is called
     four_nodes = ClusterSpec(
         **{**cluster_preset("cpu-local"), "name": "cpu-4node-200mbit", "cores_per_node": 0.5}
@@ -220,9 +225,9 @@ def test_calibrate_fits_only_the_named_constants() -> None:
     model = MODEL_PRESETS["gpt-1.3b"]
     points = [Measurement(model, layout(t, 1, 8 // t, micro_batch_size=2, num_microbatches=4), a100(1), 0.5 * t)
               for t in (1, 2, 4, 8)]  # fmt: skip
-    fitted = calibrate(points, fitted=("compute_efficiency",))
-    assert fitted.comm_efficiency == ModelConstants().comm_efficiency
-    assert fitted.compute_efficiency != ModelConstants().compute_efficiency
+    fitted = calibrate(points, fitted=("compute_efficiency",))  # from the A100's defaults
+    assert fitted.comm_efficiency == default_constants(a100(1)).comm_efficiency
+    assert fitted.compute_efficiency != default_constants(a100(1)).compute_efficiency
 
 
 def test_replicated_data_parallelism_pays_a_collective_per_block_and_the_root() -> None:
@@ -241,3 +246,87 @@ def test_replicated_data_parallelism_pays_a_collective_per_block_and_the_root() 
         assert exposed / (c.collective_overhead_s * math.log2(2) * (1 - c.dp_overlap)) == pytest.approx(
             layers + 1
         )
+
+
+# --- issue 25: the level per device kind, from published kernel and collective figures ---------
+
+
+def frontier(nodes: int) -> ClusterSpec:
+    return ClusterSpec(**{**cluster_preset("frontier-mi250x"), "num_nodes": nodes})
+
+
+def h100(nodes: int) -> ClusterSpec:
+    return ClusterSpec(**{**cluster_preset("h100-80gb"), "num_nodes": nodes})
+
+
+def test_gpu_defaults_come_from_the_device_levels() -> None:
+    """Each preset's device row (trainer/devices.py) picks its level (tuner/devicelevels.py)."""
+    for cluster, name in ((a100(1), "A100"), (h100(1), "H100"), (frontier(1), "MI250X")):
+        level, row, c = LEVELS[name], find_device(name), default_constants(cluster)
+        assert (c.compute_efficiency, c.comm_efficiency, c.attention_efficiency) == (
+            level.gemm,
+            level.comm,
+            level.flash_attention,
+        )
+        # memory-bound work: MEMORY_TRAFFIC bytes per stored byte at the achievable bandwidth
+        seconds_per_byte = c.elementwise_flops_per_byte / (row.peak_tflops_bf16 * 1e12)
+        assert seconds_per_byte == pytest.approx(MEMORY_TRAFFIC / (row.memory_gbps * 1e9 * level.memory))
+    # the A100's price of memory-bound work is the one chosen on the vTrain h1024 tables
+    assert default_constants(a100(1)).elementwise_flops_per_byte == pytest.approx(500.0)
+    # the overheads are not per device: chosen on the dev tables, the same everywhere
+    assert default_constants(frontier(1)).layer_floor_s == ModelConstants().layer_floor_s
+
+
+def test_gemm_bound_layout_on_mi250x_runs_at_most_its_published_ceiling() -> None:
+    """MI250X GCD: best bf16 matmul 147.0 of 191.5 TFLOP/s (MAMF, tuner/devicelevels.py). A wide model
+    on one GCD without recompute is GEMM-bound: its MFU sits just under that ceiling, not at the
+    0.85 every GPU was priced at before."""
+    model = GPTConfig(num_layers=2, hidden_size=16384, num_heads=128, seq_len=2048, vocab_size=51200)
+    one = ClusterSpec(**{**cluster_preset("frontier-mi250x"), "gpus_per_node": 1, "device_memory_gb": 1e4})
+    est = estimate(model, ParallelConfig(micro_batch_size=8), one, "bf16", default_constants(one))
+    assert 0.9 * LEVELS["MI250X"].gemm < est.mfu < LEVELS["MI250X"].gemm
+
+
+def test_h100_memory_bound_work_costs_more_relative_to_compute_than_a100() -> None:
+    """H100 has 989 TFLOP/s over 3.35 TB/s, A100 312 over 2.04: per byte moved, ~1.8x the FLOPs.
+    The same layer's memory-bound seconds over its GEMM seconds must be larger on H100."""
+    p = ParallelConfig(tp=2, dp_replicate=4, micro_batch_size=2)
+
+    def memory_over_gemm(cluster: ClusterSpec) -> float:
+        c = dataclasses.replace(default_constants(cluster), flash_attention=False)
+        cost = perfmodel._compute(GPT3, p, "bf16", c, cluster.peak_tflops * 1e12, cluster.peak_tflops * 1e12)
+        return cost.layer_own_s / (cost.layer_flops / cost.efficiency / cost.peak_flops)
+
+    assert memory_over_gemm(h100(1)) > 1.5 * memory_over_gemm(a100(1))
+
+
+def test_flash_attention_runs_at_its_own_efficiency() -> None:
+    """flash-attn's accounting (tuner/devicelevels.py): a causal forward computes half the scores,
+    the backward 2.5 forwards, full recompute one more. Halving the kernel's efficiency adds
+    exactly that attention time again; without flash attention its efficiency does not matter."""
+    model = MODEL_PRESETS["gpt-1.3b"]
+    p = ParallelConfig(dp_replicate=8, micro_batch_size=2, num_microbatches=2, activation_checkpoint="full")
+    c = default_constants(h100(1))
+    fast, slow = (estimate(model, p, h100(1), "bf16", dataclasses.replace(c, attention_efficiency=e))
+                  for e in (0.4, 0.2))  # fmt: skip
+    attn_fwd = (
+        4 * model.seq_len * model.hidden_size * p.micro_batch_size * model.seq_len
+    )  # per layer, 4sh/token
+    per_layer = attn_fwd / 2 * (3.5 + 1) / (h100(1).peak_tflops * 1e12 * 0.4)
+    expected = per_layer * model.num_layers * p.num_microbatches
+    assert slow.compute_s - fast.compute_s == pytest.approx(expected, rel=1e-9)
+    off = dataclasses.replace(c, flash_attention=False)
+    assert estimate(model, p, h100(1), "bf16", off) == estimate(
+        model, p, h100(1), "bf16", dataclasses.replace(off, attention_efficiency=0.2)
+    )
+
+
+def test_fp32_on_a_gpu_moves_twice_the_bytes_not_at_the_fp32_peak() -> None:
+    """Memory-bound work is bytes at the memory's bandwidth: an fp32 step moves twice a bf16 step's
+    activation bytes; it does not run at the fp32 peak's rate (16x below the tensor cores on A100)."""
+    model = MODEL_PRESETS["gpt-1.3b"]
+    p = ParallelConfig(dp_replicate=8, micro_batch_size=1)
+    c = dataclasses.replace(default_constants(a100(1)), flash_attention=False)
+    cost = {d: perfmodel._compute(model, p, d, c, a100(1).peak_tflops_for(d) * 1e12, a100(1).peak_tflops * 1e12)
+            for d in ("bf16", "fp32")}  # fmt: skip
+    assert cost["fp32"].layer_own_s == pytest.approx(2 * cost["bf16"].layer_own_s)
