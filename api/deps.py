@@ -11,7 +11,7 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from tuner.db import Study
+from tuner import store
 from tuner.settings import Settings
 
 
@@ -69,8 +69,8 @@ def require_read(request: Request, settings: SettingsDep) -> None:
 Read, Write = Depends(require_read), Depends(require_write)
 
 
-def study_or_404(session: Session, study_id: int) -> Study:
-    study = session.get(Study, study_id)
+def study_or_404(session: Session, study_id: int) -> store.Study:
+    study = store.study_by_id(session, study_id)
     if study is None:
         raise ApiError(404, "not_found", f"no study with id {study_id}")
     return study

@@ -6,6 +6,7 @@ many workers. The schema is created and upgraded only by Alembic (tuner/migratio
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     DateTime,
+    Enum,
     Float,
     ForeignKey,
     Index,
@@ -27,6 +29,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 
+from tuner.outcome import FailureKind, Feedback, StudyStatus, TrialState
+
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
 
@@ -39,6 +43,14 @@ def aware(t: dt.datetime | None) -> dt.datetime | None:
     return t.replace(tzinfo=dt.UTC) if t is not None and t.tzinfo is None else t
 
 
+def _states(cls: type[enum.StrEnum]) -> Enum:
+    """A column typed by one of tuner/outcome.py's enums: rows hold the member's value, the same
+    VARCHAR(16) strings as before the columns were typed (no CHECK constraint, no native enum
+    type: no migration), and a string that is no member's value is refused before it is written."""
+    return Enum(cls, native_enum=False, create_constraint=False, length=16, validate_strings=True,
+                values_callable=lambda members: [m.value for m in members])  # fmt: skip
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON}  # noqa: RUF012
 
@@ -49,7 +61,7 @@ class Study(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
     spec: Mapped[dict[str, Any]]
-    status: Mapped[str] = mapped_column(String(16), index=True, default="PENDING")
+    status: Mapped[StudyStatus] = mapped_column(_states(StudyStatus), index=True, default=StudyStatus.PENDING)
     sampler: Mapped[str] = mapped_column(String(16))
     # Keys for "best layout per model size": the preset (or shape), its size, the cluster, devices.
     model_key: Mapped[str] = mapped_column(String(100), index=True)
@@ -89,7 +101,7 @@ class Trial(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     study_id: Mapped[int] = mapped_column(ForeignKey("studies.id", ondelete="CASCADE"), index=True)
     number: Mapped[int]
-    state: Mapped[str] = mapped_column(String(16), index=True)
+    state: Mapped[TrialState] = mapped_column(_states(TrialState), index=True)
     layout_key: Mapped[str] = mapped_column(String(300))
     config: Mapped[dict[str, Any]]
     tp: Mapped[int]
@@ -115,9 +127,12 @@ class Trial(Base):
     step_time_min_s: Mapped[float | None] = mapped_column(Float)
     step_time_max_s: Mapped[float | None] = mapped_column(Float)
     result: Mapped[dict[str, Any] | None]
-    # Failed or pruned
-    failure_kind: Mapped[str | None] = mapped_column(String(16))
+    # Failed, or pruned before running (predicted_oom)
+    failure_kind: Mapped[FailureKind | None] = mapped_column(_states(FailureKind))
     failure_message: Mapped[str | None] = mapped_column(Text)
+    # Pruned while running (too slow next to the best): why it stopped early. Not a failure: its
+    # partial measurement is in the metric columns above (migration 0008).
+    stop_reason: Mapped[str | None] = mapped_column(Text)
     # Dispatch
     job_id: Mapped[str | None] = mapped_column(String(600))
     job_state: Mapped[str | None] = mapped_column(String(32))  # the scheduler's word (Slurm state)
@@ -127,7 +142,7 @@ class Trial(Base):
     # "ended_at", "device_s"}; device_s sums them (the device-hours budget).
     attempt_log: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     device_s: Mapped[float] = mapped_column(Float, default=0.0)
-    told: Mapped[str | None] = mapped_column(String(16))  # what the sampler heard (outcome.Feedback)
+    told: Mapped[Feedback | None] = mapped_column(_states(Feedback))  # what the sampler heard
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))

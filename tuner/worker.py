@@ -100,14 +100,14 @@ def _run_claimed(sessions, study_id: int, owner: store.Owner, settings: Settings
     with Lease(sessions, study_id, owner, settings.lease_s) as lease:
         try:
             with sessions() as s:
-                spec = StudySpec.model_validate(s.get(store.Study, study_id).spec)
+                spec = StudySpec.model_validate(store.study_by_id(s, study_id).spec)
             dispatcher = make_dispatcher(spec, backend, site=settings.slurm.site())
             try:
                 status = StudyRunner(sessions, study_id, dispatcher, settings.work_dir, lease,
                                      should_yield=stop.is_set).run()  # fmt: skip
             finally:
                 close_dispatcher(dispatcher)
-            log.info("study %d: %s", study_id, status.value)
+            log.info("study %d: %s", study_id, status.word)
         except Exception as e:  # a broken study must not take the worker down
             log.error("study %d failed: %s", study_id, traceback.format_exc())
             try:
@@ -160,9 +160,9 @@ def follow_allocations(
     site, watcher, job, submitted = settings.slurm.site(), SlurmDispatcher(), None, 0
     while True:
         with sessions() as s:
-            study = s.get(store.Study, study_id, populate_existing=True)
+            study = store.study_by_id(s, study_id, refresh=True)
             status = store.status_of(study)
-            on_finished(sum(t.state in ("COMPLETE", "FAIL") for t in study.trials))
+            on_finished(store.usage(s, study).finished)
         if status.is_final:
             return status
         if should_stop():

@@ -11,12 +11,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, Response
+from pydantic import BeforeValidator, WithJsonSchema
 
 from api.deps import Read, SessionDep, Write, study_or_404
 from api.errors import ApiError, parse_spec
 from tuner import store, views
 from tuner.frames import trials_frame
-from tuner.outcome import STATUS_FROM_WORD
+from tuner.outcome import StudyStatus, accepted_words, words
 from tuner.space import SearchSpace
 from tuner.spec import StudySpec
 
@@ -25,7 +26,15 @@ router = APIRouter(prefix="/api/studies", tags=["studies"])
 # Ids are 32-bit integers in every database we support: larger ones are refused (422), not sent.
 StudyId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="the study's id")]
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
-STATUS_PATTERN = "^(" + "|".join(STATUS_FROM_WORD) + ")$"
+# A study status filter: a word of the vocabulary, or an older word (docs/api.md), in any case; a
+# 422 names the words otherwise.
+StatusFilter = Annotated[
+    StudyStatus | None,
+    BeforeValidator(lambda v: None if v is None else StudyStatus.parse(v)),
+    WithJsonSchema({"type": "string", "enum": list(accepted_words(StudyStatus))}),
+    Query(description=f"one of {', '.join(words(StudyStatus).values())}; older words (done, the upper-case "
+                      "states) are accepted too, in any case"),
+]  # fmt: skip
 
 
 async def _body(request: Request) -> Any:
@@ -64,8 +73,9 @@ def _create(request: Request, spec: StudySpec) -> views.StudyCreated:
             study = store.create_study(s, spec)
         except store.StudyExists as e:
             raise ApiError(409, "study_exists", str(e)) from None
-        return views.StudyCreated(id=study.id, name=study.name, status=store.status_of(study).word,
-                                  url=f"/api/studies/{study.id}")  # fmt: skip
+        return views.StudyCreated(
+            id=study.id, name=study.name, status=study.status, url=f"/api/studies/{study.id}"
+        )
 
 
 @router.post("", status_code=201, response_model=views.StudyCreated, dependencies=[Write],
@@ -82,14 +92,14 @@ async def submit(request: Request) -> views.StudyCreated:
 @router.get("", response_model=views.StudyPage, dependencies=[Read])
 def list_studies(
     session: SessionDep,
-    status: Annotated[str | None, Query(pattern=STATUS_PATTERN)] = None,
+    status: StatusFilter = None,
     model: Annotated[str | None, Query(max_length=200)] = None,
     cluster: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
 ) -> views.StudyPage:
     """A page of studies, newest first, in a constant number of queries."""
-    rows, total = store.find_studies(session, status=STATUS_FROM_WORD[status].value if status else None,
+    rows, total = store.find_studies(session, status=status,
                                      model=model, cluster=cluster, limit=limit, offset=offset)  # fmt: skip
     return views.StudyPage(items=views.summaries(session, rows), total=total, limit=limit, offset=offset)
 
@@ -150,5 +160,5 @@ def delete(study_id: StudyId, session: SessionDep) -> Response:
             raise ApiError(
                 409, "not_finished", f"study {study_id} is {store.status_of(study).word}; cancel it first"
             )
-        session.delete(study)
+        store.delete_study(session, study)
     return Response(status_code=204)
