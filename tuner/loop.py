@@ -37,6 +37,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 
 from tuner import store
+from tuner.backoff import Backoff, retrying
 from tuner.budget import may_add_trial, stop_reason
 from tuner.calibration import calibrate_study
 from tuner.db import Trial, utcnow
@@ -49,7 +50,9 @@ from tuner.space import SearchSpace
 from tuner.spec import StudySpec, benchmark_config, slug
 
 log = logging.getLogger("tuner.loop")
-MAX_BACKOFF_S = 300.0
+MAX_BACKOFF_S = 300.0  # a failed submission's re-queue: dispatch_backoff_s x 2^(n-1), at most this
+DB_BACKOFF = Backoff(first_s=1.0, cap_s=30.0)  # the database away while running: 1, 2, 4, ... 30 s
+STARTUP_DELAYS_S = (1, 2, 4, 8, 15, 30)  # ... and at start-up: about a minute, then the error
 
 
 @dataclass
@@ -89,20 +92,10 @@ class StudyRunner:
     def run(self) -> StudyStatus:
         """Run the study to its end, a hand-back or a pause; returns its status then (RUNNING if
         the lease was lost: someone else runs it now)."""
-        if (status := self._retrying(self.load)) is not None:
+        if (status := self._retrying(self.load, STARTUP_DELAYS_S)) is not None:
             return status
-        backoff = 1.0
-        while True:
-            try:
-                status = self.step()
-                backoff = 1.0
-            except OperationalError as e:  # the database restarts: wait for it, lose nothing
-                log.warning("study %d: database unavailable (%s); retrying in %.0f s", self.study_id,
-                            str(e).splitlines()[0], backoff)  # fmt: skip
-                self.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-                continue
-            if status is not None:
+        while True:  # a database that restarts: wait for it, lose nothing
+            if (status := self._retrying(self.step, DB_BACKOFF.delays())) is not None:
                 return status
             self.sleep(self.poll_s)
 
@@ -319,7 +312,7 @@ class StudyRunner:
         with self.sessions.begin() as s:
             store.submission_failed(s, store.trial_by_id(s, trial_id), message, now=self.clock())
             failures = store.count_dispatch_failure(s, self.study_id)
-        delay = min(t.dispatch_backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S)
+        delay = Backoff(t.dispatch_backoff_s, MAX_BACKOFF_S).delay(failures)
         self.not_before[trial_id] = self.clock() + dt.timedelta(seconds=delay)
         log.warning("study %d: submission failed (%d in a row), trial re-queued for %.0f s: %s", self.study_id,
                     failures, delay, message)  # fmt: skip
@@ -377,15 +370,14 @@ class StudyRunner:
         self.lease.stop()
         return status if took else StudyStatus.RUNNING
 
-    def _retrying(self, fn):
-        """fn() with the database allowed to be away for a while (at start-up)."""
-        for delay in (1, 2, 4, 8, 15, 30):
-            try:
-                return fn()
-            except OperationalError as e:
-                log.warning("study %d: database unavailable (%s)", self.study_id, str(e).splitlines()[0])
-                self.sleep(delay)
-        return fn()
+    def _retrying(self, fn, delays):
+        """fn() with the database allowed to be away for the `delays` (tuner/backoff.py)."""
+
+        def unavailable(e: BaseException, delay: float) -> None:
+            log.warning("study %d: database unavailable (%s); retrying in %.0f s", self.study_id,
+                        str(e).splitlines()[0], delay)  # fmt: skip
+
+        return retrying(fn, on=OperationalError, delays=delays, wait=self.sleep, log=unavailable)
 
 
 def run_study(

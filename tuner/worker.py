@@ -25,6 +25,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 
 from tuner import store
+from tuner.backoff import Backoff, retrying
 from tuner.db import DatabaseError, connect
 from tuner.dispatch import DispatchError, close_dispatcher, make_dispatcher
 from tuner.lease import Lease
@@ -81,19 +82,21 @@ def run_worker(
 
 
 def _connect(url: str, stop: threading.Event, poll_s: float) -> sessionmaker | None:
-    """Connect (and migrate), retrying with back-off up to 30 s between tries while the database
-    is unreachable; None if told to stop first. A malformed URL is still an error at once."""
-    delay = min(poll_s, 1.0) or 1.0
-    while not stop.is_set():
-        try:
-            return connect(url)
-        except DatabaseError as e:
-            if "cannot reach" not in str(e):
-                raise
-            log.warning("%s; retrying in %.0f s", e, delay)
-            stop.wait(delay)
-            delay = min(delay * 2, 30.0)
-    return None
+    """Connect (and migrate), retrying with back-off (from min(poll_s, 1) s, doubling, up to 30 s
+    between tries) while the database is unreachable; None if told to stop first. A malformed URL
+    is still an error at once."""
+    if stop.is_set():
+        return None
+    try:
+        return retrying(
+            lambda: connect(url), on=lambda e: isinstance(e, DatabaseError) and "cannot reach" in str(e),
+            delays=Backoff(min(poll_s, 1.0) or 1.0, 30.0).delays(), wait=stop.wait,
+            log=lambda e, delay: log.warning("%s; retrying in %.0f s", e, delay),
+        )  # fmt: skip
+    except DatabaseError:
+        if stop.is_set():
+            return None
+        raise
 
 
 def _run_claimed(sessions, study_id: int, owner: store.Owner, settings: Settings, backend, stop) -> None:
@@ -142,6 +145,7 @@ def run_in_allocation(study_id: int, *, margin_s: float | None = None) -> StudyS
 
 
 MAX_ALLOCATIONS = 20
+ALLOCATION_RETRY = Backoff(first_s=30.0, cap_s=30.0)  # a refused allocation: again every 30 s
 
 
 def follow_allocations(
@@ -157,7 +161,7 @@ def follow_allocations(
     from tuner.dispatch.slurm import SlurmDispatcher
 
     env = {"TUNER_DATABASE_URL": settings.database_url, "TUNER_WORK_DIR": str(settings.work_dir.resolve())}
-    site, watcher, job, submitted = settings.slurm.site(), SlurmDispatcher(), None, 0
+    site, watcher, job, submitted, refused = settings.slurm.site(), SlurmDispatcher(), None, 0, 0
     while True:
         with sessions() as s:
             study = store.study_by_id(s, study_id, refresh=True)
@@ -175,10 +179,12 @@ def follow_allocations(
             try:
                 job = submit_allocation(study_id, spec, settings.work_dir, site=site, env=env)
             except DispatchError as e:
-                say(f"  allocation not submitted ({e}); trying again in 30 s")
+                refused += 1
+                delay = ALLOCATION_RETRY.delay(refused)
+                say(f"  allocation not submitted ({e}); trying again in {delay:.0f} s")
                 job = None
-                time.sleep(30)
+                time.sleep(delay)
                 continue
-            submitted += 1
+            submitted, refused = submitted + 1, 0
             say(f"  allocation {job.id} submitted ({spec.slurm.allocation_minutes} min)")
         time.sleep(2)

@@ -450,12 +450,17 @@ def test_a_database_that_stops_answering_pauses_the_runner_and_loses_nothing(tmp
             raise OperationalError("SELECT", {}, Exception("server closed the connection unexpectedly"))
         return real(*args, **kwargs)
 
+    waits, sleep = [], env.clock.sleep
+    env.clock.sleep = lambda s: (waits.append(s), sleep(s))[1]
     store.usage = flaky
     try:
         assert env.run() is StudyStatus.COMPLETE
     finally:
         store.usage = real
     assert calls["n"] > 9 and [t.state for t in env.trials()] == ["COMPLETE"] * 6
+    # Four failed passes back off 1, 2, 4, 8 s (tuner/loop.py: DB_BACKOFF), then it polls again.
+    at = waits.index(1)
+    assert waits[at : at + 5] == [1, 2, 4, 8, 10]  # 10: Env's poll_s
 
 
 def test_handing_back_requeues_running_trials_without_using_a_retry(tmp_path: Path) -> None:
