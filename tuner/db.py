@@ -1,7 +1,13 @@
 """The database: SQLAlchemy 2.0 typed models, the engine, and Alembic migrations.
 
 SQLite by default (one file under the working directory); PostgreSQL through the same URL for
-many workers. The schema is created and upgraded only by Alembic (tuner/migrations)."""
+many workers. The schema is created and upgraded only by Alembic (tuner/migrations).
+
+Every transaction of a `connect()` session that wrote anything bumps `store_revision.n` as its
+last statement, in the same transaction (`_count_writes`): (epoch, n) names one state of the
+database, and readers key their caches on it (tuner/cache.py), so a cached read is never older
+than the database it came from. A write by hand, outside these sessions, must bump it too (or
+restart the API)."""
 
 from __future__ import annotations
 
@@ -24,10 +30,11 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    update,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, OperationalError
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
 from tuner.outcome import FailureKind, Feedback, StudyStatus, TrialState
 
@@ -177,6 +184,45 @@ class Calibration(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class StoreRevision(Base):
+    """One row (id 1): `n`, bumped by every committed write, and `epoch`, random, set when the
+    table was created, so a database made again at the same URL does not repeat an old (epoch, n)."""
+
+    __tablename__ = "store_revision"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    epoch: Mapped[str] = mapped_column(String(32))
+    n: Mapped[int] = mapped_column(BigInteger)
+
+
+_WROTE = "tuner.wrote"  # Session.info key: this transaction wrote
+
+
+def _count_writes(factory: sessionmaker) -> None:
+    """A write is an ORM flush that changed rows or any statement but a SELECT (text() included);
+    the bump runs just before the commit, so on PostgreSQL its row lock is held only for the commit."""
+
+    @event.listens_for(factory, "after_flush")
+    def _flushed(session: Session, _context) -> None:
+        session.info[_WROTE] = True
+
+    @event.listens_for(factory, "do_orm_execute")
+    def _executed(state) -> None:
+        if not state.is_select:
+            state.session.info[_WROTE] = True
+
+    @event.listens_for(factory, "before_commit")
+    def _bump(session: Session) -> None:
+        session.flush()
+        if session.info.pop(_WROTE, False):
+            session.execute(update(StoreRevision).where(StoreRevision.id == 1).values(n=StoreRevision.n + 1))
+            session.info.pop(_WROTE, None)
+
+    @event.listens_for(factory, "after_soft_rollback")
+    def _rolled_back(session: Session, _previous) -> None:
+        session.info.pop(_WROTE, None)
+
+
 class DatabaseError(RuntimeError):
     """The database URL is malformed or the server unreachable; one clear line."""
 
@@ -224,7 +270,9 @@ def upgrade(engine: Engine) -> None:
 
 
 def connect(url: str) -> sessionmaker:
-    """Engine + schema at head + a session factory."""
+    """Engine + schema at head + a session factory (whose writes bump the store's revision)."""
     engine = make_engine(url)
     upgrade(engine)
-    return sessionmaker(engine, expire_on_commit=False)
+    factory = sessionmaker(engine, expire_on_commit=False)
+    _count_writes(factory)
+    return factory

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,7 @@ def words(cls: type[StudyStatus] | type[TrialState]) -> dict:
     return STUDY_WORDS if cls is StudyStatus else TRIAL_WORDS
 
 
+@functools.cache  # parsed for every state in every response model the CLI reads back
 def accepted_words(cls: type[StudyStatus] | type[TrialState]) -> dict[str, StudyStatus | TrialState]:
     """Every lower-case word `parse` takes: the words, the older words and the stored values."""
     older = OLDER_STUDY_WORDS if cls is StudyStatus else {}

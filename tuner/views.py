@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import datetime as dt
 import statistics
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, WithJsonSchema
 from sqlalchemy.orm import Session
 
 from tuner import store
+from tuner.cache import RevisionCache
 from tuner.db import Study, Trial, aware, utcnow
 from tuner.outcome import FailureKind, StudyStatus, TrialState, words
 from tuner.payoff import Payoff, payoff
@@ -172,60 +174,67 @@ def trial(t: Trial) -> TrialOut:
     )  # fmt: skip
 
 
-# Payoffs need every completed trial of a study (the median, the first guess): ~100 ms for a 50k-trial
-# study. They change only when a trial changes state, so each study's is kept, keyed by its trial
-# counts per state, and recomputed when those move (a bounded, per-process cache).
-_PAYOFFS: dict[tuple, Payoff] = {}
-_PAYOFFS_MAX = 4096
+@dataclass(frozen=True)
+class _Facts:
+    """What a study's summary needs beyond its own row: trial counts per state, its best trial,
+    its payoff. They change only with a write, so they are kept per study and store revision."""
+
+    counts: dict[TrialState, int]
+    best: TrialOut | None
+    payoff: Payoff
 
 
-def payoffs(
-    session: Session, studies: list[Study], counts: dict[int, dict[TrialState, int]] | None = None
-) -> dict[int, Payoff]:
-    """Each study's payoff: device-seconds per study, and its completed trials' throughputs and
-    predictions, read again only for studies whose trial counts moved since the last call."""
+# Counting a 50k-trial study's states and reading its completed trials for the payoff (the median,
+# the first guess) takes ~10 ms and ~100 ms: read again only after a write (tuner/cache.py).
+_FACTS: RevisionCache[_Facts] = RevisionCache(max_entries=4096)
+
+
+def _facts(session: Session, studies: list[Study]) -> dict[int, _Facts]:
+    """Each study's facts at the store's current revision, read in a constant number of queries
+    for the studies whose facts were not kept."""
     if not studies:
         return {}
-    counts = counts if counts is not None else store.trial_counts(session, [s.id for s in studies])
-    where = str(session.get_bind().url)
-    keys = {s.id: (where, s.id, s.status, tuple(sorted(counts.get(s.id, {}).items()))) for s in studies}
-    stale = [s for s in studies if keys[s.id] not in _PAYOFFS]
-    if stale:
-        spent, measured = store.payoff_inputs(session, [s.id for s in stale])
-        for s in stale:
-            if len(_PAYOFFS) >= _PAYOFFS_MAX:
-                _PAYOFFS.clear()
-            total_tokens = s.spec.get("training", {}).get("total_tokens")
-            _PAYOFFS[keys[s.id]] = payoff(spent[s.id], measured[s.id], total_tokens)
-    return {s.id: _PAYOFFS[keys[s.id]] for s in studies}
+    by_id = {s.id: s for s in studies}
+
+    def build(ids: list[int]) -> dict[int, _Facts]:
+        counts, bests = store.trial_counts(session, ids), store.best_trials(session, ids)
+        spent, measured = store.payoff_inputs(session, ids)
+        return {i: _Facts(counts[i], trial(bests[i]) if i in bests else None,
+                          payoff(spent[i], measured[i], by_id[i].spec.get("training", {}).get("total_tokens")))
+                for i in ids}  # fmt: skip
+
+    return _FACTS.get_many(list(by_id), store.revision(session), build)
+
+
+def payoffs(session: Session, studies: list[Study]) -> dict[int, Payoff]:
+    """Each study's payoff (tuner/payoff.py)."""
+    return {i: f.payoff for i, f in _facts(session, studies).items()}
 
 
 def summaries(session: Session, studies: list[Study]) -> list[StudySummary]:
-    """Summaries of a page of studies in a constant number of queries (counts, bests, payoffs)."""
-    ids = [s.id for s in studies]
-    counts = store.trial_counts(session, ids)
-    bests, paid = store.best_trials(session, ids), payoffs(session, studies, counts)
-    return [
-        _summary(s, counts[s.id], bests.get(s.id)).model_copy(update={"payoff": paid[s.id]}) for s in studies
-    ]
+    """Summaries of a page of studies: their rows as read now (status, lease), their facts as of
+    the store's revision."""
+    facts = _facts(session, studies)
+    return [_summary(s, facts[s.id]) for s in studies]
 
 
-def _summary(study: Study, counts: dict[TrialState, int], best: Trial | None) -> StudySummary:
-    finished = sum(n for state, n in counts.items() if state.is_finished())
+def _summary(study: Study, facts: _Facts) -> StudySummary:
+    finished = sum(n for state, n in facts.counts.items() if state.is_finished())
+    best = facts.best
     return StudySummary(
         id=study.id, name=study.name, status=study.status, reason=study.error, lease=lease(study),
         owner=study.lease_owner, model=study.model_key, cluster=study.cluster_key, gpus=study.num_gpus,
-        sampler=study.sampler, created_at=study.created_at,
-        progress=Progress(finished=finished, budget=study.spec.get("budget", {}).get("max_trials", 0), by_state=counts),
+        sampler=study.sampler, created_at=study.created_at, payoff=facts.payoff,
+        progress=Progress(finished=finished, budget=study.spec.get("budget", {}).get("max_trials", 0),
+                          by_state=facts.counts),
         best_tokens_per_s=best.tokens_per_s if best else None, best_mfu=best.mfu if best else None,
     )  # fmt: skip
 
 
 def detail(session: Session, study: Study) -> StudyDetail:
-    (summary,) = summaries(session, [study])
-    best = store.best_trials(session, [study.id]).get(study.id)
-    return StudyDetail(**summary.model_dump(), spec=study.spec, error=study.error, started_at=study.started_at,
-                       finished_at=study.finished_at, best=trial(best) if best else None)  # fmt: skip
+    facts = _facts(session, [study])[study.id]
+    return StudyDetail(**dict(_summary(study, facts)), spec=study.spec, error=study.error, started_at=study.started_at,
+                       finished_at=study.finished_at, best=facts.best)  # fmt: skip
 
 
 def best_rows(session: Session, *, model: str | None = None, cluster: str | None = None,

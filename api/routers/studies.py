@@ -11,10 +11,12 @@ from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BeforeValidator, WithJsonSchema
+from pydantic import BeforeValidator, TypeAdapter, WithJsonSchema
+from sqlalchemy.orm import Session
 
 from api.deps import Read, SessionDep, Write, study_or_404
 from api.errors import ApiError, parse_spec
+from api.reads import cached_json, read_json
 from tuner import store, views
 from tuner.frames import trials_frame
 from tuner.outcome import StudyStatus, accepted_words, words
@@ -22,6 +24,8 @@ from tuner.space import SearchSpace
 from tuner.spec import StudySpec
 
 router = APIRouter(prefix="/api/studies", tags=["studies"])
+_PAGE_JSON = TypeAdapter(views.TrialPage)
+_DETAIL_JSON = TypeAdapter(views.StudyDetail)
 
 # Ids are 32-bit integers in every database we support: larger ones are refused (422), not sent.
 StudyId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="the study's id")]
@@ -105,21 +109,25 @@ def list_studies(
 
 
 @router.get("/{study_id}", response_model=views.StudyDetail, dependencies=[Read])
-def get_study(study_id: StudyId, session: SessionDep) -> views.StudyDetail:
-    return views.detail(session, study_or_404(session, study_id))
+async def get_study(request: Request, study_id: StudyId) -> Response:
+    return await read_json(request, _DETAIL_JSON, lambda s: views.detail(s, study_or_404(s, study_id)))
 
 
 @router.get("/{study_id}/trials", response_model=views.TrialPage, dependencies=[Read])
-def get_trials(
+async def get_trials(
+    request: Request,
     study_id: StudyId,
-    session: SessionDep,
     after: Annotated[int, Query(ge=-1, le=10**9, description="only trials numbered above this")] = -1,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-) -> views.TrialPage:
-    items = [
-        views.trial(t) for t in store.trials_after(session, study_or_404(session, study_id), after, limit)
-    ]
-    return views.TrialPage(items=items, last_number=items[-1].number if items else after)
+) -> Response:
+    """Trials numbered above `after`, in order, and the number to ask after next time (polling)."""
+
+    def page(session: Session) -> views.TrialPage:
+        study = study_or_404(session, study_id)
+        items = [views.trial(t) for t in store.trials_after(session, study, after, limit)]
+        return views.TrialPage(items=items, last_number=items[-1].number if items else after)
+
+    return await cached_json(request, ("trials", study_id, after, limit), _PAGE_JSON, page)
 
 
 @router.get("/{study_id}/calibration", response_model=views.StudyCalibration, dependencies=[Read])

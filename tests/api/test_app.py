@@ -312,3 +312,40 @@ def test_a_trial_pruned_while_running_is_a_measurement_not_a_failure(
         "",
         "pruned while running",
     )
+
+
+def test_a_cached_read_is_never_stale_after_a_write(client: TestClient, settings: Settings) -> None:
+    """/api/best, polling and the study detail answer from what they kept while nothing was written
+    (api/reads.py, tuner/views.py), and the next request after a trial finishes, a study changes
+    or one is deleted sees it."""
+    study_id = _submit(client, SPEC)["id"]
+    _finish_with_trials(settings, study_id)
+    reads = client.app.state.reads
+    sessions = connect(settings.database_url)
+    poll = f"/api/studies/{study_id}/trials?after=2"
+    first = (
+        client.get("/api/best").json(),
+        client.get(poll).json(),
+        client.get(f"/api/studies/{study_id}").json(),
+    )
+    hits = reads.hits
+    assert (client.get("/api/best").json(), client.get(poll).json()) == first[:2] and reads.hits == hits + 2
+    # A trial finishes: faster than the best, after the last number polled.
+    fast = Outcome(
+        ok=True, tokens_per_s=5000.0, mfu=0.5, step_time_s=0.1, peak_memory_bytes=9000, tflops_per_device=0.05
+    )
+    with sessions.begin() as s:
+        record_trial(
+            s,
+            store.study_by_id(s, study_id),
+            ParallelConfig(dp_replicate=2, micro_batch_size=1, num_microbatches=4),
+            fast,
+        )
+    (best,) = client.get("/api/best").json()
+    assert best["tokens_per_s"] == 5000.0 and best["payoff"]["best_tokens_per_s"] == 5000.0
+    assert [t["number"] for t in client.get(poll).json()["items"]] == [3]
+    detail = client.get(f"/api/studies/{study_id}").json()
+    assert detail["best"]["number"] == 3 and detail["progress"]["by_state"] == {"complete": 3, "failed": 1}
+    # The study changes: deleted, its best goes with it.
+    assert client.delete(f"/api/studies/{study_id}", headers=AUTH).status_code == 204
+    assert client.get("/api/best").json() == [] and client.get(poll).status_code == 404

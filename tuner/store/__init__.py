@@ -8,6 +8,7 @@ from tuner.db import Study, Trial
 from tuner.store.results import (
     REBUILD_BESTS_SQL,
     Best,
+    Revision,
     best_at,
     best_configs,
     best_rows,
@@ -22,6 +23,7 @@ from tuner.store.results import (
     latest_constants,
     payoff_inputs,
     rebuild_bests,
+    revision,
     save_calibration,
     state_counts,
 )
@@ -89,6 +91,7 @@ __all__ = [
     "CancelResult",
     "ClaimRefused",
     "Owner",
+    "Revision",
     "Study",
     "StudyExists",
     "Trial",
@@ -138,6 +141,7 @@ __all__ = [
     "rebuild_bests",
     "release",
     "renew",
+    "revision",
     "save_calibration",
     "state_counts",
     "status_of",

