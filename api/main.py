@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api import errors
 from api.dashboard import mount_dashboard
 from api.deps import token_hashes
-from api.reads import close_reader_threads, response_cache
+from api.reads import close_reader_threads, model_cache, response_cache
 from api.routers import results, service, studies
 from tuner import __version__
 from tuner.db import connect
@@ -43,6 +43,7 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
     app.state.token_hashes = token_hashes(settings)
     app.state.metrics = service.registry(app.state.sessions)
     app.state.reads = response_cache()  # GET responses per store revision (api/reads.py)
+    app.state.models = model_cache()
     errors.install(app)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware

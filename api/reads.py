@@ -1,12 +1,13 @@
 """Reads as fast as the data allows: GET responses built once per store revision (tuner/db.py:
 every committed write bumps it; tuner/cache.py), and one trip to the thread pool per request.
 
-- A request reads the revision (one primary-key row); while nothing was written since the same
-  question was answered, it gets the same bytes, never older than the database it read. Bodies
-  over MAX_KEPT_BYTES (a page of many trials) are built every time.
-- Only responses that are functions of the database are kept: a study's row carries its lease's
-  age, which moves with the clock, so a study is summarised per request from facts kept per
-  revision (tuner/views.py), in `read_json`.
+- A request reads the revision (one primary-key row, on a pooled connection: no session); while
+  nothing was written since the same question was answered, it gets the same bytes, never older
+  than the database it read (what is built after that read is at least as new). Bodies over
+  MAX_KEPT_BYTES (a page of many trials) are built every time.
+- A response that is a function of the database is kept as bytes (`cached_json`); a study's
+  detail is kept as a model with its lease's times, and its lease's age, which moves with the
+  clock, is computed per request before it is written out (`cached_model`).
 - The endpoints that use these are `async` and do their database work in one trip to a thread
   that opens and closes its own session: with the `SessionDep` of a plain `def` endpoint a
   request makes three trips to the thread pool (the session's enter and exit, the endpoint),
@@ -40,6 +41,10 @@ def response_cache() -> RevisionCache[bytes]:
     return RevisionCache(max_entries=MAX_ENTRIES)
 
 
+def model_cache() -> RevisionCache[Any]:
+    return RevisionCache(max_entries=MAX_ENTRIES)
+
+
 def close_reader_threads(app: FastAPI) -> None:
     """At the app's shutdown (its lifespan); a later request (an app started again) makes new ones."""
     pool = getattr(app.state, "reader_threads", None)
@@ -54,20 +59,37 @@ async def cached_json(
     """`build(session)` as JSON (by `adapter`: the endpoint's response model), kept per revision."""
     state = request.app.state
 
-    def read() -> bytes:
+    def fresh() -> bytes:
         with state.sessions() as session:
-            return state.reads.get(key, store.revision(session), lambda: adapter.dump_json(build(session)),
-                                   keep_if=lambda body: len(body) <= MAX_KEPT_BYTES)  # fmt: skip
+            return adapter.dump_json(build(session))
+
+    def read() -> bytes:
+        with state.sessions.kw["bind"].connect() as conn:
+            revision = store.revision(conn)
+        return state.reads.get(key, revision, fresh, keep_if=lambda body: len(body) <= MAX_KEPT_BYTES)
 
     return Response(await _in_thread(request, read), media_type="application/json")
 
 
-async def read_json(request: Request, adapter: TypeAdapter, build: Callable[[Session], Any]) -> Response:
-    """`build(session)` as JSON, read afresh, in one trip to the thread pool."""
+async def cached_model(
+    request: Request,
+    key: Hashable,
+    adapter: TypeAdapter,
+    build: Callable[[Session], Any],
+    now: Callable[[Any], Any],
+) -> Response:
+    """`build(session)`, kept per revision, brought to the present by `now(kept)` and written out
+    as JSON (by `adapter`) on every request."""
+    state = request.app.state
+
+    def fresh() -> Any:
+        with state.sessions() as session:
+            return build(session)
 
     def read() -> bytes:
-        with request.app.state.sessions() as session:
-            return adapter.dump_json(build(session))
+        with state.sessions.kw["bind"].connect() as conn:
+            revision = store.revision(conn)
+        return adapter.dump_json(now(state.models.get(key, revision, fresh)))
 
     return Response(await _in_thread(request, read), media_type="application/json")
 

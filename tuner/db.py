@@ -229,7 +229,9 @@ class DatabaseError(RuntimeError):
 
 def make_engine(url: str) -> Engine:
     try:
-        engine = create_engine(url, pool_pre_ping=True)
+        # A server's connection can go away (a restart): each is pinged when taken from the pool.
+        # A SQLite file's cannot: no ping, ~0.04 ms less per request (api/reads.py).
+        engine = create_engine(url, pool_pre_ping=not url.startswith("sqlite"))
     except (ArgumentError, ValueError) as e:
         raise DatabaseError(f"database URL {url!r} is not valid: {e}") from None
     except ModuleNotFoundError as e:

@@ -149,14 +149,32 @@ class BestOut(BaseModel):
 # --- builders ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LeaseTimes:
+    """A lease as stored: its holder and times. Its age (LeaseOut) moves with the clock."""
+
+    owner: str
+    host: str | None
+    pid: int | None
+    renewed_at: dt.datetime | None
+    expires_at: dt.datetime
+
+    @classmethod
+    def of(cls, study: Study) -> LeaseTimes | None:
+        if study.lease_owner is None or study.lease_expires_at is None:
+            return None
+        return cls(study.lease_owner, study.lease_host, study.lease_pid, aware(study.lease_renewed_at),
+                   aware(study.lease_expires_at))  # fmt: skip
+
+    def at(self, now: dt.datetime) -> LeaseOut:
+        return LeaseOut(owner=self.owner, host=self.host, pid=self.pid,
+                        renewed_s_ago=(now - self.renewed_at).total_seconds() if self.renewed_at else None,
+                        expires_in_s=(self.expires_at - now).total_seconds())  # fmt: skip
+
+
 def lease(study: Study, now: dt.datetime | None = None) -> LeaseOut | None:
-    if study.lease_owner is None or study.lease_expires_at is None:
-        return None
-    now = now or utcnow()
-    renewed = aware(study.lease_renewed_at)
-    return LeaseOut(owner=study.lease_owner, host=study.lease_host, pid=study.lease_pid,
-                    renewed_s_ago=(now - renewed).total_seconds() if renewed else None,
-                    expires_in_s=(aware(study.lease_expires_at) - now).total_seconds())  # fmt: skip
+    times = LeaseTimes.of(study)
+    return times.at(now or utcnow()) if times else None
 
 
 def trial(t: Trial) -> TrialOut:
@@ -229,6 +247,18 @@ def _summary(study: Study, facts: _Facts) -> StudySummary:
                           by_state=facts.counts),
         best_tokens_per_s=best.tokens_per_s if best else None, best_mfu=best.mfu if best else None,
     )  # fmt: skip
+
+
+def detail_and_lease(session: Session, study: Study) -> tuple[StudyDetail, LeaseTimes | None]:
+    """The study's detail and its lease's times: kept together (api/reads.py), the detail is
+    brought to the present by `aged`."""
+    return detail(session, study), LeaseTimes.of(study)
+
+
+def aged(kept: tuple[StudyDetail, LeaseTimes | None], now: dt.datetime | None = None) -> StudyDetail:
+    """A kept detail with its lease's age as of now."""
+    out, times = kept
+    return out.model_copy(update={"lease": times.at(now or utcnow()) if times else None})
 
 
 def detail(session: Session, study: Study) -> StudyDetail:

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import Read, SessionDep, Write, study_or_404
 from api.errors import ApiError, parse_spec
-from api.reads import cached_json, read_json
+from api.reads import cached_json, cached_model
 from tuner import store, views
 from tuner.frames import trials_frame
 from tuner.outcome import StudyStatus, accepted_words, words
@@ -110,7 +110,10 @@ def list_studies(
 
 @router.get("/{study_id}", response_model=views.StudyDetail, dependencies=[Read])
 async def get_study(request: Request, study_id: StudyId) -> Response:
-    return await read_json(request, _DETAIL_JSON, lambda s: views.detail(s, study_or_404(s, study_id)))
+    """The study: its spec, status and reason, who holds it (the lease's age as of this request),
+    its progress, best trial and payoff."""
+    return await cached_model(request, ("study", study_id), _DETAIL_JSON,
+                              lambda s: views.detail_and_lease(s, study_or_404(s, study_id)), views.aged)  # fmt: skip
 
 
 @router.get("/{study_id}/trials", response_model=views.TrialPage, dependencies=[Read])

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from sqlalchemy import case, func, select, text
+from sqlalchemy import Connection, case, func, select, text
 from sqlalchemy.orm import Session
 
 from trainer.config import ParallelConfig
@@ -274,8 +274,10 @@ _REVISION = select(StoreRevision.__table__.c.epoch, StoreRevision.__table__.c.n)
 )
 
 
-def revision(session: Session) -> Revision:
-    """Read on every cached request: a Core statement on the session's connection, half the cost
-    of the same select through the ORM (~0.15 ms against ~0.3 ms on SQLite here)."""
-    epoch, n = session.connection().execute(_REVISION).one()
+def revision(db: Session | Connection) -> Revision:
+    """Read on every cached request: a Core statement on a connection (a session's, or one from
+    the pool without a session: ~0.1 ms, against ~0.3 ms for the same select through the ORM on
+    SQLite here)."""
+    conn = db.connection() if isinstance(db, Session) else db
+    epoch, n = conn.execute(_REVISION).one()
     return Revision(epoch, n)
