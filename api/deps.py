@@ -11,11 +11,13 @@ from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from tuner.db import Study
+from tuner import store
 from tuner.settings import Settings
 
 
-def get_settings(request: Request) -> Settings:
+# The settings and auth dependencies do no I/O: `async`, so they run on the event loop, not a trip
+# to the thread pool each (tens of microseconds, per request: api/reads.py).
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -57,11 +59,11 @@ def _check(request: Request, settings: Settings) -> None:
         raise ApiError(401, "unauthorized", "invalid token")
 
 
-def require_write(request: Request, settings: SettingsDep) -> None:
+async def require_write(request: Request, settings: SettingsDep) -> None:
     _check(request, settings)
 
 
-def require_read(request: Request, settings: SettingsDep) -> None:
+async def require_read(request: Request, settings: SettingsDep) -> None:
     if settings.read_auth:
         _check(request, settings)
 
@@ -69,8 +71,8 @@ def require_read(request: Request, settings: SettingsDep) -> None:
 Read, Write = Depends(require_read), Depends(require_write)
 
 
-def study_or_404(session: Session, study_id: int) -> Study:
-    study = session.get(Study, study_id)
+def study_or_404(session: Session, study_id: int) -> store.Study:
+    study = store.study_by_id(session, study_id)
     if study is None:
         raise ApiError(404, "not_found", f"no study with id {study_id}")
     return study

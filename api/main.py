@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from sqlalchemy.orm import sessionmaker
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api import errors
 from api.dashboard import mount_dashboard
 from api.deps import token_hashes
+from api.reads import close_reader_threads, model_cache, response_cache
 from api.routers import results, service, studies
 from tuner import __version__
 from tuner.db import connect
@@ -30,6 +33,7 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        close_reader_threads(app)
         app.state.sessions.kw["bind"].dispose()  # close the pool's connections on shutdown
 
     app = FastAPI(title="parallel-tuner", version=__version__, lifespan=lifespan,
@@ -38,6 +42,8 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
     app.state.sessions = sessions or connect(settings.database_url)
     app.state.token_hashes = token_hashes(settings)
     app.state.metrics = service.registry(app.state.sessions)
+    app.state.reads = response_cache()  # GET responses per store revision (api/reads.py)
+    app.state.models = model_cache()
     errors.install(app)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -45,18 +51,28 @@ def create_app(settings: Settings | None = None, sessions: sessionmaker | None =
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_headers=["Authorization", "Content-Type"])  # fmt: skip
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        """Refuse a body over the limit from its Content-Length before reading any of it (a
-        chunked body is cut off while it streams in: api/routers/studies.py)."""
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return errors.error_response(
-                413, "body_too_large", f"request body over {settings.max_body_bytes} bytes"
-            )
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     for module in (studies, results, service):
         app.include_router(module.router)
     mount_dashboard(app)  # the dashboard at /: static files over the endpoints above
     return app
+
+
+class BodyLimit:
+    """Refuse a body over the limit from its Content-Length before reading any of it (a chunked
+    body is cut off while it streams in: api/routers/studies.py). A plain ASGI middleware: the
+    `@app.middleware("http")` kind runs every request through a task and a stream of its own."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            length = Headers(scope=scope).get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+                response = errors.error_response(
+                    413, "body_too_large", f"request body over {self.max_bytes} bytes"
+                )
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)

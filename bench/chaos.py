@@ -53,6 +53,7 @@ from trainer.trial_dir import CONFIG_FILE  # noqa: E402
 from tuner import store  # noqa: E402
 from tuner.db import connect, make_engine  # noqa: E402
 from tuner.dispatch import JobHandle  # noqa: E402
+from tuner.outcome import FailureKind, Feedback, StudyStatus, TrialState  # noqa: E402
 from tuner.spec import parse_spec  # noqa: E402
 
 TUNER = shutil.which("tuner", path=str(Path(sys.executable).parent)) or "tuner"
@@ -165,9 +166,7 @@ def _study(sessions, name: str):
 def _running_jobs(sessions, name: str) -> list[JobHandle]:
     with sessions() as s:
         study = store.get_study(s, name)
-        return [
-            JobHandle.parse(t.job_id) for t in store.trials(s, study) if t.state == "RUNNING" and t.job_id
-        ]
+        return [JobHandle.parse(t.job_id) for t in store.trials(s, study, (TrialState.RUNNING,)) if t.job_id]
 
 
 @dataclass
@@ -382,8 +381,8 @@ def check(svc: Services, name: str, calm: str, trials: int) -> dict:
         calm_rows = {t.layout_key: t for t in store.trials(s, calm_study)}
         calm_best = store.best_trial(s, calm_study)
         study_id, status, reason = study.id, study.status, study.error
-    counted = [t for t in rows if t.state != "PRUNED"]
-    unfinished = [t.number for t in rows if t.state not in ("COMPLETE", "FAIL", "PRUNED")]
+    counted = [t for t in rows if t.state is not TrialState.PRUNED]
+    unfinished = [t.number for t in rows if not t.state.is_finished()]
     lost = len(unfinished) + max(0, trials - len(counted))
     # Jobs by name: pt<study>-t<trial>-a<attempt>; each attempt at most once.
     all_jobs = sacct_jobs(svc)
@@ -400,10 +399,12 @@ def check(svc: Services, name: str, calm: str, trials: int) -> dict:
     orphans = sorted(i for i, _, _ in jobs if i not in known)
     attempts = Counter(e["kind"] for t in rows for e in t.attempt_log or [])
     told_wrongly = [
-        t.number for t in rows if t.failure_kind in ("infra", "cancelled") and t.told != "nothing"
+        t.number
+        for t in rows
+        if t.failure_kind in (FailureKind.INFRA, FailureKind.CANCELLED) and t.told != Feedback.NOTHING
     ]
     infra_retried = sum(
-        e["kind"] == "infra" for t in rows for e in (t.attempt_log or [])[:-1]
+        e["kind"] == FailureKind.INFRA for t in rows for e in (t.attempt_log or [])[:-1]
     )  # not the last: re-run
     # The best layout against the calm run's measurements of the same layouts. Noise: the median
     # run-to-run difference |log(chaos / calm)| of the layouts both runs measured.
@@ -422,8 +423,8 @@ def check(svc: Services, name: str, calm: str, trials: int) -> dict:
     near = same or gap <= 2 * noise
     why = None
     if not same:
-        why = (f"the calm run's best was not measured here: trial {twin.number} ended {twin.state} "
-               f"{twin.failure_kind or ''}".strip() if twin is not None and twin.state != "COMPLETE" else
+        why = (f"the calm run's best was not measured here: trial {twin.number} ended {twin.state.word} "
+               f"{twin.failure_kind or ''}".strip() if twin is not None and twin.state is not TrialState.COMPLETE else
                f"the calm run measured this best {gap:.0%} (log) below its own best; run-to-run noise of the "
                f"same layouts between the two runs is {noise:.0%} (median |log ratio| over {len(both)} layouts)")  # fmt: skip
     device_hours = sum(t.device_s for t in rows) / 3600
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = study_spec("chaos", args.trials, args.seed, args.nodes)["budget"]["max_device_hours"]
     figures["within_budget"] = (figures["trials"] == args.trials
                                 and figures["device_hours"] <= budget + figures["max_trial_device_hours"])  # fmt: skip
-    ok = (figures["study_status"] == "COMPLETE" and figures["within_budget"]
+    ok = (figures["study_status"] == StudyStatus.COMPLETE and figures["within_budget"]
           and figures["lost"] == figures["duplicated"] == figures["orphan_jobs"] == 0
           and not figures["told_wrongly"])  # fmt: skip
     if args.json:

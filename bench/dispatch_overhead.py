@@ -30,6 +30,7 @@ import yaml  # noqa: E402
 from tests.slurm_cluster import slurm_cluster  # noqa: E402
 from tuner import store  # noqa: E402
 from tuner.db import connect  # noqa: E402
+from tuner.outcome import TrialState  # noqa: E402
 
 TUNER = str(Path(sys.executable).parent / "tuner")
 
@@ -64,9 +65,9 @@ def measure(tmp: Path, env: dict[str, str], name: str, spec: dict) -> dict:
         overheads = [
             (t.finished_at - t.started_at).total_seconds() - t.result["wall_time_s"]
             for t in rows
-            if t.state == "COMPLETE"
+            if t.state is TrialState.COMPLETE
         ]
-        own = [t.result["wall_time_s"] for t in rows if t.state == "COMPLETE"]
+        own = [t.result["wall_time_s"] for t in rows if t.state is TrialState.COMPLETE]
         first_start = min(t.started_at for t in rows)
         out = {
             "trials": len(overheads), "median_overhead_s": statistics.median(overheads),

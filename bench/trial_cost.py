@@ -46,6 +46,7 @@ from trainer.launch import LAUNCHERS  # noqa: E402
 from trainer.trial_dir import FORKSERVER_VAR, LAUNCHER_VAR  # noqa: E402
 from tuner import store  # noqa: E402
 from tuner.db import connect  # noqa: E402
+from tuner.outcome import PRUNED_RUNNING, TrialState  # noqa: E402
 
 TUNER = str(Path(sys.executable).parent / "tuner")
 FIXED = {"stable_rel_ci": None, "prune_running_fraction": None}
@@ -77,8 +78,8 @@ def run_study(spec: dict, tmp: Path, name: str, launcher: str = "spawn", fork_se
         )
         best = store.best_trial(s, study)
         trials = [
-            {"number": t.number, "layout": store.config_of(t).describe(), "state": t.state,
-             "kind": t.failure_kind or "ok", "tokens_per_s": t.tokens_per_s, "device_s": t.device_s,
+            {"number": t.number, "layout": store.config_of(t).describe(), "state": t.state.word,
+             "kind": PRUNED_RUNNING if store.pruned_while_running(t) else t.failure_kind or "ok", "tokens_per_s": t.tokens_per_s, "device_s": t.device_s,
              "measured_steps": len((t.result or {}).get("step_times_s", [])),
              "stopped_because": (t.result or {}).get("stopped_because", "")}
             for t in rows
@@ -92,7 +93,7 @@ def run_study(spec: dict, tmp: Path, name: str, launcher: str = "spawn", fork_se
         "name": name, "wall_s": round(wall_s, 1), "best_layout": store.config_of(best).describe() if best else None,
         "best_tokens_per_s": best.tokens_per_s if best else None, "device_s_to_best": to_best,
         "device_s_total": spent, "trials": len(trials),
-        "pruned_running": sum(t["kind"] == "pruned_running" for t in trials),
+        "pruned_running": sum(t["kind"] == PRUNED_RUNNING for t in trials),
         "stopped_stable": sum(t["stopped_because"].startswith("stable") for t in trials),
         "trial_rows": trials,
     }  # fmt: skip
@@ -168,7 +169,7 @@ def main() -> None:
           f"sampler {base.get('sampler', 'model')}, before launcher {args.before_launcher}, "
           f"fork server: {args.fork_server}")  # fmt: skip
     print(f"{'run':>9} {'best layout':<28} {'tokens/s':>10} {'dev-s->best':>12} {'dev-s total':>11} "
-          f"{'trials':>6} {'pruned':>6} {'stable':>6} {'wall s':>7}", flush=True)  # fmt: skip
+          f"{'trials':>6} {TrialState.PRUNED.word:>6} {'stable':>6} {'wall s':>7}", flush=True)  # fmt: skip
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(1, args.repeats + 1):

@@ -79,7 +79,7 @@ class DatabaseBackend:
                 study = store.create_study(s, spec)
             except store.StudyExists as e:
                 raise BackendError(str(e)) from None
-            return views.StudyCreated(id=study.id, name=study.name, status=store.status_of(study).word,
+            return views.StudyCreated(id=study.id, name=study.name, status=study.status,
                                       url=f"/api/studies/{study.id}")  # fmt: skip
 
     def cancel(self, ref: str) -> str:
@@ -154,7 +154,7 @@ class HttpBackend:
 
     def cancel(self, ref: str) -> str:
         summary = views.StudySummary.model_validate(self._call(lambda: self.client.cancel(self._id(ref))))
-        return f"study {summary.name!r} {summary.status}"
+        return f"study {summary.name!r} {summary.status.word}"
 
     def export(self, ref: str, fmt: str) -> str:
         return self._call(lambda: self.client.export(self._id(ref), fmt))

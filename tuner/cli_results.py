@@ -16,6 +16,7 @@ from rich.table import Table
 
 from tuner.backend import Backend, BackendError, DatabaseBackend, HttpBackend
 from tuner.cli_common import console, fail, sessions
+from tuner.outcome import StudyStatus
 from tuner.payoff import describe as describe_payoff
 from tuner.spec import SpecError, load_spec
 
@@ -28,7 +29,6 @@ Token = Annotated[
 ]
 Json = Annotated[bool, typer.Option("--json", help="print JSON (the API's shapes)")]
 StudyRef = Annotated[str, typer.Argument(help="study id (or name without --url)")]
-FINAL_WORDS = ("done", "failed", "cancelled")
 
 
 def backend(ctx: typer.Context, url: str | None, token: str | None) -> Backend:
@@ -65,7 +65,7 @@ def studies(ctx: typer.Context, url: Url = None, token: Token = None, as_json: J
                   "tuning device-h", "vs first guess", "created", "held by", "reason")  # fmt: skip
     for r in rows:
         guess = next((b for b in r.payoff.baselines if b.name == "first_guess"), None) if r.payoff else None
-        table.add_row(str(r.id), escape(r.name), r.status, escape(r.model), escape(r.cluster), str(r.gpus), r.sampler,
+        table.add_row(str(r.id), escape(r.name), r.status.word, escape(r.model), escape(r.cluster), str(r.gpus), r.sampler,
                       f"{r.progress.finished}/{r.progress.budget}", _num(r.best_tokens_per_s, ",.0f"),
                       _num(r.payoff and r.payoff.tuning_device_hours, ".3g"), f"{guess.speedup:.2f}x" if guess else "",
                       r.created_at.isoformat()[:19], escape(_held(r)), escape(r.reason or ""))  # fmt: skip
@@ -90,7 +90,7 @@ def trials(
                   "failure", "attempts", "job", "job state")  # fmt: skip
     for r in rows:
         job = (r.job_id or "").partition("@")[0].partition(":")[2]
-        table.add_row(str(r.number), r.state, r.layout, _num(r.tokens_per_s, ",.0f"), _num(r.tflops_per_device, ".4f"),
+        table.add_row(str(r.number), r.state.word, r.layout, _num(r.tokens_per_s, ",.0f"), _num(r.tflops_per_device, ".4f"),
                       _num(r.mfu, ".1%"), _num(r.peak_memory_bytes and r.peak_memory_bytes / 2**20, ".1f"),
                       _num(r.predicted_tokens_per_s, ",.0f"), r.failure_kind or "", str(r.attempts), job,
                       r.job_state or "")  # fmt: skip
@@ -174,7 +174,7 @@ def submit(
     console.print(f"study {created.id} {escape(repr(created.name))} submitted")
     if wait:
         status = _wait_for(b, str(created.id), parsed.budget.max_trials)
-        raise typer.Exit(0 if status == "done" else 1)
+        raise typer.Exit(0 if status is StudyStatus.COMPLETE else 1)
 
 
 def cancel(ctx: typer.Context, study: StudyRef, url: Url = None, token: Token = None) -> None:
@@ -202,8 +202,8 @@ def export(
         fail(str(e))
 
 
-def _wait_for(b: Backend, ref: str, budget: int) -> str:
-    """Follow a study with a progress bar until it ends; returns its status word."""
+def _wait_for(b: Backend, ref: str, budget: int) -> StudyStatus:
+    """Follow a study with a progress bar until it ends; returns its status."""
     with Progress(TextColumn("study {task.fields[sid]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[best]}"), console=console) as bar:  # fmt: skip
         task = bar.add_task("", total=budget, sid=ref, best="")
@@ -214,10 +214,10 @@ def _wait_for(b: Backend, ref: str, budget: int) -> str:
                 fail(str(e))
             best = f"best {d.best_tokens_per_s:,.0f} tokens/s" if d.best_tokens_per_s else ""
             bar.update(task, completed=min(d.progress.finished, budget), best=best)
-            if d.status in FINAL_WORDS:
+            if d.status.is_final:
                 break
             time.sleep(1.0)
-    console.print(f"study {ref}: {d.status}")
+    console.print(f"study {ref}: {d.status.word}")
     return d.status
 
 

@@ -39,10 +39,10 @@ def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | N
         if existing is None:
             study_id = store.create_study(s, spec).id
         elif store.status_of(existing).is_final:
-            fail(f"study {spec.name!r} already ran ({existing.status}); pick another --name")
+            fail(f"study {spec.name!r} already ran ({existing.status.word}); pick another --name")
         else:
             study_id = existing.id
-            console.print(f"resuming study {escape(repr(spec.name))} ({existing.status})")
+            console.print(f"resuming study {escape(repr(spec.name))} ({existing.status.word})")
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -74,7 +74,7 @@ def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | N
     with db() as s:
         study = store.get_study(s, spec.name)
         best = store.best_trial(s, study)
-        console.print(f"study {escape(repr(spec.name))}: {status.value}")
+        console.print(f"study {escape(repr(spec.name))}: {status.word}")
         if best is None:
             console.print("no layout completed")
         else:
@@ -113,7 +113,7 @@ def alloc_run(
     """Inside a Slurm allocation: run the study's trials as srun steps (allocation mode)."""
     from tuner.worker import run_in_allocation
 
-    console.print(f"study {study_id}: {run_in_allocation(study_id, margin_s=margin_s).value}")
+    console.print(f"study {study_id}: {run_in_allocation(study_id, margin_s=margin_s).word}")
 
 
 def demo(ctx: typer.Context) -> None:

@@ -10,7 +10,7 @@ CSV_COLUMNS = ["number", "state", "layout", "tp", "tp_col", "pp", "dp", "micro_b
                "activation_checkpoint", "sequence_parallel", "pp_schedule", "virtual_stages", "tokens_per_s",
                "tflops_per_device", "mfu", "peak_memory_bytes", "step_time_median_s", "step_time_min_s",
                "step_time_max_s", "predicted_tokens_per_s", "predicted_memory_bytes", "failure_kind",
-               "failure_message", "job_id", "job_state", "attempts", "device_s", "told", "started_at",
+               "failure_message", "stop_reason", "job_id", "job_state", "attempts", "device_s", "told", "started_at",
                "finished_at"]  # fmt: skip
 
 
@@ -21,6 +21,6 @@ def trials_frame(trials) -> Any:
     rows = []
     for t in trials:
         row = {c: getattr(t, c, None) for c in CSV_COLUMNS}
-        row["layout"] = store.config_of(t).describe()
+        row |= {"layout": store.config_of(t).describe(), "state": t.state.word}  # the API's words
         rows.append(row)
     return pd.DataFrame(rows, columns=CSV_COLUMNS)

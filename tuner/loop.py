@@ -38,9 +38,10 @@ from sqlalchemy.orm import sessionmaker
 
 from trainer.trial_dir import LOG_FILE
 from tuner import store
+from tuner.backoff import Backoff, retrying
 from tuner.budget import may_add_trial, stop_reason
 from tuner.calibration import calibrate_study
-from tuner.db import StudyBest, Trial, utcnow
+from tuner.db import Trial, utcnow
 from tuner.dispatch import Dispatcher, DispatchError, JobHandle
 from tuner.lease import Lease
 from tuner.outcome import FailureKind, Outcome, StudyStatus, TrialState, feedback, retry
@@ -50,7 +51,9 @@ from tuner.space import SearchSpace
 from tuner.spec import StudySpec, benchmark_config, slug
 
 log = logging.getLogger("tuner.loop")
-MAX_BACKOFF_S = 300.0
+MAX_BACKOFF_S = 300.0  # a failed submission's re-queue: dispatch_backoff_s x 2^(n-1), at most this
+DB_BACKOFF = Backoff(first_s=1.0, cap_s=30.0)  # the database away while running: 1, 2, 4, ... 30 s
+STARTUP_DELAYS_S = (1, 2, 4, 8, 15, 30)  # ... and at start-up: about a minute, then the error
 
 
 @dataclass
@@ -91,26 +94,16 @@ class StudyRunner:
     def run(self) -> StudyStatus:
         """Run the study to its end, a hand-back or a pause; returns its status then (RUNNING if
         the lease was lost: someone else runs it now)."""
-        if (status := self._retrying(self.load)) is not None:
+        if (status := self._retrying(self.load, STARTUP_DELAYS_S)) is not None:
             return status
-        backoff = 1.0
-        while True:
-            try:
-                status = self.step()
-                backoff = 1.0
-            except OperationalError as e:  # the database restarts: wait for it, lose nothing
-                log.warning("study %d: database unavailable (%s); retrying in %.0f s", self.study_id,
-                            str(e).splitlines()[0], backoff)  # fmt: skip
-                self.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-                continue
-            if status is not None:
+        while True:  # a database that restarts: wait for it, lose nothing
+            if (status := self._retrying(self.step, DB_BACKOFF.delays())) is not None:
                 return status
             self.sleep(self.poll_s)
 
     def load(self) -> StudyStatus | None:
         with self.sessions() as s:
-            study = s.get(store.Study, self.study_id)
+            study = store.study_by_id(s, self.study_id)
             self.spec = self.spec or StudySpec.model_validate(study.spec)
             history = [(store.config_of(t), store.outcome_of(t)) for t in store.trials(s, study)]
             stored = store.latest_constants(s, self.spec.cluster.name)
@@ -135,7 +128,7 @@ class StudyRunner:
     def step(self) -> StudyStatus | None:
         """One pass of the loop; a status when the runner is done with the study."""
         with self.sessions() as s:
-            study = s.get(store.Study, self.study_id, populate_existing=True)
+            study = store.study_by_id(s, self.study_id, refresh=True)
             status, holder = store.status_of(study), study.lease_owner
         if (
             self.lease.lost.is_set()
@@ -143,7 +136,7 @@ class StudyRunner:
             or status not in (StudyStatus.RUNNING, StudyStatus.CANCELLING)
         ):
             log.warning(
-                "study %d: lease lost (now %s, held by %s); stopping", self.study_id, status.value, holder
+                "study %d: lease lost (now %s, held by %s); stopping", self.study_id, status.word, holder
             )
             return StudyStatus.RUNNING if status is StudyStatus.RUNNING else status
         if status is StudyStatus.RUNNING and self.should_stop():  # Ctrl-C on `tuner run`
@@ -167,7 +160,7 @@ class StudyRunner:
             name = store.job_name(self.study_id, trial.number, trial.attempts)
             job = self.dispatcher.find(name, self._trial_dir(trial))
             with self.sessions.begin() as s:
-                trial = s.get(Trial, trial.id)
+                trial = store.trial_by_id(s, trial.id)
                 if job is not None:
                     store.attach_job(s, trial, str(job), str(self._trial_dir(trial) / LOG_FILE))
                 else:
@@ -180,7 +173,7 @@ class StudyRunner:
             job = JobHandle.parse(trial.job_id)
             report = self.dispatcher.poll(job)
             with self.sessions.begin() as s:
-                trial = s.get(Trial, trial.id)
+                trial = store.trial_by_id(s, trial.id)
                 if not report.done:
                     store.note_job_state(s, trial, report.state)
                     continue
@@ -193,7 +186,7 @@ class StudyRunner:
         b = self.spec.budget
         while True:
             with self.sessions() as s:
-                study = s.get(store.Study, self.study_id)
+                study = store.study_by_id(s, self.study_id)
                 used = store.usage(s, study, min_improvement=b.early_stop_min_improvement, now=self.clock())
                 waiting = store.trials(s, study, (TrialState.WAITING,))
             now = self.clock()
@@ -212,7 +205,7 @@ class StudyRunner:
 
     def finish_if_done(self) -> StudyStatus | None:
         with self.sessions() as s:
-            study = s.get(store.Study, self.study_id)
+            study = store.study_by_id(s, self.study_id)
             used = store.usage(
                 s, study, min_improvement=self.spec.budget.early_stop_min_improvement, now=self.clock()
             )
@@ -225,7 +218,7 @@ class StudyRunner:
         with self.sessions.begin() as s:
             if waiting:
                 store.cancel_waiting(s, self.study_id, f"not run: {reason}", now=self.clock())
-            calibrate_study(s, s.get(store.Study, self.study_id), self.pricing)
+            calibrate_study(s, store.study_by_id(s, self.study_id), self.pricing)
         return self._end(StudyStatus.COMPLETE, reason)
 
     # --- stopping --------------------------------------------------------------------------------
@@ -239,9 +232,9 @@ class StudyRunner:
             if job is not None:
                 self.dispatcher.cancel(job)
             with self.sessions.begin() as s:
-                trial = s.get(Trial, trial.id)
+                trial = store.trial_by_id(s, trial.id)
                 outcome = Outcome.failed(FailureKind.CANCELLED, "the study was cancelled")
-                if trial.state == TrialState.SUBMITTING.value:
+                if trial.state is TrialState.SUBMITTING:
                     store.submission_failed(s, trial, "the study was cancelled before its job was known")
                 else:
                     store.end_attempt(
@@ -263,7 +256,9 @@ class StudyRunner:
                     FailureKind.CANCELLED, "handed back: the worker or allocation stopped"
                 )
                 with self.sessions.begin() as s:
-                    store.end_attempt(s, s.get(Trial, trial.id), outcome, requeue=True, now=self.clock())
+                    store.end_attempt(
+                        s, store.trial_by_id(s, trial.id), outcome, requeue=True, now=self.clock()
+                    )
         with self.sessions.begin() as s:
             store.release(
                 s, self.study_id, self.owner, reason=reason, resume_after=resume_after, now=self.clock()
@@ -283,7 +278,7 @@ class StudyRunner:
                 return None
             est = self.sampler.estimate(config)
             with self.sessions.begin() as s:
-                study = s.get(store.Study, self.study_id)
+                study = store.study_by_id(s, self.study_id)
                 trial = store.add_trial(s, study, config, est.to_dict(), TrialState.WAITING)
                 if not (self.spec.prune_predicted_oom and not est.fits):
                     return trial
@@ -295,7 +290,7 @@ class StudyRunner:
 
     def _submit(self, trial: Trial, cfg) -> StudyStatus | None:
         with self.sessions.begin() as s:
-            trial = s.get(Trial, trial.id)
+            trial = store.trial_by_id(s, trial.id)
             if not store.begin_attempt(s, trial, now=self.clock()):
                 return None  # changed under us; the next pass sees it
             name, work_dir = (
@@ -309,7 +304,7 @@ class StudyRunner:
         except DispatchError as e:
             return self._submission_failed(trial.id, str(e))
         with self.sessions.begin() as s:
-            store.attach_job(s, s.get(Trial, trial.id), str(job), str(work_dir / LOG_FILE))
+            store.attach_job(s, store.trial_by_id(s, trial.id), str(job), str(work_dir / LOG_FILE))
             store.count_dispatch_failure(s, self.study_id, reset=True)
         self.not_before.pop(trial.id, None)
         return None
@@ -317,9 +312,9 @@ class StudyRunner:
     def _submission_failed(self, trial_id: int, message: str) -> StudyStatus | None:
         t = self.spec.trial
         with self.sessions.begin() as s:
-            store.submission_failed(s, s.get(Trial, trial_id), message, now=self.clock())
+            store.submission_failed(s, store.trial_by_id(s, trial_id), message, now=self.clock())
             failures = store.count_dispatch_failure(s, self.study_id)
-        delay = min(t.dispatch_backoff_s * 2 ** (failures - 1), MAX_BACKOFF_S)
+        delay = Backoff(t.dispatch_backoff_s, MAX_BACKOFF_S).delay(failures)
         self.not_before[trial_id] = self.clock() + dt.timedelta(seconds=delay)
         log.warning("study %d: submission failed (%d in a row), trial re-queued for %.0f s: %s", self.study_id,
                     failures, delay, message)  # fmt: skip
@@ -362,12 +357,11 @@ class StudyRunner:
     def _best_at(self, world_size: int) -> float | None:
         """The best tokens/s measured so far in this study at `world_size` devices."""
         with self.sessions() as s:
-            best = s.get(StudyBest, (self.study_id, world_size))
-            return best.tokens_per_s if best else None
+            return store.best_at(s, self.study_id, world_size)
 
     def _trials(self, *states: TrialState) -> list[Trial]:
         with self.sessions() as s:
-            return store.trials(s, s.get(store.Study, self.study_id), states)
+            return store.trials(s, store.study_by_id(s, self.study_id), states)
 
     def _trial_dir(self, trial: Trial) -> Path:
         return self.work_dir / slug(self.spec.name) / f"trial-{trial.number:04d}"
@@ -378,15 +372,14 @@ class StudyRunner:
         self.lease.stop()
         return status if took else StudyStatus.RUNNING
 
-    def _retrying(self, fn):
-        """fn() with the database allowed to be away for a while (at start-up)."""
-        for delay in (1, 2, 4, 8, 15, 30):
-            try:
-                return fn()
-            except OperationalError as e:
-                log.warning("study %d: database unavailable (%s)", self.study_id, str(e).splitlines()[0])
-                self.sleep(delay)
-        return fn()
+    def _retrying(self, fn, delays):
+        """fn() with the database allowed to be away for the `delays` (tuner/backoff.py)."""
+
+        def unavailable(e: BaseException, delay: float) -> None:
+            log.warning("study %d: database unavailable (%s); retrying in %.0f s", self.study_id,
+                        str(e).splitlines()[0], delay)  # fmt: skip
+
+        return retrying(fn, on=OperationalError, delays=delays, wait=self.sleep, log=unavailable)
 
 
 def run_study(

@@ -3,8 +3,11 @@
 - `StudyStatus` and its allowed transitions (`STUDY_TRANSITIONS`): `tuner.store.transition` is
   the only writer of a study's status and refuses any other move.
 - `TrialState`: WAITING -> SUBMITTING -> RUNNING -> COMPLETE | PRUNED | FAIL. PRUNED: never run
-  (predicted not to fit), or stopped while running, too slow next to the best so far (its partial
-  measurement kept).
+  (predicted not to fit: failure kind predicted_oom), or stopped while running, too slow next to
+  the best so far: a measurement of fewer steps, not a failure (its reason in `stop_reason`).
+- The public vocabulary (`.word`, `parse()`): one lower-case word per state, the same for studies
+  and trials in the API, the CLI, the dashboard and /metrics (docs/api.md, "Vocabulary"); older
+  words are accepted on input. This module is the only place a state is spelled out.
 - `Outcome`: how one attempt of a trial ended; `classify()` turns the trainer's typed result
   into one.
 - The policy (docs/samplers.md, "Failures"): `retry()` says whether an attempt that failed runs
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +40,13 @@ class StudyStatus(enum.StrEnum):
 
     @property
     def word(self) -> str:
-        """The public vocabulary (API, CLI, dashboard)."""
-        return STATUS_WORDS[self]
+        """The public word (API, CLI, dashboard, metrics)."""
+        return words(type(self))[self]
+
+    @classmethod
+    def parse(cls, text: str) -> StudyStatus:
+        """A study status from its word, an older word or its stored value (any case)."""
+        return _parse(cls, text)
 
 
 FINAL_STUDY = frozenset({StudyStatus.COMPLETE, StudyStatus.FAILED, StudyStatus.CANCELLED})
@@ -58,11 +67,6 @@ STUDY_TRANSITIONS: dict[StudyStatus, frozenset[StudyStatus]] = {
     StudyStatus.FAILED: frozenset(),
     StudyStatus.CANCELLED: frozenset(),
 }
-STATUS_WORDS = {
-    StudyStatus.PENDING: "pending", StudyStatus.RUNNING: "running", StudyStatus.CANCELLING: "cancelling",
-    StudyStatus.COMPLETE: "done", StudyStatus.FAILED: "failed", StudyStatus.CANCELLED: "cancelled",
-}  # fmt: skip
-STATUS_FROM_WORD = {w: s for s, w in STATUS_WORDS.items()}
 
 
 def allowed_from(to: StudyStatus) -> frozenset[StudyStatus]:
@@ -81,8 +85,58 @@ class TrialState(enum.StrEnum):
     def is_finished(self) -> bool:
         return self in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
+    @property
+    def word(self) -> str:
+        """The public word (API, CLI, dashboard, metrics)."""
+        return words(type(self))[self]
+
+    @classmethod
+    def parse(cls, text: str) -> TrialState:
+        """A trial state from its word, an older word or its stored value (any case)."""
+        return _parse(cls, text)
+
 
 ACTIVE_TRIAL = (TrialState.SUBMITTING, TrialState.RUNNING)
+
+# --- the public vocabulary -------------------------------------------------------------------------
+# One lower-case word per state, studies and trials alike. Until this vocabulary, studies spoke
+# lower-case words (a complete study was "done") and trials their upper-case stored values
+# ("COMPLETE", "FAIL"): those older words are still accepted on input (query filters, the CLI
+# reading an older server), as is any case.
+# Separate tables: a StrEnum member equals its value, so StudyStatus.RUNNING and TrialState.RUNNING
+# are the same dict key.
+STUDY_WORDS: dict[StudyStatus, str] = {
+    StudyStatus.PENDING: "pending", StudyStatus.RUNNING: "running", StudyStatus.CANCELLING: "cancelling",
+    StudyStatus.COMPLETE: "complete", StudyStatus.FAILED: "failed", StudyStatus.CANCELLED: "cancelled",
+}  # fmt: skip
+TRIAL_WORDS: dict[TrialState, str] = {
+    TrialState.WAITING: "waiting", TrialState.SUBMITTING: "submitting", TrialState.RUNNING: "running",
+    TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
+}  # fmt: skip
+OLDER_STUDY_WORDS = {"done": StudyStatus.COMPLETE}  # besides every stored value, in any case
+
+
+def words(cls: type[StudyStatus] | type[TrialState]) -> dict:
+    """{member: its word} of the enum `cls`, in the enum's order."""
+    return STUDY_WORDS if cls is StudyStatus else TRIAL_WORDS
+
+
+@functools.cache  # parsed for every state in every response model the CLI reads back
+def accepted_words(cls: type[StudyStatus] | type[TrialState]) -> dict[str, StudyStatus | TrialState]:
+    """Every lower-case word `parse` takes: the words, the older words and the stored values."""
+    older = OLDER_STUDY_WORDS if cls is StudyStatus else {}
+    return {m.value.lower(): m for m in cls} | older | {w: m for m, w in words(cls).items()}
+
+
+def _parse(cls, text: str):
+    found = accepted_words(cls).get(str(text).strip().lower())
+    if found is None:
+        current = list(words(cls).values())
+        older = sorted(set(accepted_words(cls)) - set(current))
+        raise ValueError(
+            f"{text!r} is not one of {', '.join(current)} (older words accepted: {', '.join(older)})"
+        )
+    return found
 
 
 class FailureKind(enum.StrEnum):
@@ -97,8 +151,9 @@ class FailureKind(enum.StrEnum):
     CANCELLED = "cancelled"  # the study was cancelled, or someone cancelled the job
 
 
-# The kind of an attempt the trainer stopped early as too slow (BenchmarkResult status 'pruned'):
-# not a failure, its partial measurement is a true one.
+# The kind of an attempt the trainer stopped early as too slow (BenchmarkResult status 'pruned'), in
+# attempt logs: not a failure, its partial measurement is a true one (the trial ends PRUNED with
+# its `stop_reason`, no failure kind).
 PRUNED_RUNNING = "pruned_running"
 
 

@@ -14,12 +14,10 @@ import shlex
 from typing import Any, Literal
 
 from pydantic import BaseModel
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from trainer.config import MODEL_PRESETS
 from tuner import store
-from tuner.db import Calibration, Study
 from tuner.pricing import Pricing
 from tuner.space import SearchSpace
 from tuner.spec import SpecError, StudySpec, parse_spec
@@ -80,13 +78,10 @@ def predicted_best(session: Session, model: str, *, cluster: str | None = None, 
     """The predicted best layout of `model` (a preset) on each calibrated cluster (or `cluster`)."""
     if model not in MODEL_PRESETS:
         raise ValueError(f"predictions need a model preset; {model!r} is not one of {sorted(MODEL_PRESETS)}")
-    q = select(Calibration.cluster_key).distinct()
-    clusters = [c for c in session.scalars(q) if cluster is None or c == cluster]
+    clusters = [c for c in store.calibrated_clusters(session) if cluster is None or c == cluster]
     out = []
-    for name in sorted(clusters):
-        template = session.scalars(
-            select(Study).where(Study.cluster_key == name).order_by(Study.created_at.desc(), Study.id.desc()).limit(1)
-        ).first()  # fmt: skip
+    for name in clusters:
+        template = store.latest_study_on(session, name)
         if template is None:  # an imported calibration with no study of this cluster: no settings to reuse
             continue
         try:

@@ -7,32 +7,44 @@ from __future__ import annotations
 
 import datetime as dt
 import statistics
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
-from sqlalchemy import func, select
+from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, WithJsonSchema
 from sqlalchemy.orm import Session
 
 from tuner import store
-from tuner.db import Study, StudyBest, Trial, aware, utcnow
-from tuner.outcome import TrialState
-from tuner.payoff import Measured, Payoff, payoff
+from tuner.cache import RevisionCache
+from tuner.db import Study, Trial, aware, utcnow
+from tuner.outcome import FailureKind, StudyStatus, TrialState, words
+from tuner.payoff import Payoff, payoff
 from tuner.predict import CalibrationOut
 from tuner.pricing import Pricing
 from tuner.spec import StudySpec
 
 
+def _in_words(cls: type[StudyStatus] | type[TrialState]) -> Any:
+    """A state as the API shows it: its word (tuner/outcome.py: the one vocabulary). In Python the
+    field holds the enum member; any accepted word (older words too, any case) parses into it."""
+    return Annotated[cls, BeforeValidator(cls.parse), PlainSerializer(lambda m: m.word, return_type=str),
+                     WithJsonSchema({"type": "string", "enum": list(words(cls).values())})]  # fmt: skip
+
+
+StudyWord = _in_words(StudyStatus)
+TrialWord = _in_words(TrialState)
+
+
 class StudyCreated(BaseModel):
     id: int
     name: str
-    status: str
+    status: StudyWord
     url: str
 
 
 class Progress(BaseModel):
     finished: int
     budget: int
-    by_state: dict[str, int]
+    by_state: dict[TrialWord, int]
 
 
 class LeaseOut(BaseModel):
@@ -45,7 +57,7 @@ class LeaseOut(BaseModel):
 
 class TrialOut(BaseModel):
     number: int
-    state: str
+    state: TrialWord
     layout: str
     config: dict[str, Any]
     tp: int
@@ -67,8 +79,9 @@ class TrialOut(BaseModel):
     # before the estimate had terms.
     predicted_step_time_s: float | None = None
     predicted_terms: dict[str, float] | None = None
-    failure_kind: str | None
+    failure_kind: FailureKind | None  # failed, or pruned before it ran (predicted_oom)
     failure_message: str | None
+    stop_reason: str | None = None  # pruned while running: why it stopped early (not a failure)
     job_id: str | None
     job_state: str | None
     attempts: int
@@ -83,7 +96,7 @@ class TrialOut(BaseModel):
 class StudySummary(BaseModel):
     id: int
     name: str
-    status: str
+    status: StudyWord
     payoff: Payoff | None = None  # what tuning cost and what it bought (tuner/payoff.py)
     reason: str | None = None  # why it is in its status: a failure, the cancel request, a pause
     lease: LeaseOut | None = None  # who runs it now
@@ -140,14 +153,32 @@ class BestOut(BaseModel):
 # --- builders ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LeaseTimes:
+    """A lease as stored: its holder and times. Its age (LeaseOut) moves with the clock."""
+
+    owner: str
+    host: str | None
+    pid: int | None
+    renewed_at: dt.datetime | None
+    expires_at: dt.datetime
+
+    @classmethod
+    def of(cls, study: Study) -> LeaseTimes | None:
+        if study.lease_owner is None or study.lease_expires_at is None:
+            return None
+        return cls(study.lease_owner, study.lease_host, study.lease_pid, aware(study.lease_renewed_at),
+                   aware(study.lease_expires_at))  # fmt: skip
+
+    def at(self, now: dt.datetime) -> LeaseOut:
+        return LeaseOut(owner=self.owner, host=self.host, pid=self.pid,
+                        renewed_s_ago=(now - self.renewed_at).total_seconds() if self.renewed_at else None,
+                        expires_in_s=(self.expires_at - now).total_seconds())  # fmt: skip
+
+
 def lease(study: Study, now: dt.datetime | None = None) -> LeaseOut | None:
-    if study.lease_owner is None or study.lease_expires_at is None:
-        return None
-    now = now or utcnow()
-    renewed = aware(study.lease_renewed_at)
-    return LeaseOut(owner=study.lease_owner, host=study.lease_host, pid=study.lease_pid,
-                    renewed_s_ago=(now - renewed).total_seconds() if renewed else None,
-                    expires_in_s=(aware(study.lease_expires_at) - now).total_seconds())  # fmt: skip
+    times = LeaseTimes.of(study)
+    return times.at(now or utcnow()) if times else None
 
 
 def trial(t: Trial) -> TrialOut:
@@ -159,107 +190,92 @@ def trial(t: Trial) -> TrialOut:
         peak_memory_bytes=t.peak_memory_bytes, step_time_median_s=t.step_time_median_s,
         predicted_tokens_per_s=t.predicted_tokens_per_s, predicted_memory_bytes=t.predicted_memory_bytes,
         predicted_step_time_s=(t.predicted or {}).get("step_time_s"), predicted_terms=(t.predicted or {}).get("terms"),
-        failure_kind=t.failure_kind, failure_message=t.failure_message, job_id=t.job_id, job_state=t.job_state,
+        failure_kind=t.failure_kind, failure_message=t.failure_message, stop_reason=t.stop_reason,
+        job_id=t.job_id, job_state=t.job_state,
         attempts=t.attempts, attempt_log=t.attempt_log, device_s=t.device_s or 0.0, told=t.told,
         log_path=t.log_path, started_at=t.started_at, finished_at=t.finished_at,
     )  # fmt: skip
 
 
-def best_trials(session: Session, study_ids: list[int]) -> dict[int, Trial]:
-    """Each study's fastest completed trial, in two queries whatever the number of studies."""
-    if not study_ids:
-        return {}
-    fastest: dict[int, tuple[float, int]] = {}
-    for row in session.scalars(select(StudyBest).where(StudyBest.study_id.in_(study_ids))):
-        if row.study_id not in fastest or row.tokens_per_s > fastest[row.study_id][0]:
-            fastest[row.study_id] = (row.tokens_per_s, row.trial_id)
-    ids = [trial_id for _, trial_id in fastest.values()]
-    trials = {t.id: t for t in session.scalars(select(Trial).where(Trial.id.in_(ids)))} if ids else {}
-    return {study_id: trials[trial_id] for study_id, (_, trial_id) in fastest.items()}
+@dataclass(frozen=True)
+class _Facts:
+    """What a study's summary needs beyond its own row: trial counts per state, its best trial,
+    its payoff. They change only with a write, so they are kept per study and store revision."""
+
+    counts: dict[TrialState, int]
+    best: TrialOut | None
+    payoff: Payoff
 
 
-# Payoffs need every completed trial of a study (the median, the first guess): ~100 ms for a 50k-trial
-# study. They change only when a trial changes state, so each study's is kept, keyed by its trial
-# counts per state, and recomputed when those move (a bounded, per-process cache).
-_PAYOFFS: dict[tuple, Payoff] = {}
-_PAYOFFS_MAX = 4096
+# Counting a 50k-trial study's states and reading its completed trials for the payoff (the median,
+# the first guess) takes ~10 ms and ~100 ms: read again only after a write (tuner/cache.py).
+_FACTS: RevisionCache[_Facts] = RevisionCache(max_entries=4096)
 
 
-def payoffs(
-    session: Session, studies: list[Study], counts: dict[int, dict[str, int]] | None = None
-) -> dict[int, Payoff]:
-    """Each study's payoff: device-seconds per study, and its completed trials' throughputs and
-    predictions, read again only for studies whose trial counts moved since the last call."""
+def _facts(session: Session, studies: list[Study]) -> dict[int, _Facts]:
+    """Each study's facts at the store's current revision, read in a constant number of queries
+    for the studies whose facts were not kept."""
     if not studies:
         return {}
-    counts = counts if counts is not None else store.trial_counts(session, [s.id for s in studies])
-    where = str(session.get_bind().url)
-    keys = {s.id: (where, s.id, s.status, tuple(sorted(counts.get(s.id, {}).items()))) for s in studies}
-    stale = [s for s in studies if keys[s.id] not in _PAYOFFS]
-    for study_id, paid in _compute_payoffs(session, stale).items():
-        if len(_PAYOFFS) >= _PAYOFFS_MAX:
-            _PAYOFFS.clear()
-        _PAYOFFS[keys[study_id]] = paid
-    return {s.id: _PAYOFFS[keys[s.id]] for s in studies}
+    by_id = {s.id: s for s in studies}
+
+    def build(ids: list[int]) -> dict[int, _Facts]:
+        counts, bests = store.trial_counts(session, ids), store.best_trials(session, ids)
+        spent, measured = store.payoff_inputs(session, ids)
+        return {i: _Facts(counts[i], trial(bests[i]) if i in bests else None,
+                          payoff(spent[i], measured[i], by_id[i].spec.get("training", {}).get("total_tokens")))
+                for i in ids}  # fmt: skip
+
+    return _FACTS.get_many(list(by_id), store.revision(session), build)
 
 
-def _compute_payoffs(session: Session, studies: list[Study]) -> dict[int, Payoff]:
-    ids = [s.id for s in studies]
-    if not ids:
-        return {}
-    spent = dict(session.execute(select(Trial.study_id, func.sum(Trial.device_s)).where(Trial.study_id.in_(ids))
-                                 .group_by(Trial.study_id)).all())  # fmt: skip
-    measured: dict[int, list[Measured]] = {i: [] for i in ids}
-    q = (
-        select(Trial.study_id, store.TRIAL_WORLD, Trial.tokens_per_s, Trial.predicted_tokens_per_s)
-        .where(
-            Trial.study_id.in_(ids), Trial.state == TrialState.COMPLETE.value, Trial.tokens_per_s.is_not(None)
-        )
-        .order_by(Trial.number)
-    )  # in proposal order: of equal predictions, the first guess is the one run first
-    for study_id, world, tokens, predicted in session.execute(q):
-        measured[study_id].append(Measured(world, tokens, predicted))
-    return {s.id: payoff(spent.get(s.id) or 0.0, measured[s.id], s.spec.get("training", {}).get("total_tokens"))
-            for s in studies}  # fmt: skip
+def payoffs(session: Session, studies: list[Study]) -> dict[int, Payoff]:
+    """Each study's payoff (tuner/payoff.py)."""
+    return {i: f.payoff for i, f in _facts(session, studies).items()}
 
 
 def summaries(session: Session, studies: list[Study]) -> list[StudySummary]:
-    """Summaries of a page of studies in a constant number of queries (counts, bests, payoffs)."""
-    ids = [s.id for s in studies]
-    counts = store.trial_counts(session, ids)
-    bests, paid = best_trials(session, ids), payoffs(session, studies, counts)
-    return [
-        _summary(s, counts[s.id], bests.get(s.id)).model_copy(update={"payoff": paid[s.id]}) for s in studies
-    ]
+    """Summaries of a page of studies: their rows as read now (status, lease), their facts as of
+    the store's revision."""
+    facts = _facts(session, studies)
+    return [_summary(s, facts[s.id]) for s in studies]
 
 
-def _summary(study: Study, counts: dict[str, int], best: Trial | None) -> StudySummary:
-    finished = sum(n for state, n in counts.items() if TrialState(state).is_finished())
+def _summary(study: Study, facts: _Facts) -> StudySummary:
+    finished = sum(n for state, n in facts.counts.items() if state.is_finished())
+    best = facts.best
     return StudySummary(
-        id=study.id, name=study.name, status=store.status_of(study).word, reason=study.error, lease=lease(study),
+        id=study.id, name=study.name, status=study.status, reason=study.error, lease=lease(study),
         owner=study.lease_owner, model=study.model_key, cluster=study.cluster_key, gpus=study.num_gpus,
-        sampler=study.sampler, created_at=study.created_at,
-        progress=Progress(finished=finished, budget=study.spec.get("budget", {}).get("max_trials", 0), by_state=counts),
+        sampler=study.sampler, created_at=study.created_at, payoff=facts.payoff,
+        progress=Progress(finished=finished, budget=study.spec.get("budget", {}).get("max_trials", 0),
+                          by_state=facts.counts),
         best_tokens_per_s=best.tokens_per_s if best else None, best_mfu=best.mfu if best else None,
     )  # fmt: skip
 
 
+def detail_and_lease(session: Session, study: Study) -> tuple[StudyDetail, LeaseTimes | None]:
+    """The study's detail and its lease's times: kept together (api/reads.py), the detail is
+    brought to the present by `aged`."""
+    return detail(session, study), LeaseTimes.of(study)
+
+
+def aged(kept: tuple[StudyDetail, LeaseTimes | None], now: dt.datetime | None = None) -> StudyDetail:
+    """A kept detail with its lease's age as of now."""
+    out, times = kept
+    return out.model_copy(update={"lease": times.at(now or utcnow()) if times else None})
+
+
 def detail(session: Session, study: Study) -> StudyDetail:
-    (summary,) = summaries(session, [study])
-    best = best_trials(session, [study.id]).get(study.id)
-    return StudyDetail(**summary.model_dump(), spec=study.spec, error=study.error, started_at=study.started_at,
-                       finished_at=study.finished_at, best=trial(best) if best else None)  # fmt: skip
+    facts = _facts(session, [study])[study.id]
+    return StudyDetail(**dict(_summary(study, facts)), spec=study.spec, error=study.error, started_at=study.started_at,
+                       finished_at=study.finished_at, best=facts.best)  # fmt: skip
 
 
 def best_rows(session: Session, *, model: str | None = None, cluster: str | None = None,
               num_gpus: int | None = None) -> list[BestOut]:  # fmt: skip
     rows = store.best_rows(session, model=model, cluster=cluster, num_gpus=num_gpus)
-    studies = (
-        list(session.scalars(select(Study).where(Study.id.in_({r["study_id"] for r in rows}))))
-        if rows
-        else []
-    )
-    paid = payoffs(session, studies)
+    paid = payoffs(session, store.studies_by_id(session, (r["study_id"] for r in rows)))
     return [BestOut(**row, payoff=paid.get(row["study_id"])) for row in rows]
 
 

@@ -25,6 +25,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 
 from tuner import store
+from tuner.backoff import Backoff, retrying
 from tuner.db import DatabaseError, connect
 from tuner.dispatch import DispatchError, close_dispatcher, make_dispatcher
 from tuner.lease import Lease
@@ -81,33 +82,35 @@ def run_worker(
 
 
 def _connect(url: str, stop: threading.Event, poll_s: float) -> sessionmaker | None:
-    """Connect (and migrate), retrying with back-off up to 30 s between tries while the database
-    is unreachable; None if told to stop first. A malformed URL is still an error at once."""
-    delay = min(poll_s, 1.0) or 1.0
-    while not stop.is_set():
-        try:
-            return connect(url)
-        except DatabaseError as e:
-            if "cannot reach" not in str(e):
-                raise
-            log.warning("%s; retrying in %.0f s", e, delay)
-            stop.wait(delay)
-            delay = min(delay * 2, 30.0)
-    return None
+    """Connect (and migrate), retrying with back-off (from min(poll_s, 1) s, doubling, up to 30 s
+    between tries) while the database is unreachable; None if told to stop first. A malformed URL
+    is still an error at once."""
+    if stop.is_set():
+        return None
+    try:
+        return retrying(
+            lambda: connect(url), on=lambda e: isinstance(e, DatabaseError) and "cannot reach" in str(e),
+            delays=Backoff(min(poll_s, 1.0) or 1.0, 30.0).delays(), wait=stop.wait,
+            log=lambda e, delay: log.warning("%s; retrying in %.0f s", e, delay),
+        )  # fmt: skip
+    except DatabaseError:
+        if stop.is_set():
+            return None
+        raise
 
 
 def _run_claimed(sessions, study_id: int, owner: store.Owner, settings: Settings, backend, stop) -> None:
     with Lease(sessions, study_id, owner, settings.lease_s) as lease:
         try:
             with sessions() as s:
-                spec = StudySpec.model_validate(s.get(store.Study, study_id).spec)
+                spec = StudySpec.model_validate(store.study_by_id(s, study_id).spec)
             dispatcher = make_dispatcher(spec, backend, site=settings.slurm.site())
             try:
                 status = StudyRunner(sessions, study_id, dispatcher, settings.work_dir, lease,
                                      should_yield=stop.is_set, spec=spec).run()  # fmt: skip
             finally:
                 close_dispatcher(dispatcher)
-            log.info("study %d: %s", study_id, status.value)
+            log.info("study %d: %s", study_id, status.word)
         except Exception as e:  # a broken study must not take the worker down
             log.error("study %d failed: %s", study_id, traceback.format_exc())
             try:
@@ -142,6 +145,7 @@ def run_in_allocation(study_id: int, *, margin_s: float | None = None) -> StudyS
 
 
 MAX_ALLOCATIONS = 20
+ALLOCATION_RETRY = Backoff(first_s=30.0, cap_s=30.0)  # a refused allocation: again every 30 s
 
 
 def follow_allocations(
@@ -157,12 +161,12 @@ def follow_allocations(
     from tuner.dispatch.slurm import SlurmDispatcher
 
     env = {"TUNER_DATABASE_URL": settings.database_url, "TUNER_WORK_DIR": str(settings.work_dir.resolve())}
-    site, watcher, job, submitted = settings.slurm.site(), SlurmDispatcher(), None, 0
+    site, watcher, job, submitted, refused = settings.slurm.site(), SlurmDispatcher(), None, 0, 0
     while True:
         with sessions() as s:
-            study = s.get(store.Study, study_id, populate_existing=True)
+            study = store.study_by_id(s, study_id, refresh=True)
             status = store.status_of(study)
-            on_finished(sum(t.state in ("COMPLETE", "FAIL") for t in study.trials))
+            on_finished(store.usage(s, study).finished)
         if status.is_final:
             return status
         if should_stop():
@@ -175,10 +179,12 @@ def follow_allocations(
             try:
                 job = submit_allocation(study_id, spec, settings.work_dir, site=site, env=env)
             except DispatchError as e:
-                say(f"  allocation not submitted ({e}); trying again in 30 s")
+                refused += 1
+                delay = ALLOCATION_RETRY.delay(refused)
+                say(f"  allocation not submitted ({e}); trying again in {delay:.0f} s")
                 job = None
-                time.sleep(30)
+                time.sleep(delay)
                 continue
-            submitted += 1
+            submitted, refused = submitted + 1, 0
             say(f"  allocation {job.id} submitted ({spec.slurm.allocation_minutes} min)")
         time.sleep(2)

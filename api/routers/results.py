@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
 
 from api.deps import Read, SessionDep, SettingsDep, study_or_404
 from api.errors import ApiError, parse_spec
+from api.reads import cached_json
 from api.routers.studies import StudyId
 from tuner import store, views
 from tuner.plan import PlanError, parse_pins
@@ -17,6 +18,8 @@ from tuner.plan import plan as run_plan
 from tuner.spec import StudySpec
 
 router = APIRouter(tags=["results"])
+BEST_ROWS = list[views.best_row_type()]
+_BEST_JSON = TypeAdapter(BEST_ROWS)
 
 
 class PlanRequest(BaseModel):
@@ -26,9 +29,9 @@ class PlanRequest(BaseModel):
     include_unfit: bool = False
 
 
-@router.get("/api/best", response_model=list[views.best_row_type()], dependencies=[Read])
-def best(
-    session: SessionDep,
+@router.get("/api/best", response_model=BEST_ROWS, dependencies=[Read])
+async def best(
+    request: Request,
     model: Annotated[str | None, Query(max_length=200)] = None,
     gpus: Annotated[int | None, Query(ge=1, le=10**7)] = None,
     cluster: Annotated[str | None, Query(max_length=200)] = None,
@@ -37,9 +40,10 @@ def best(
     """The fastest measured layout per (model, cluster, GPUs) across studies. For a model preset
     with no measurement, the planner's prediction on each calibrated cluster instead, marked
     `kind: predicted`, with the calibration used and a command that confirms it."""
-    return views.best_or_predicted(
-        session, model=model, cluster=cluster, num_gpus=gpus, global_batch=global_batch
-    )
+    return await cached_json(
+        request, ("best", model, gpus, cluster, global_batch), _BEST_JSON,
+        lambda s: views.best_or_predicted(s, model=model, cluster=cluster, num_gpus=gpus, global_batch=global_batch),
+    )  # fmt: skip
 
 
 @router.post("/api/plan", dependencies=[Read])

@@ -7,12 +7,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
-from sqlalchemy import select
 
 from api.deps import SessionDep
 from tuner import __version__, store
-from tuner.db import Study
-from tuner.outcome import STATUS_WORDS, StudyStatus, TrialState
+from tuner.outcome import StudyStatus, TrialState
 
 router = APIRouter(tags=["service"])
 DURATION_BUCKETS_S = (1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -20,7 +18,7 @@ DURATION_BUCKETS_S = (1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 @router.get("/healthz")
 def healthz(session: SessionDep) -> dict[str, str]:
-    session.execute(select(Study.id).limit(1))
+    store.ping(session)
     return {"status": "ok", "version": __version__}
 
 
@@ -36,11 +34,11 @@ class StoreCollector:
             buckets, total_s, count = store.duration_histogram(s, DURATION_BUCKETS_S)
         g = GaugeMetricFamily("tuner_studies", "Studies by state.", labels=["state"])
         for status in StudyStatus:
-            g.add_metric([STATUS_WORDS[status]], studies.get(status.value, 0))
+            g.add_metric([status.word], studies.get(status, 0))
         yield g
         g = GaugeMetricFamily("tuner_trials", "Trials by state.", labels=["state"])
         for state in TrialState:
-            g.add_metric([state.value.lower()], trials.get(state.value, 0))
+            g.add_metric([state.word], trials.get(state, 0))
         yield g
         yield HistogramMetricFamily(
             "tuner_trial_duration_seconds", "Wall time of finished trials.",

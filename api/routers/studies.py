@@ -4,28 +4,43 @@ tuner/store, the shapes in tuner/views."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import yaml
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse, Response
+from pydantic import BeforeValidator, TypeAdapter, WithJsonSchema
 
 from api.deps import Read, SessionDep, Write, study_or_404
 from api.errors import ApiError, parse_spec
+from api.reads import cached_json, cached_model
 from tuner import store, views
 from tuner.frames import trials_frame
-from tuner.outcome import STATUS_FROM_WORD
+from tuner.outcome import StudyStatus, accepted_words, words
 from tuner.space import SearchSpace
 from tuner.spec import StudySpec
 
+if TYPE_CHECKING:  # an annotation only: routers do not import SQLAlchemy (pyproject.toml)
+    from sqlalchemy.orm import Session
+
 router = APIRouter(prefix="/api/studies", tags=["studies"])
+_PAGE_JSON = TypeAdapter(views.TrialPage)
+_DETAIL_JSON = TypeAdapter(views.StudyDetail)
 
 # Ids are 32-bit integers in every database we support: larger ones are refused (422), not sent.
 StudyId = Annotated[int, PathParam(ge=1, le=2**31 - 1, description="the study's id")]
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
-STATUS_PATTERN = "^(" + "|".join(STATUS_FROM_WORD) + ")$"
+# A study status filter: a word of the vocabulary, or an older word (docs/api.md), in any case; a
+# 422 names the words otherwise.
+StatusFilter = Annotated[
+    StudyStatus | None,
+    BeforeValidator(lambda v: None if v is None else StudyStatus.parse(v)),
+    WithJsonSchema({"type": "string", "enum": list(accepted_words(StudyStatus))}),
+    Query(description=f"one of {', '.join(words(StudyStatus).values())}; older words (done, the upper-case "
+                      "states) are accepted too, in any case"),
+]  # fmt: skip
 
 
 async def _body(request: Request) -> Any:
@@ -64,8 +79,9 @@ def _create(request: Request, spec: StudySpec) -> views.StudyCreated:
             study = store.create_study(s, spec)
         except store.StudyExists as e:
             raise ApiError(409, "study_exists", str(e)) from None
-        return views.StudyCreated(id=study.id, name=study.name, status=store.status_of(study).word,
-                                  url=f"/api/studies/{study.id}")  # fmt: skip
+        return views.StudyCreated(
+            id=study.id, name=study.name, status=study.status, url=f"/api/studies/{study.id}"
+        )
 
 
 @router.post("", status_code=201, response_model=views.StudyCreated, dependencies=[Write],
@@ -82,34 +98,41 @@ async def submit(request: Request) -> views.StudyCreated:
 @router.get("", response_model=views.StudyPage, dependencies=[Read])
 def list_studies(
     session: SessionDep,
-    status: Annotated[str | None, Query(pattern=STATUS_PATTERN)] = None,
+    status: StatusFilter = None,
     model: Annotated[str | None, Query(max_length=200)] = None,
     cluster: Annotated[str | None, Query(max_length=200)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
 ) -> views.StudyPage:
     """A page of studies, newest first, in a constant number of queries."""
-    rows, total = store.find_studies(session, status=STATUS_FROM_WORD[status].value if status else None,
+    rows, total = store.find_studies(session, status=status,
                                      model=model, cluster=cluster, limit=limit, offset=offset)  # fmt: skip
     return views.StudyPage(items=views.summaries(session, rows), total=total, limit=limit, offset=offset)
 
 
 @router.get("/{study_id}", response_model=views.StudyDetail, dependencies=[Read])
-def get_study(study_id: StudyId, session: SessionDep) -> views.StudyDetail:
-    return views.detail(session, study_or_404(session, study_id))
+async def get_study(request: Request, study_id: StudyId) -> Response:
+    """The study: its spec, status and reason, who holds it (the lease's age as of this request),
+    its progress, best trial and payoff."""
+    return await cached_model(request, ("study", study_id), _DETAIL_JSON,
+                              lambda s: views.detail_and_lease(s, study_or_404(s, study_id)), views.aged)  # fmt: skip
 
 
 @router.get("/{study_id}/trials", response_model=views.TrialPage, dependencies=[Read])
-def get_trials(
+async def get_trials(
+    request: Request,
     study_id: StudyId,
-    session: SessionDep,
     after: Annotated[int, Query(ge=-1, le=10**9, description="only trials numbered above this")] = -1,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-) -> views.TrialPage:
-    items = [
-        views.trial(t) for t in store.trials_after(session, study_or_404(session, study_id), after, limit)
-    ]
-    return views.TrialPage(items=items, last_number=items[-1].number if items else after)
+) -> Response:
+    """Trials numbered above `after`, in order, and the number to ask after next time (polling)."""
+
+    def page(session: Session) -> views.TrialPage:
+        study = study_or_404(session, study_id)
+        items = [views.trial(t) for t in store.trials_after(session, study, after, limit)]
+        return views.TrialPage(items=items, last_number=items[-1].number if items else after)
+
+    return await cached_json(request, ("trials", study_id, after, limit), _PAGE_JSON, page)
 
 
 @router.get("/{study_id}/calibration", response_model=views.StudyCalibration, dependencies=[Read])
@@ -150,5 +173,5 @@ def delete(study_id: StudyId, session: SessionDep) -> Response:
             raise ApiError(
                 409, "not_finished", f"study {study_id} is {store.status_of(study).word}; cancel it first"
             )
-        session.delete(study)
+        store.delete_study(session, study)
     return Response(status_code=204)

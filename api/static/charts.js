@@ -3,6 +3,7 @@
 // trace, so tests can compare what was drawn with the database.
 
 import { el, fmt, loadPlotly, plotText, UNITS, unitOf } from "./lib.js";
+import { FINISHED_TRIAL, TRIAL } from "./vocabulary.js";
 
 // Headings and notes are HTML above the plot (chartFrame), not plotly titles: the mode bar, shown
 // while the pointer is over a chart, sits in the plot's top margin and covers nothing.
@@ -62,7 +63,9 @@ function logAxis(text, values, format) {
   return axis(text, { type: "log", range: [lo, hi], tickvals: ticks, ...labels });
 }
 const empty = (text) => [{ text, xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false, font: { color: "#888" } }];
-const measured = (trials) => trials.filter((t) => t.state === "COMPLETE" && t.tokens_per_s !== null);
+const measured = (trials) => trials.filter((t) => t.state === TRIAL.COMPLETE && t.tokens_per_s !== null);
+// Pruned while running as too slow: a measurement of fewer steps (its partial tokens/s), not a failure.
+const stoppedEarly = (trials) => trials.filter((t) => t.stop_reason && t.tokens_per_s !== null);
 const hover = (t) => `#${t.number} ${plotText(t.layout)}`;
 // A stored prediction's three largest terms, each with its share of the predicted step (the terms
 // add up to it: tuner/perfmodel.py StepTerms); empty for trials stored before the terms existed.
@@ -72,9 +75,11 @@ const topTerms = (t) => {
   return "<br>predicted step: " + top.map(([k, v]) => `${k.replace(/_s$/, "").replaceAll("_", " ")} ${(100 * v / t.predicted_step_time_s).toFixed(0)} %`).join(", ");
 };
 
-// Each completed trial's tokens/s by trial number, and the best so far.
+// Each completed trial's tokens/s by trial number, and the best so far; trials stopped early as too
+// slow apart, at the tokens/s they measured before they stopped (never a best).
 export function history(div, trials) {
   const done = measured(trials);
+  const stopped = stoppedEarly(trials);
   let best = -Infinity;
   const bestY = done.map((t) => (best = Math.max(best, t.tokens_per_s)));
   return draw(div, [
@@ -82,8 +87,11 @@ export function history(div, trials) {
       text: done.map(hover), hovertemplate: "%{text}<br>%{y:,.0f} tokens/s<extra></extra>", marker: { size: 6, color: ACCENT, opacity: 0.7 } },
     { type: "scatter", mode: "lines", name: "best so far", x: done.map((t) => t.number), y: bestY,
       line: { shape: "hv", color: "#d1242f", width: 2 }, hoverinfo: "skip" },
+    { type: "scatter", mode: "markers", name: "stopped early (too slow)", x: stopped.map((t) => t.number), y: stopped.map((t) => t.tokens_per_s),
+      text: stopped.map(hover), hovertemplate: "%{text}<br>%{y:,.0f} tokens/s before it stopped<extra>stopped early</extra>",
+      marker: { size: 7, symbol: "circle-open", color: "#57606a" }, showlegend: stopped.length > 0 },
   ], { xaxis: axis("trial number"), yaxis: axis("tokens/s"),
-       annotations: done.length ? [] : empty("no completed trial yet") }, done.length);
+       annotations: done.length || stopped.length ? [] : empty("no completed trial yet") }, done.length, { stopped: stopped.length });
 }
 
 // Throughput against peak memory, in the unit of the trials' peaks, and the Pareto front (no other
@@ -170,16 +178,19 @@ export function predicted(div, trials, calibration) {
   both.length, { calibrated: fitted.length }, note);
 }
 
-// Failed and pruned trials by kind (oom, crash, timeout, predicted_oom, ...).
+// Failed trials, and trials pruned before they ran, by kind (oom, crash, timeout, predicted_oom, ...).
+// A trial stopped early as too slow has no failure kind: it is a measurement (the history chart).
 export function failures(div, trials) {
   const counts = new Map();
-  for (const t of trials) if (t.state === "FAIL" || t.state === "PRUNED") counts.set(t.failure_kind || "unknown", (counts.get(t.failure_kind || "unknown") || 0) + 1);
+  for (const t of trials) if (t.failure_kind && FINISHED_TRIAL.includes(t.state)) counts.set(t.failure_kind, (counts.get(t.failure_kind) || 0) + 1);
   const kinds = [...counts.keys()].sort((a, b) => counts.get(b) - counts.get(a));
   const total = kinds.reduce((n, k) => n + counts.get(k), 0);
+  const stopped = stoppedEarly(trials).length;
+  const note = stopped ? `Not counted: ${stopped} trial${stopped > 1 ? "s" : ""} stopped early as too slow (measurements, in the optimisation history).` : "";
   return draw(div, [{ type: "bar", x: kinds.map(plotText), y: kinds.map((k) => counts.get(k)), marker: { color: "#bf8700" },
     hovertemplate: "%{x}: %{y} trials<extra></extra>" }],
   { bargap: 0.5, xaxis: axis("", { type: "category" }), yaxis: axis("trials", { rangemode: "tozero", dtick: Math.max(0, ...counts.values()) <= 5 ? 1 : undefined }),
-    annotations: kinds.length ? [] : empty("no failed trial") }, kinds.length, { failures: total });
+    annotations: kinds.length ? [] : empty("no failed trial") }, kinds.length, { failures: total, stopped }, note);
 }
 
 // Best tokens/s per device and MFU against model size, one point per (model, cluster, GPUs).

@@ -1,5 +1,8 @@
 // Shared by the pages: the API client (bearer token from sessionStorage), DOM building (text
-// only: names are data, never HTML), number formats, and the promise that plotly.js has loaded.
+// only: names are data, never HTML), number formats, the promise that plotly.js has loaded, and the
+// words for states (vocabulary.js: written by the server from tuner/outcome.py's enums).
+
+import { CANCELLABLE_STUDY, LIVE_STUDY, STUDY_STATES } from "./vocabulary.js";
 
 const TOKEN_KEY = "tuner.token";
 
@@ -95,8 +98,9 @@ export function loadPlotly() {
   return plotly;
 }
 
-export const STUDY_STATES = ["pending", "running", "cancelling", "done", "cancelled", "failed"];
+export { STUDY_STATES };
 // Still changing: polled while the page is open (a cancelling study ends once its worker stopped its trials).
-export const isLive = (status) => status === "pending" || status === "running" || status === "cancelling";
+export const isLive = (status) => LIVE_STUDY.includes(status);
+export const isCancellable = (status) => CANCELLABLE_STUDY.includes(status);
 export const statusBadge = (status) => el("span", { class: `badge ${status}` }, status);
 export const fact = (label, value, cls) => el("div", { class: cls }, el("dt", {}, label), el("dd", {}, value));

@@ -4,8 +4,9 @@
 // (GET /trials?after=<n> every 2 s: new trials, and the ones still waiting or running).
 
 import * as charts from "./charts.js";
-import { api, el, fact, fmt, isLive, statusBadge, token } from "./lib.js";
+import { api, el, fact, fmt, isCancellable, isLive, statusBadge, token } from "./lib.js";
 import { FINISHED, TrialTable, trialDetail } from "./trials.js";
+import { STUDY } from "./vocabulary.js";
 
 const POLL_MS = 2000;
 const FETCH_LIMIT = 10000; // the API's maximum: one request up to 10k trials
@@ -55,7 +56,7 @@ export async function showStudy(current, id, ctx) {
   // --- header: figures, cancel, export ---
   function renderHead() {
     const best = study.best;
-    const cancel = study.status === "pending" || study.status === "running"
+    const cancel = isCancellable(study.status)
       ? el("button", { type: "button", class: "danger", onclick: cancelStudy }, cancelArmed ? "Really cancel? Click again" : "Cancel study")
       : null;
     const exports = best
@@ -63,7 +64,7 @@ export async function showStudy(current, id, ctx) {
         [["torchtitan", "torchtitan"], ["megatron", "Megatron-LM"], ["sbatch", "sbatch"]].map(([format, label]) =>
           el("button", { type: "button", dataset: { format }, onclick: () => showExport(format, label) }, label)))
       : null;
-    const counts = Object.entries(study.progress.by_state).map(([s, n]) => `${n} ${s.toLowerCase()}`).join(", ");
+    const counts = Object.entries(study.progress.by_state).map(([s, n]) => `${n} ${s}`).join(", ");
     head.replaceChildren(
       el("h1", {}, study.name, " ", statusBadge(study.status), isLive(study.status) ? el("span", { class: "live" }, "live") : null),
       el("dl", { class: "facts" },
@@ -76,7 +77,7 @@ export async function showStudy(current, id, ctx) {
         fact("created", fmt.date(study.created_at)), fact("finished", fmt.date(study.finished_at)),
         study.lease ? fact("held by", `${study.lease.owner} (lease ${study.lease.expires_in_s >= 0
           ? `renewed ${Math.round(study.lease.renewed_s_ago)} s ago` : `expired ${Math.round(-study.lease.expires_in_s)} s ago`})`, "wide") : null,
-        study.reason ? fact(study.status === "failed" ? "error" : "reason", study.reason, "wide") : null),
+        study.reason ? fact(study.status === STUDY.FAILED ? "error" : "reason", study.reason, "wide") : null),
       el("div", { class: "actions" }, cancel, exports));
   }
 

@@ -2,12 +2,13 @@
 // responsive) and one trial's detail.
 
 import { el, fact, fmt } from "./lib.js";
+import { FINISHED_TRIAL } from "./vocabulary.js";
 
-export const FINISHED = new Set(["COMPLETE", "FAIL", "PRUNED"]);
+export const FINISHED = new Set(FINISHED_TRIAL);
 const ROWS_PER_PAGE = 100;
 const COLUMNS = [ // [key, header, cell text, class]
   ["number", "#", (t) => String(t.number), "num"],
-  ["state", "state", (t) => t.state, ""],
+  ["state", "state", (t) => (t.stop_reason ? `${t.state}, stopped early` : t.state), ""], // early: measured, not failed
   ["layout", "layout", (t) => t.layout, "mono"],
   ["tp", "tp", (t) => String(t.tp), "num"],
   ["pp", "pp", (t) => String(t.pp), "num"],
@@ -43,7 +44,7 @@ export class TrialTable {
 
   update(trials, changed) {
     this.trials = trials;
-    for (const t of changed) this.search.set(t.number, [t.number, t.state, t.layout, t.failure_kind, t.job_id].join(" ").toLowerCase());
+    for (const t of changed) this.search.set(t.number, [t.number, t.state, t.stop_reason ? "stopped early" : "", t.layout, t.failure_kind, t.job_id].join(" ").toLowerCase());
     this.render();
   }
 
@@ -73,7 +74,7 @@ export class TrialTable {
     this.page = Math.min(this.page, pages - 1);
     const shown = rows.slice(this.page * ROWS_PER_PAGE, (this.page + 1) * ROWS_PER_PAGE);
     this.tbody.replaceChildren(...shown.map((t) => el("tr", {
-      class: `${t.state.toLowerCase()}${this.selected === t.number ? " selected" : ""}`, tabindex: 0, dataset: { number: t.number },
+      class: `${t.state}${t.stop_reason ? " stopped" : ""}${this.selected === t.number ? " selected" : ""}`, tabindex: 0, dataset: { number: t.number },
       onclick: () => this.onSelect(t.number), onkeydown: (e) => e.key === "Enter" && this.onSelect(t.number) },
     COLUMNS.map(([, , text, cls]) => el("td", { class: cls }, text(t))))));
     const go = (n, label, name) => el("button", { type: "button", "aria-label": name, disabled: n < 0 || n >= pages || n === this.page,
@@ -95,7 +96,7 @@ export class TrialTable {
 export function trialDetail(t) {
   const log = t.failure_message
     ? el("pre", { class: "code log" }, t.failure_message)
-    : el("p", { class: "muted" }, FINISHED.has(t.state) ? "No failure: the measured figures are above." : `The trial is ${t.state.toLowerCase()}.`);
+    : el("p", { class: "muted" }, FINISHED.has(t.state) ? "No failure: the measured figures are above." : `The trial is ${t.state}.`);
   return [
     el("h2", {}, `Trial #${t.number}`), el("p", { class: "mono" }, t.layout),
     el("dl", { class: "facts" }, fact("state", t.state), fact("tokens/s", fmt.int(t.tokens_per_s)),
@@ -103,7 +104,8 @@ export function trialDetail(t) {
       fact("TFLOP/s per device", fmt.num(t.tflops_per_device)), fact("peak memory", fmt.bytes(t.peak_memory_bytes)),
       fact("predicted memory", fmt.bytes(t.predicted_memory_bytes)),
       fact("step time (median)", t.step_time_median_s === null ? "–" : `${fmt.num(t.step_time_median_s)} s`),
-      fact("failure kind", t.failure_kind || "–"), fact("job id", t.job_id || "–"), fact("job state", t.job_state || "–"),
+      fact("failure kind", t.failure_kind || "–"), t.stop_reason ? fact("stopped early", t.stop_reason, "wide") : null,
+      fact("job id", t.job_id || "–"), fact("job state", t.job_state || "–"),
       fact("attempts", String(t.attempts)), fact("started", fmt.date(t.started_at)), fact("finished", fmt.date(t.finished_at))),
     el("h3", {}, "Config"), el("table", { class: "config" }, el("tbody", {},
       Object.entries(t.config).map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", { class: "mono" }, String(v)))))),

@@ -84,7 +84,8 @@ def test_submit_json_and_yaml_then_read_back(client: TestClient) -> None:
         "budget": 20,
         "by_state": {},
     }
-    assert client.get("/api/studies", params={"status": "done"}).json()["total"] == 0
+    assert client.get("/api/studies", params={"status": "complete"}).json()["total"] == 0
+    assert client.get("/api/studies", params={"status": "pending"}).json()["total"] == 2
     assert (
         client.get("/api/studies", params={"model": "gpt-tiny", "limit": 1}).json()["items"][0]["name"]
         == "tiny-cpu"
@@ -98,7 +99,7 @@ def test_results_trials_incremental_csv_best_metrics(client: TestClient, setting
     study_id = _submit(client, SPEC)["id"]
     _finish_with_trials(settings, study_id)
     trials = client.get(f"/api/studies/{study_id}/trials").json()
-    assert [t["state"] for t in trials["items"]] == ["COMPLETE", "COMPLETE", "FAIL"] and trials[
+    assert [t["state"] for t in trials["items"]] == ["complete", "complete", "failed"] and trials[
         "last_number"
     ] == 2
     newer = client.get(f"/api/studies/{study_id}/trials", params={"after": 0}).json()
@@ -117,10 +118,16 @@ def test_results_trials_incremental_csv_best_metrics(client: TestClient, setting
     assert client.get("/api/best", params={"model": "gpt-1t"}).json() == []
     detail = client.get(f"/api/studies/{study_id}").json()
     assert (
-        detail["status"] == "done" and detail["best"]["number"] == 1 and detail["progress"]["finished"] == 3
+        detail["status"] == "complete"
+        and detail["best"]["number"] == 1
+        and detail["progress"]["finished"] == 3
+    )
+    assert (
+        detail["progress"]["by_state"] == {"complete": 2, "failed": 1}
+        and detail["best"]["state"] == "complete"
     )
     metrics = client.get("/metrics").text
-    assert 'tuner_studies{state="done"} 1' in metrics and 'tuner_trials{state="fail"} 1' in metrics
+    assert 'tuner_studies{state="complete"} 1' in metrics and 'tuner_trials{state="failed"} 1' in metrics
     assert "tuner_trial_duration_seconds_count 3" in metrics
 
 
@@ -256,3 +263,89 @@ def test_spec_parse_error_matches_cli_validation() -> None:
     with pytest.raises(ValueError, match="num_gpus"):
         parse_spec({**SPEC, "num_gpus": "two"})
     assert yaml.safe_load((STUDIES / "tiny-cpu.yaml").read_text())["name"] == "tiny-cpu"
+
+
+def test_one_vocabulary_for_studies_and_trials_and_the_older_words_still_filter(
+    client: TestClient, settings: Settings
+) -> None:
+    """Studies and trials speak the same lower-case words (docs/api.md, "Vocabulary"); a client
+    that filters with an older word (a study was "done", trials said "COMPLETE") gets the same rows."""
+    study_id = _submit(client, SPEC)["id"]
+    _finish_with_trials(settings, study_id)
+    for word in ("complete", "done", "COMPLETE", "Done"):
+        page = client.get("/api/studies", params={"status": word}).json()
+        assert [i["id"] for i in page["items"]] == [study_id], word
+        assert page["items"][0]["status"] == "complete"
+    r = client.get("/api/studies", params={"status": "finished"})
+    (problem,) = r.json()["error"]["detail"]
+    assert r.status_code == 422 and problem["field"] == "query.status"
+    assert (
+        "'finished' is not one of pending, running, cancelling, complete, failed, cancelled"
+        in problem["message"]
+    )
+    schema = client.get("/openapi.json").json()["components"]["schemas"]
+    assert schema["StudySummary"]["properties"]["status"]["enum"] == [
+        "pending", "running", "cancelling", "complete", "failed", "cancelled",
+    ]  # fmt: skip
+    assert schema["TrialOut"]["properties"]["state"]["enum"] == [
+        "waiting", "submitting", "running", "complete", "pruned", "failed",
+    ]  # fmt: skip
+
+
+def test_a_trial_pruned_while_running_is_a_measurement_not_a_failure(
+    client: TestClient, settings: Settings
+) -> None:
+    study_id = _submit(client, SPEC)["id"]
+    slow = Outcome(ok=True, tokens_per_s=400.0, mfu=0.05, step_time_s=0.6, peak_memory_bytes=9000,
+                   tflops_per_device=0.005, pruned=True, message="pruned while running: 400 tokens/s < floor 900")  # fmt: skip
+    with connect(settings.database_url).begin() as s:
+        record_trial(s, store.study_by_id(s, study_id), ParallelConfig(tp=2, micro_batch_size=8), slow)
+    (trial,) = client.get(f"/api/studies/{study_id}/trials").json()["items"]
+    assert (trial["state"], trial["failure_kind"], trial["failure_message"], trial["told"]) == (
+        "pruned", None, None, "score",
+    )  # fmt: skip
+    assert trial["stop_reason"].startswith("pruned while running") and trial["tokens_per_s"] == 400.0
+    csv = client.get(f"/api/studies/{study_id}/trials.csv").text.splitlines()
+    row = dict(zip(csv[0].split(","), csv[1].split(","), strict=False))
+    assert (row["state"], row["failure_kind"], row["stop_reason"][:20]) == (
+        "pruned",
+        "",
+        "pruned while running",
+    )
+
+
+def test_a_cached_read_is_never_stale_after_a_write(client: TestClient, settings: Settings) -> None:
+    """/api/best, polling and the study detail answer from what they kept while nothing was written
+    (api/reads.py, tuner/views.py), and the next request after a trial finishes, a study changes
+    or one is deleted sees it."""
+    study_id = _submit(client, SPEC)["id"]
+    _finish_with_trials(settings, study_id)
+    reads = client.app.state.reads
+    sessions = connect(settings.database_url)
+    poll = f"/api/studies/{study_id}/trials?after=2"
+    first = (
+        client.get("/api/best").json(),
+        client.get(poll).json(),
+        client.get(f"/api/studies/{study_id}").json(),
+    )
+    hits = reads.hits
+    assert (client.get("/api/best").json(), client.get(poll).json()) == first[:2] and reads.hits == hits + 2
+    # A trial finishes: faster than the best, after the last number polled.
+    fast = Outcome(
+        ok=True, tokens_per_s=5000.0, mfu=0.5, step_time_s=0.1, peak_memory_bytes=9000, tflops_per_device=0.05
+    )
+    with sessions.begin() as s:
+        record_trial(
+            s,
+            store.study_by_id(s, study_id),
+            ParallelConfig(dp_replicate=2, micro_batch_size=1, num_microbatches=4),
+            fast,
+        )
+    (best,) = client.get("/api/best").json()
+    assert best["tokens_per_s"] == 5000.0 and best["payoff"]["best_tokens_per_s"] == 5000.0
+    assert [t["number"] for t in client.get(poll).json()["items"]] == [3]
+    detail = client.get(f"/api/studies/{study_id}").json()
+    assert detail["best"]["number"] == 3 and detail["progress"]["by_state"] == {"complete": 3, "failed": 1}
+    # The study changes: deleted, its best goes with it.
+    assert client.delete(f"/api/studies/{study_id}", headers=AUTH).status_code == 204
+    assert client.get("/api/best").json() == [] and client.get(poll).status_code == 404

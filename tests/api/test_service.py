@@ -74,7 +74,7 @@ def test_submit_over_http_worker_runs_it_best_matches_database(tmp_path: Path) -
         assert r.status_code == 201, r.text
         study_id = r.json()["id"]
         _wait(
-            lambda: httpx.get(f"{url}/api/studies/{study_id}").json()["status"] == "done",
+            lambda: httpx.get(f"{url}/api/studies/{study_id}").json()["status"] == "complete",
             300,
             "the study done",
         )
@@ -99,7 +99,9 @@ def test_submit_over_http_worker_runs_it_best_matches_database(tmp_path: Path) -
         # the client's other verbs against the server
         listed = json.loads(subprocess.run([TUNER, "studies", "--url", url, "--json"], capture_output=True,
                                            text=True).stdout)  # fmt: skip
-        assert [(r["id"], r["status"], r["progress"]["finished"]) for r in listed] == [(study_id, "done", 3)]
+        assert [(r["id"], r["status"], r["progress"]["finished"]) for r in listed] == [
+            (study_id, "complete", 3)
+        ]
 
         csv = subprocess.run(
             [TUNER, "trials", str(study_id), "--url", url, "--csv"], capture_output=True, text=True
@@ -116,7 +118,7 @@ def test_submit_over_http_worker_runs_it_best_matches_database(tmp_path: Path) -
         assert refused.returncode != 0 and "missing bearer token" in refused.stdout + refused.stderr
         waited = subprocess.run([TUNER, "submit", str(second), "--url", url, "--wait"], capture_output=True,
                                 text=True, timeout=300, env={**os.environ, "TUNER_API_TOKEN": TOKEN})  # fmt: skip
-        assert waited.returncode == 0 and f"study {study_id + 1}: done" in waited.stdout, (
+        assert waited.returncode == 0 and f"study {study_id + 1}: complete" in waited.stdout, (
             waited.stdout + waited.stderr
         )
         exported = subprocess.run([TUNER, "export", str(study_id), "--format", "megatron", "--url", url],

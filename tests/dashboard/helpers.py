@@ -25,7 +25,7 @@ from tests.records import record_trial
 from trainer.config import ParallelConfig
 from tuner import store
 from tuner.db import Study, Trial, connect, utcnow
-from tuner.outcome import FailureKind, Outcome, StudyStatus
+from tuner.outcome import FailureKind, Outcome, StudyStatus, TrialState
 from tuner.space import SearchSpace
 from tuner.spec import parse_spec
 
@@ -170,23 +170,36 @@ def add_trials(
     return numbers
 
 
-def set_status(server: Server, study_id: int, status: str) -> None:
+def set_status(server: Server, study_id: int, status: StudyStatus) -> None:
     with connect(server.database_url).begin() as s:
-        if status == "RUNNING":
+        if status is StudyStatus.RUNNING:
             records.hold(s, study_id)
         else:
-            records.finish(s, study_id, StudyStatus(status))
+            records.finish(s, study_id, status)
 
 
 def counts(server: Server, study_id: int) -> dict[str, int]:
     """What each chart should draw, from the database."""
     with connect(server.database_url)() as s:
         rows = s.scalars(select(Trial).where(Trial.study_id == study_id)).all()
-    done = [t for t in rows if t.state == "COMPLETE" and t.tokens_per_s is not None]
-    failed = [t for t in rows if t.state in ("FAIL", "PRUNED")]
+    done = [t for t in rows if t.state is TrialState.COMPLETE and t.tokens_per_s is not None]
+    failed = [t for t in rows if t.state.is_finished() and t.failure_kind is not None]
     return {"history": len(done), "memory": sum(t.peak_memory_bytes is not None for t in done),
             "parcoords": len(done), "predicted": sum(t.predicted_tokens_per_s is not None for t in done),
-            "failures": len({t.failure_kind for t in failed}), "num_failed": len(failed), "total": len(rows)}  # fmt: skip
+            "failures": len({t.failure_kind for t in failed}), "num_failed": len(failed), "total": len(rows),
+            "stopped": sum(store.pruned_while_running(t) for t in rows)}  # fmt: skip
+
+
+def add_stopped_trial(server: Server, study_id: int) -> int:
+    """A trial the trainer stopped early as too slow: PRUNED with its partial measurement."""
+    with connect(server.database_url).begin() as s:
+        study = s.get(Study, study_id)
+        taken = {t.layout_key for t in store.trials(s, study)}
+        c = next(c for c in valid_layouts(study.name) if store.layout_key(c) not in taken)
+        slow = Outcome(ok=True, tokens_per_s=1000.0, tflops_per_device=1.0, mfu=0.003, peak_memory_bytes=20 * 10**9,
+                       step_time_s=524.0, pruned=True,
+                       message="pruned while running: 1,000 tokens/s < floor 90,000 tokens/s after 3 steps")  # fmt: skip
+        return record_trial(s, study, c, slow, {"tokens_per_s": 9e4, "memory_bytes": 2e10}).number
 
 
 def bulk_trials(server: Server, study_id: int, num_trials: int) -> None:
@@ -200,7 +213,7 @@ def bulk_trials(server: Server, study_id: int, num_trials: int) -> None:
             outcome, predicted = figures(c, rng)
             ok = outcome.ok and rng.random() < 0.85
             rows.append({
-                "study_id": study_id, "number": number, "state": "COMPLETE" if ok else "FAIL",
+                "study_id": study_id, "number": number, "state": TrialState.COMPLETE if ok else TrialState.FAIL,
                 "layout_key": f"bulk-{number}", "config": c.to_dict(), "tp": c.tp, "pp": c.pp, "dp": c.dp,
                 "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
                 "zero_stage": c.zero_stage, "activation_checkpoint": c.activation_checkpoint,

@@ -22,6 +22,7 @@ from tests.dashboard.helpers import (
     TOKEN,
     Server,
     Tab,
+    add_stopped_trial,
     add_trials,
     bulk_trials,
     counts,
@@ -55,17 +56,19 @@ def tab(browser, server: Server, tmp_path: Path) -> Iterator[Tab]:
 
 @pytest.fixture(scope="module")
 def studies(server: Server) -> dict[str, int]:
-    """A finished 1.3B study with 45 trials, a running one, a pending one, and a 350M study."""
+    """A finished 1.3B study with 46 trials (one stopped early as too slow), a running one, a
+    pending one, and a 350M study."""
     ids = {"done": submit(server, "gpt-1.3b-8xa100")}
     add_trials(server, ids["done"], 45)
-    set_status(server, ids["done"], "COMPLETE")
+    ids["stopped"] = add_stopped_trial(server, ids["done"])  # a trial number
+    set_status(server, ids["done"], StudyStatus.COMPLETE)
     ids["running"] = submit(server, "running-1.3b")
     add_trials(server, ids["running"], 6, seed=1)
-    set_status(server, ids["running"], "RUNNING")
+    set_status(server, ids["running"], StudyStatus.RUNNING)
     ids["pending"] = submit(server, "pending <b>1.3b</b>", sampler="random")
     ids["small"] = submit(server, "gpt-350m", model="gpt-350m")
     add_trials(server, ids["small"], 10, seed=2)
-    set_status(server, ids["small"], "COMPLETE")
+    set_status(server, ids["small"], StudyStatus.COMPLETE)
     return ids
 
 
@@ -83,7 +86,8 @@ def test_studies_list_shows_progress_best_and_filters(
     done = next(s for s in listed if s["id"] == studies["done"])
     row = page.locator(f'table.studies tr[data-id="{studies["done"]}"]')
     text = row.inner_text()
-    assert done["name"] in text and "gpt-1.3b" in text and "a100-80gb" in text and "done" in text
+    assert done["name"] in text and "gpt-1.3b" in text and "a100-80gb" in text and "complete" in text
+    assert row.locator(".badge.complete").count() == 1
     assert f"{done['progress']['finished']} / 60" in text and f"{round(done['best_tokens_per_s']):,}" in text
     pending = page.locator(f'table.studies tr[data-id="{studies["pending"]}"] a')
     assert pending.inner_text() == "pending <b>1.3b</b>"  # names are text, not HTML
@@ -115,6 +119,14 @@ def test_study_page_charts_table_detail_and_export(tab: Tab, server: Server, stu
     assert drawn == {k: expected[k] for k in CHARTS}
     assert all(drawn[k] > 0 for k in CHARTS)
     assert page.get_attribute('[data-chart="failures"]', "data-failures") == str(expected["num_failed"])
+    # The trial stopped early as too slow is a measurement: drawn apart in the history, not a failure.
+    assert expected["stopped"] == 1 and page.get_attribute('[data-chart="history"]', "data-stopped") == "1"
+    assert page.get_attribute('[data-chart="failures"]', "data-stopped") == "1"
+    assert "1 trial stopped early as too slow" in page.inner_text(
+        'figure:has([data-chart="failures"]) .chart-note'
+    )
+    stopped = page.locator(f'table.trials tr.stopped[data-number="{studies["stopped"]}"] td')
+    assert (stopped.nth(1).inner_text(), stopped.last.inner_text()) == ("pruned, stopped early", "")
     # plotly drew the marks: one SVG point per completed trial in the history chart
     assert (
         page.locator('[data-chart="history"] .scatterlayer .trace:first-child .point').count()
@@ -128,7 +140,7 @@ def test_study_page_charts_table_detail_and_export(tab: Tab, server: Server, stu
 
     rows = page.locator("table.trials tbody tr")
     assert rows.count() == expected["total"]
-    assert "of 45 trials" in page.inner_text(".page-info")
+    assert f"of {expected['total']} trials" in page.inner_text(".page-info")
     # Sort by tokens/s, fastest first: the study's best on top.
     best = server.http.get(f"/api/studies/{study_id}").json()["best"]
     page.click('table.trials th[data-key="tokens_per_s"]')
@@ -172,7 +184,7 @@ def test_new_trials_appear_live_and_cancel_needs_the_token(
 ) -> None:
     study_id = submit(server, "live-1.3b")
     add_trials(server, study_id, 4, seed=3)
-    set_status(server, study_id, "RUNNING")
+    set_status(server, study_id, StudyStatus.RUNNING)
     tab.open(f"#/study/{study_id}")
     page = tab.page
     before = tab.charts()
@@ -185,14 +197,14 @@ def test_new_trials_appear_live_and_cancel_needs_the_token(
         "document.querySelector('.page-info').textContent.includes('of 8 trials')", timeout=5000
     )
     print(f"new trials shown after {time.monotonic() - t0:.1f} s")
-    assert page.locator(f'table.trials tr[data-number="{running}"] td').nth(1).inner_text() == "RUNNING"
+    assert page.locator(f'table.trials tr[data-number="{running}"] td').nth(1).inner_text() == "running"
     with connect(server.database_url).begin() as s:
         trial = s.scalars(select(Trial).where(Trial.study_id == study_id, Trial.number == running)).one()
         outcome = Outcome(ok=True, tokens_per_s=1.5e5, tflops_per_device=150, mfu=0.5, peak_memory_bytes=30 * 10**9,
                           step_time_s=3.5)  # fmt: skip
         assert store.end_attempt(s, trial, outcome, requeue=False, told=feedback(outcome))
     page.wait_for_function(f"""document.querySelector('table.trials tr[data-number="{running}"] td:nth-child(2)')
-                               .textContent === 'COMPLETE'""", timeout=5000)  # fmt: skip
+                               .textContent === 'complete'""", timeout=5000)  # fmt: skip
     expected = counts(server, study_id)
     page.wait_for_function(
         f"""document.querySelector('[data-chart="history"]').dataset.points === '{expected["history"]}'"""

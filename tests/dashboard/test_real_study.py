@@ -47,7 +47,7 @@ def study(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, in
             assert time.monotonic() - t0 < 300, "the 4-trial CPU study did not end in 5 minutes"
             time.sleep(1)
         print(f"real CPU study: {status} after {time.monotonic() - t0:.0f} s")
-        assert status == "done"
+        assert status == "complete"
         yield server, study_id
 
 
@@ -64,7 +64,7 @@ def test_charts_fit_the_measured_trials(tab: Tab, study: tuple[Server, int]) -> 
     device_bytes = (
         server.http.get(f"/api/studies/{study_id}").json()["spec"]["cluster"]["device_memory_gb"] * 1e9
     )
-    done = [t for t in trials if t["state"] == "COMPLETE"]
+    done = [t for t in trials if t["state"] == "complete"]
     peak = max(t["peak_memory_bytes"] for t in done)
     assert len(done) >= 3 and 1e6 <= peak < 1e9 < device_bytes  # MB-sized peaks on a ~GB device
     tab.open(f"#/study/{study_id}")

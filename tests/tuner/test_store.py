@@ -156,3 +156,28 @@ def test_best_per_model_size_follows_finished_trials_and_deletes(database_url: s
             (2, "s2", 200.0),
             (1, "s2", 50.0),
         }
+
+
+def test_status_columns_are_typed_by_the_enums(database_url: str) -> None:
+    """Rows hold the enums' values, as before the columns were typed; a string that is no state is
+    refused before it reaches the database, and a state reads back as its enum member."""
+    from sqlalchemy import text, update
+    from sqlalchemy.exc import StatementError
+
+    from tuner.outcome import StudyStatus
+
+    sessions = connect(database_url)
+    with sessions.begin() as s:
+        study = store.create_study(s, SPEC)
+        record_trial(s, study, A, ok(1.0))
+    with sessions() as s:
+        assert s.execute(text("SELECT status FROM studies")).scalar_one() == "PENDING"
+        assert s.execute(text("SELECT state, told FROM trials")).one() == ("COMPLETE", "score")
+        study = store.get_study(s, "s1")
+        (trial,) = store.trials(s, study)
+        assert study.status is StudyStatus.PENDING and trial.state is TrialState.COMPLETE
+        assert trial.told is Feedback.SCORE
+        with pytest.raises(StatementError, match="done"):
+            s.execute(update(store.Study).values(status="done"))
+        assert store.find_studies(s, status=StudyStatus.PENDING)[1] == 1
+        assert store.find_studies(s, status=StudyStatus.COMPLETE)[1] == 0

@@ -8,9 +8,10 @@ re-attaches from the job handle alone. What reaches sbatch: tuner/dispatch/sbatc
 files: tests/slurm/golden/.
 
 Polling is one `sacct` call (plus one `squeue` for jobs sacct has not recorded yet) for every
-watched job per interval; the interval backs off from 1 s to 30 s while nothing changes and drops
-back when something does. A job is named after its trial attempt, so `find()` can look it up
-again (squeue, then sacct) when a worker died between `sbatch` and storing the job id.
+watched job per interval; the interval backs off (x1.5 per quiet poll, tuner/backoff.py) from 1 s
+to 30 s while nothing changes and drops back when something does. A job is named after its trial
+attempt, so `find()` can look it up again (squeue, then sacct) when a worker died between `sbatch`
+and storing the job id.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from trainer.config import BenchmarkConfig
 from trainer.trial_dir import LOG_FILE, SCRIPT_FILE, TAG_VAR, log_tail, prepare, read_result
+from tuner.backoff import Backoff
 from tuner.dispatch.base import DispatchError, JobHandle, JobReport
 from tuner.dispatch.sbatch import SiteSettings, SlurmResources, job_name, render_script
 from tuner.outcome import FailureKind, Outcome, classify
@@ -62,7 +64,9 @@ class SlurmDispatcher:
         self.watched: dict[str, _Watch] = {}
         self.final: dict[str, JobReport] = {}  # slurm id -> the report it ended with
         self.cancelled: set[str] = set()
-        self.interval = self.min_interval_s
+        self.backoff = Backoff(self.min_interval_s, self.max_interval_s, factor=1.5)
+        self.quiet = 0  # polls in a row that changed nothing
+        self.interval = self.backoff.delay(1)
         self.next_poll = 0.0
         self.polls = 0  # sacct calls made, for the tests and the benchmark
 
@@ -82,7 +86,8 @@ class SlurmDispatcher:
                                              chdir=work_dir)  # fmt: skip
         slurm_id = sbatch(resources.argv(work_dir / SCRIPT_FILE))
         self.watched[slurm_id] = _Watch(work_dir, time.monotonic())
-        self.interval, self.next_poll = self.min_interval_s, 0.0
+        self.quiet, self.next_poll = 0, 0.0
+        self.interval = self.backoff.delay(1)
         return JobHandle("slurm", slurm_id, work_dir)
 
     def poll(self, job: JobHandle) -> JobReport:
@@ -137,7 +142,8 @@ class SlurmDispatcher:
             w = self.watched.get(i)
             if w is not None and (w.state, w.exit_code) != (state, code):
                 w.state, w.exit_code, changed = state, code, True
-        self.interval = self.min_interval_s if changed else min(self.interval * 1.5, self.max_interval_s)
+        self.quiet = 0 if changed else self.quiet + 1
+        self.interval = self.backoff.delay(self.quiet + 1)
         self.next_poll = time.monotonic() + self.interval
 
     def _known(self, slurm_id: str) -> bool:

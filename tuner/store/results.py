@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import case, func, select, text
+from sqlalchemy import Connection, case, func, select, text
 from sqlalchemy.orm import Session
 
 from trainer.config import ParallelConfig
-from tuner.db import Calibration, Study, StudyBest, Trial, aware
+from tuner.db import Calibration, StoreRevision, Study, StudyBest, Trial, aware
+from tuner.outcome import StudyStatus, TrialState
+from tuner.payoff import Measured
 from tuner.perfconstants import ModelConstants
+from tuner.store.trials import TRIAL_WORLD
 
 # Rebuilds study_bests from the trials (the migration that adds it; bulk loaders). Ties: lowest id.
 REBUILD_BESTS_SQL = """
@@ -21,14 +24,57 @@ INSERT INTO study_bests (study_id, world_size, trial_id, tokens_per_s)
 SELECT study_id, world, id, tokens_per_s FROM (
     SELECT id, study_id, tp * tp_col * pp * dp AS world, tokens_per_s,
            ROW_NUMBER() OVER (PARTITION BY study_id, tp * tp_col * pp * dp ORDER BY tokens_per_s DESC, id) AS r
-    FROM trials WHERE state = 'COMPLETE' AND tokens_per_s IS NOT NULL
+    FROM trials WHERE state = :complete AND tokens_per_s IS NOT NULL
 ) ranked WHERE r = 1
 """
 
 
 def rebuild_bests(session: Session) -> None:
     for statement in REBUILD_BESTS_SQL.strip().split(";"):
-        session.execute(text(statement))
+        stmt = text(statement)
+        if ":complete" in statement:
+            stmt = stmt.bindparams(complete=TrialState.COMPLETE.value)
+        session.execute(stmt)
+
+
+def best_at(session: Session, study_id: int, world_size: int) -> float | None:
+    """The best tokens/s measured so far in the study at `world_size` devices."""
+    row = session.get(StudyBest, (study_id, world_size))
+    return row.tokens_per_s if row is not None else None
+
+
+def best_trials(session: Session, study_ids: list[int]) -> dict[int, Trial]:
+    """Each study's fastest completed trial, in two queries whatever the number of studies."""
+    if not study_ids:
+        return {}
+    fastest: dict[int, tuple[float, int]] = {}
+    for row in session.scalars(select(StudyBest).where(StudyBest.study_id.in_(study_ids))):
+        if row.study_id not in fastest or row.tokens_per_s > fastest[row.study_id][0]:
+            fastest[row.study_id] = (row.tokens_per_s, row.trial_id)
+    ids = [trial_id for _, trial_id in fastest.values()]
+    trials_ = {t.id: t for t in session.scalars(select(Trial).where(Trial.id.in_(ids)))} if ids else {}
+    return {study_id: trials_[trial_id] for study_id, (_, trial_id) in fastest.items()}
+
+
+def payoff_inputs(
+    session: Session, study_ids: list[int]
+) -> tuple[dict[int, float], dict[int, list[Measured]]]:
+    """What a payoff needs (tuner/payoff.py), per study: the device-seconds all its trials used,
+    and its completed trials in proposal order (of equal predictions, the first guess is the one
+    run first)."""
+    spent = dict(session.execute(select(Trial.study_id, func.sum(Trial.device_s)).where(Trial.study_id.in_(study_ids))
+                                 .group_by(Trial.study_id)).all())  # fmt: skip
+    measured: dict[int, list[Measured]] = {i: [] for i in study_ids}
+    q = (
+        select(Trial.study_id, TRIAL_WORLD, Trial.tokens_per_s, Trial.predicted_tokens_per_s)
+        .where(
+            Trial.study_id.in_(study_ids), Trial.state == TrialState.COMPLETE, Trial.tokens_per_s.is_not(None)
+        )
+        .order_by(Trial.number)
+    )
+    for study_id, world, tokens, predicted in session.execute(q):
+        measured[study_id].append(Measured(world, tokens, predicted))
+    return {i: spent.get(i) or 0.0 for i in study_ids}, measured
 
 
 @dataclass(frozen=True)
@@ -129,6 +175,11 @@ def constants_of(row: Calibration) -> ModelConstants:
     return ModelConstants(**{k: v for k, v in row.constants.items() if k in known})
 
 
+def calibrated_clusters(session: Session) -> list[str]:
+    """The clusters with at least one calibration, by name."""
+    return sorted(session.scalars(select(Calibration.cluster_key).distinct()))
+
+
 def latest_constants(session: Session, cluster_key: str) -> ModelConstants | None:
     """The constants last fitted on this cluster, or None."""
     row = latest_calibration(session, cluster_key=cluster_key)
@@ -168,7 +219,7 @@ def import_calibrations(session: Session, rows: Any) -> int:
 # --- queries for the API -----------------------------------------------------------------------
 
 
-def state_counts(session: Session) -> tuple[dict[str, int], dict[str, int]]:
+def state_counts(session: Session) -> tuple[dict[StudyStatus, int], dict[TrialState, int]]:
     """({study status: n}, {trial state: n}) for /metrics."""
     studies = dict(session.execute(select(Study.status, func.count()).group_by(Study.status)).all())
     trials_ = dict(session.execute(select(Trial.state, func.count()).group_by(Trial.state)).all())
@@ -206,3 +257,27 @@ def best_rows(
          "peak_memory_bytes": b.peak_memory_bytes, "predicted_tokens_per_s": b.predicted_tokens_per_s}
         for b in rows
     ]  # fmt: skip
+
+
+# --- the store's revision ------------------------------------------------------------------------
+
+
+class Revision(NamedTuple):
+    """One state of the database: its epoch and the number of committed writes (tuner/db.py)."""
+
+    epoch: str
+    n: int
+
+
+_REVISION = select(StoreRevision.__table__.c.epoch, StoreRevision.__table__.c.n).where(
+    StoreRevision.__table__.c.id == 1
+)
+
+
+def revision(db: Session | Connection) -> Revision:
+    """Read on every cached request: a Core statement on a connection (a session's, or one from
+    the pool without a session: ~0.1 ms, against ~0.3 ms for the same select through the ORM on
+    SQLite here)."""
+    conn = db.connection() if isinstance(db, Session) else db
+    epoch, n = conn.execute(_REVISION).one()
+    return Revision(epoch, n)

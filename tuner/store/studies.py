@@ -17,6 +17,7 @@ import datetime as dt
 import os
 import socket
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import and_, func, or_, select, update
@@ -29,6 +30,7 @@ from tuner.spec import StudySpec
 from tuner.store.trials import cancel_waiting
 
 DEFAULT_LEASE_S = 60.0
+HELD = (StudyStatus.RUNNING, StudyStatus.CANCELLING)  # the statuses a lease holds
 
 
 class StudyExists(ValueError):
@@ -39,7 +41,7 @@ def create_study(session: Session, spec: StudySpec) -> Study:
     """A PENDING study row; its name must be new."""
     m = spec.gpt()
     study = Study(
-        name=spec.name, spec=spec.model_dump(mode="json"), status=StudyStatus.PENDING.value, sampler=spec.sampler,
+        name=spec.name, spec=spec.model_dump(mode="json"), status=StudyStatus.PENDING, sampler=spec.sampler,
         model_key=spec.model.preset or f"L{m.num_layers}-h{m.hidden_size}-a{m.num_heads}",
         num_params=m.num_params, cluster_key=spec.cluster.name, num_gpus=spec.devices,
     )  # fmt: skip
@@ -53,6 +55,7 @@ def create_study(session: Session, spec: StudySpec) -> Study:
 
 
 def get_study(session: Session, name_or_id: str | int) -> Study | None:
+    """By id (a number), else by name."""
     if isinstance(name_or_id, int) or str(name_or_id).isdigit():
         found = session.get(Study, int(name_or_id))
         if found is not None:
@@ -60,12 +63,44 @@ def get_study(session: Session, name_or_id: str | int) -> Study | None:
     return session.scalars(select(Study).where(Study.name == str(name_or_id))).one_or_none()
 
 
+def study_by_id(session: Session, study_id: int, *, refresh: bool = False) -> Study | None:
+    """The study with this id; `refresh`: read again even if this session holds it (its status
+    and lease move under other sessions' conditional UPDATEs)."""
+    return session.get(Study, study_id, populate_existing=refresh)
+
+
+def studies_by_id(session: Session, study_ids: Iterable[int]) -> list[Study]:
+    ids = list(set(study_ids))
+    return list(session.scalars(select(Study).where(Study.id.in_(ids)).order_by(Study.id))) if ids else []
+
+
 def list_studies(session: Session) -> list[Study]:
     return list(session.scalars(select(Study).order_by(Study.id)))
 
 
+def latest_study_on(session: Session, cluster_key: str) -> Study | None:
+    """The study created last on this cluster."""
+    q = (
+        select(Study)
+        .where(Study.cluster_key == cluster_key)
+        .order_by(Study.created_at.desc(), Study.id.desc())
+    )
+    return session.scalars(q.limit(1)).first()
+
+
+def delete_study(session: Session, study: Study) -> None:
+    """A study and, by cascade, its trials and bests (the caller checked it is finished)."""
+    session.delete(study)
+    session.flush()
+
+
+def ping(session: Session) -> None:
+    """One round trip to the database (the health check)."""
+    session.execute(select(Study.id).limit(1))
+
+
 def find_studies(
-    session: Session, *, status: str | None = None, model: str | None = None, cluster: str | None = None,
+    session: Session, *, status: StudyStatus | None = None, model: str | None = None, cluster: str | None = None,
     limit: int = 50, offset: int = 0,
 ) -> tuple[list[Study], int]:  # fmt: skip
     """A page of studies (newest first) and the number matching."""
@@ -82,7 +117,7 @@ def find_studies(
 
 
 def status_of(study: Study) -> StudyStatus:
-    return StudyStatus(study.status)
+    return StudyStatus(study.status)  # the column is typed: already a StudyStatus once loaded
 
 
 # --- the one writer of studies.status ----------------------------------------------------------
@@ -95,13 +130,13 @@ def transition(
     condition in `where` holds; returns whether it took. Entering a final status sets
     finished_at once and ends the lease."""
     now = now or utcnow()
-    row = {"status": to.value, **values}
+    row = {"status": to, **values}
     if to.is_final:  # the last holder stays on the row (who ran it); the lease ends
         row |= {"finished_at": func.coalesce(Study.finished_at, now), "resume_after": None,
                 "lease_expires_at": None}  # fmt: skip
     stmt = (
         update(Study)
-        .where(Study.id == study_id, Study.status.in_([s.value for s in allowed_from(to)]), *where)
+        .where(Study.id == study_id, Study.status.in_(allowed_from(to)), *where)
         .values(**row)
         .execution_options(synchronize_session=False)
     )
@@ -194,13 +229,13 @@ def claim(
         raise ClaimRefused(f"no study with id {study_id}")
     status = status_of(study)
     if status.is_final:
-        raise ClaimRefused(f"study {study.name!r} already ended: {status.value}")
+        raise ClaimRefused(f"study {study.name!r} already ended: {status.word}")
     lease = _lease_values(owner, now, lease_s)
     if status is StudyStatus.PENDING:
         resume = aware(study.resume_after)
         if resume is not None and resume > now and not ignore_pause:
             raise ClaimRefused(f"study {study.name!r} is paused until {resume:%H:%M:%S} UTC: {study.error}")
-        took = transition(session, study_id, StudyStatus.RUNNING, now=now, where=[Study.status == "PENDING"],
+        took = transition(session, study_id, StudyStatus.RUNNING, now=now, where=[Study.status == StudyStatus.PENDING],
                           started_at=func.coalesce(Study.started_at, now), resume_after=None, **lease)  # fmt: skip
         held = StudyStatus.RUNNING
     else:
@@ -210,7 +245,7 @@ def claim(
         if not (lease_expired(study, now) and (takeover or gone)):
             held_by = describe_lease(study, now)
             hint = "" if lease_expired(study, now) else "; wait for it to end or expire"
-            raise ClaimRefused(f"study {study.name!r} is {status.value} under {held_by}{hint}")
+            raise ClaimRefused(f"study {study.name!r} is {status.word} under {held_by}{hint}")
         # Compare-and-set on the owner we saw, so two takers cannot both win.
         same = Study.lease_owner == study.lease_owner if study.lease_owner else Study.lease_owner.is_(None)
         fresh = (
@@ -234,14 +269,14 @@ def claim_next(
     moment sees none and, with --exit-when-idle, leaves with work still queued."""
     now = now or utcnow()
     runnable = or_(
-        and_(Study.status == "PENDING", or_(Study.resume_after.is_(None), Study.resume_after <= now)),
-        and_(Study.status.in_(["RUNNING", "CANCELLING"]),
+        and_(Study.status == StudyStatus.PENDING, or_(Study.resume_after.is_(None), Study.resume_after <= now)),
+        and_(Study.status.in_(HELD),
              or_(Study.lease_expires_at.is_(None), Study.lease_expires_at <= now,
                  Study.lease_host == socket.gethostname())),
     )  # fmt: skip
     q = select(Study).where(runnable).order_by(Study.id).limit(20)
     for study in session.scalars(q).all():
-        if study.status != "PENDING" and not lease_expired(study, now):
+        if study.status is not StudyStatus.PENDING and not lease_expired(study, now):
             continue  # on this host and alive
         try:
             claim(session, study.id, owner, lease_s=lease_s, now=now)
@@ -258,9 +293,7 @@ def renew(session: Session, study_id: int, owner: Owner, *, lease_s: float = DEF
     now = now or utcnow()
     stmt = (
         update(Study)
-        .where(
-            Study.id == study_id, Study.lease_owner == owner.id, Study.status.in_(["RUNNING", "CANCELLING"])
-        )
+        .where(Study.id == study_id, Study.lease_owner == owner.id, Study.status.in_(HELD))
         .values(lease_renewed_at=now, lease_expires_at=now + dt.timedelta(seconds=lease_s))
         .execution_options(synchronize_session=False)
     )
@@ -313,16 +346,16 @@ def cancel(session: Session, study_id: int, reason: str, *, now: dt.datetime | N
     if status is StudyStatus.CANCELLING:
         return CancelResult(False, status, f"study {study.name!r} is already being cancelled: {study.error}")
     active = session.scalar(
-        select(func.count()).where(Trial.study_id == study_id, Trial.state.in_([s.value for s in ACTIVE_TRIAL]))
+        select(func.count()).where(Trial.study_id == study_id, Trial.state.in_(ACTIVE_TRIAL))
     )  # fmt: skip
     if status is StudyStatus.PENDING and not active:
-        took = transition(session, study_id, StudyStatus.CANCELLED, now=now, where=[Study.status == "PENDING"],
+        took = transition(session, study_id, StudyStatus.CANCELLED, now=now, where=[Study.status == StudyStatus.PENDING],
                           error=reason)  # fmt: skip
         if took:
             cancel_waiting(session, study_id, f"not run: {reason}", now=now)
     else:
         took = transition(session, study_id, StudyStatus.CANCELLING, now=now,
-                          where=[Study.status == status.value], error=reason)  # fmt: skip
+                          where=[Study.status == status], error=reason)  # fmt: skip
     if not took:  # it moved under us: say where it is now
         return cancel(session, study_id, reason, now=now)
     after = StudyStatus.CANCELLED if status is StudyStatus.PENDING and not active else StudyStatus.CANCELLING

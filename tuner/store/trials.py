@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, object_session
 
 from trainer.config import ParallelConfig
 from tuner.db import Study, StudyBest, Trial, aware, utcnow
-from tuner.outcome import ACTIVE_TRIAL, PRUNED_RUNNING, FailureKind, Feedback, Outcome, TrialState
+from tuner.outcome import ACTIVE_TRIAL, FailureKind, Feedback, Outcome, TrialState
 
 
 def layout_key(config: ParallelConfig) -> str:
@@ -47,8 +47,12 @@ def job_name(study: Study | int, number: int, attempt: int) -> str:
 def trials(session: Session, study: Study, states: tuple[TrialState, ...] | None = None) -> list[Trial]:
     q = select(Trial).where(Trial.study_id == study.id).order_by(Trial.number)
     if states:
-        q = q.where(Trial.state.in_([s.value for s in states]))
+        q = q.where(Trial.state.in_(states))
     return list(session.scalars(q))
+
+
+def trial_by_id(session: Session, trial_id: int) -> Trial | None:
+    return session.get(Trial, trial_id)
 
 
 def add_trial(
@@ -63,7 +67,7 @@ def add_trial(
         + 1
     )
     trial = Trial(
-        study_id=study.id, number=number, state=state.value, layout_key=layout_key(config),
+        study_id=study.id, number=number, state=state, layout_key=layout_key(config),
         config=config.to_dict(), tp=config.tp, tp_col=config.tp_col, pp=config.pp, dp=config.dp,
         micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
         zero_stage=config.zero_stage, activation_checkpoint=config.activation_checkpoint,
@@ -82,7 +86,7 @@ def _cas(session: Session, trial: Trial, expect: tuple[TrialState, ...], **value
     job = Trial.job_id.is_(None) if trial.job_id is None else Trial.job_id == trial.job_id
     stmt = (
         update(Trial)
-        .where(Trial.id == trial.id, Trial.state.in_([s.value for s in expect]), job)
+        .where(Trial.id == trial.id, Trial.state.in_(expect), job)
         .values(**values)
         .execution_options(synchronize_session=False)
     )
@@ -95,13 +99,13 @@ def begin_attempt(session: Session, trial: Trial, *, now: dt.datetime | None = N
     """WAITING -> SUBMITTING, before the dispatcher is called: a crash between a submission and
     the commit of its job id leaves the trial SUBMITTING, and the next runner looks the job up by
     name instead of submitting it again."""
-    return _cas(session, trial, (TrialState.WAITING,), state=TrialState.SUBMITTING.value,
+    return _cas(session, trial, (TrialState.WAITING,), state=TrialState.SUBMITTING,
                 attempts=trial.attempts + 1, started_at=now or utcnow(), job_state=None)  # fmt: skip
 
 
 def attach_job(session: Session, trial: Trial, job: str, log_path: str | None) -> bool:
     """SUBMITTING -> RUNNING with the job's handle."""
-    return _cas(session, trial, (TrialState.SUBMITTING,), state=TrialState.RUNNING.value, job_id=job,
+    return _cas(session, trial, (TrialState.SUBMITTING,), state=TrialState.RUNNING, job_id=job,
                 log_path=log_path)  # fmt: skip
 
 
@@ -111,7 +115,7 @@ def submission_failed(
     """SUBMITTING -> WAITING: the dispatcher could not submit, or no job was found under the
     attempt's name after a crash. Logged; no device time, no retry counted against the layout."""
     entry = _log_entry(trial, "dispatch_error", message, None, now or utcnow())
-    return _cas(session, trial, (TrialState.SUBMITTING,), state=TrialState.WAITING.value,
+    return _cas(session, trial, (TrialState.SUBMITTING,), state=TrialState.WAITING,
                 attempt_log=[*(trial.attempt_log or []), entry],
                 failure_message=f"attempt {trial.attempts}: {message}"[-4000:])  # fmt: skip
 
@@ -135,33 +139,36 @@ def end_attempt(
 ) -> bool:  # fmt: skip
     """The running attempt ended with `outcome`: log it, then either re-queue the trial (WAITING:
     it runs again as the same trial) or finish it: COMPLETE with metrics, PRUNED with its partial
-    metrics (pruned while running: never a best) or FAIL with the kind, recording what the sampler
-    is told. A finished trial never changes again."""
+    metrics and why it stopped (pruned while running: a measurement, not a failure, never a best)
+    or FAIL with the kind, recording what the sampler is told. A finished trial never changes
+    again."""
     now = now or utcnow()
     entry = _log_entry(trial, outcome.kind, outcome.message, job_state or trial.job_state, now)
     common = {"attempt_log": [*(trial.attempt_log or []), entry], "device_s": trial.device_s + entry["device_s"],
               "job_state": (job_state or trial.job_state or None)}  # fmt: skip
     if requeue:
-        return _cas(session, trial, ACTIVE_TRIAL, state=TrialState.WAITING.value, job_id=None,
-                    failure_kind=outcome.kind if not outcome.ok else None,
+        return _cas(session, trial, ACTIVE_TRIAL, state=TrialState.WAITING, job_id=None,
+                    failure_kind=None if outcome.ok else outcome.failure or FailureKind.CRASH,
                     failure_message=f"attempt {trial.attempts}: {outcome.message}"[-4000:], **common)  # fmt: skip
     values: dict[str, Any] = {
         "finished_at": now,
         "result": outcome.result or None,
-        "told": (told or None) and told.value,
+        "told": told,
     }
     if outcome.ok:
         times = sorted(outcome.result.get("step_times_s", [])) or [outcome.step_time_s]
-        values |= {"state": TrialState.COMPLETE.value, "tokens_per_s": outcome.tokens_per_s,
+        values |= {"state": TrialState.COMPLETE, "tokens_per_s": outcome.tokens_per_s,
                    "tflops_per_device": outcome.tflops_per_device, "mfu": outcome.mfu,
                    "peak_memory_bytes": outcome.peak_memory_bytes, "step_time_median_s": outcome.step_time_s,
                    "step_time_min_s": times[0], "step_time_max_s": times[-1], "failure_kind": None,
                    "failure_message": None}  # fmt: skip
-        if outcome.pruned:
-            values |= {"state": TrialState.PRUNED.value, "failure_kind": PRUNED_RUNNING,
-                       "failure_message": outcome.message[-4000:]}  # fmt: skip
+        if outcome.pruned:  # a measurement of fewer steps: why it stopped, and no failure
+            values |= {
+                "state": TrialState.PRUNED,
+                "stop_reason": (outcome.message or "pruned while running")[-4000:],
+            }
     else:
-        values |= {"state": TrialState.FAIL.value, "failure_kind": outcome.kind,
+        values |= {"state": TrialState.FAIL, "failure_kind": outcome.failure or FailureKind.CRASH,
                    "failure_message": outcome.message[-4000:]}  # fmt: skip
     took = _cas(session, trial, ACTIVE_TRIAL, **values, **common)
     if took and outcome.ok and not outcome.pruned:
@@ -171,22 +178,22 @@ def end_attempt(
 
 def prune_trial(session: Session, trial: Trial, reason: str, *, now: dt.datetime | None = None) -> bool:
     """Never run: predicted not to fit. Told to the sampler as infeasible."""
-    return _cas(session, trial, (TrialState.WAITING,), state=TrialState.PRUNED.value,
-                failure_kind=FailureKind.PREDICTED_OOM.value, failure_message=reason,
-                finished_at=now or utcnow(), told=Feedback.INFEASIBLE.value)  # fmt: skip
+    return _cas(session, trial, (TrialState.WAITING,), state=TrialState.PRUNED,
+                failure_kind=FailureKind.PREDICTED_OOM, failure_message=reason,
+                finished_at=now or utcnow(), told=Feedback.INFEASIBLE)  # fmt: skip
 
 
 def cancel_waiting(session: Session, study_id: int, message: str, *, now: dt.datetime | None = None) -> int:
     """Queued trials of a study that stops end FAIL `cancelled` (never run, not told)."""
     stmt = (
         update(Trial)
-        .where(Trial.study_id == study_id, Trial.state == TrialState.WAITING.value)
+        .where(Trial.study_id == study_id, Trial.state == TrialState.WAITING)
         .values(
-            state=TrialState.FAIL.value,
-            failure_kind=FailureKind.CANCELLED.value,
+            state=TrialState.FAIL,
+            failure_kind=FailureKind.CANCELLED,
             failure_message=message,
             finished_at=now or utcnow(),
-            told=Feedback.NOTHING.value,
+            told=Feedback.NOTHING,
         )
         .execution_options(synchronize_session=False)
     )
@@ -211,15 +218,23 @@ def _record_best(trial: Trial) -> None:
 def outcome_of(trial: Trial) -> Outcome | None:
     """A finished trial's outcome as stored (None while unfinished)."""
     state = TrialState(trial.state)
-    pruned = trial.failure_kind == PRUNED_RUNNING
-    if state == TrialState.COMPLETE or pruned:
+    pruned = pruned_while_running(trial)
+    if state is TrialState.COMPLETE or pruned:
         return Outcome(ok=True, tokens_per_s=trial.tokens_per_s or 0.0, tflops_per_device=trial.tflops_per_device or 0.0,
                        mfu=trial.mfu or 0.0, peak_memory_bytes=trial.peak_memory_bytes or 0,
                        step_time_s=trial.step_time_median_s or 0.0, result=trial.result or {}, pruned=pruned,
-                       message=trial.failure_message if pruned else "")  # fmt: skip
+                       message=trial.stop_reason if pruned else "")  # fmt: skip
     if state in (TrialState.PRUNED, TrialState.FAIL):
-        return Outcome.failed(FailureKind(trial.failure_kind or "crash"), trial.failure_message or "")
+        return Outcome.failed(
+            FailureKind(trial.failure_kind or FailureKind.CRASH), trial.failure_message or ""
+        )
     return None
+
+
+def pruned_while_running(trial: Trial) -> bool:
+    """Stopped early as too slow: a measurement of fewer steps (PRUNED with its stop reason), as
+    against a layout pruned before it ran (PRUNED, failure kind predicted_oom)."""
+    return trial.state is TrialState.PRUNED and trial.stop_reason is not None
 
 
 def previous_kinds(trial: Trial) -> list[str]:
@@ -246,15 +261,14 @@ def usage(
     now = now or utcnow()
     rows = session.execute(
         select(Trial.state, TRIAL_WORLD, Trial.started_at, Trial.device_s, Trial.told,
-               Trial.tokens_per_s, Trial.failure_kind)
+               Trial.tokens_per_s, Trial.stop_reason)
         .where(Trial.study_id == study.id).order_by(Trial.finished_at, Trial.id)
     ).all()  # fmt: skip
     counted = finished = active = 0
     device_s, best, since = 0.0, 0.0, 0
-    for state, world, started, spent, told, tokens, kind in rows:
-        state = TrialState(state)
+    for state, world, started, spent, told, tokens, stopped in rows:
         device_s += spent or 0.0
-        if state is TrialState.PRUNED and kind != PRUNED_RUNNING:  # never ran
+        if state is TrialState.PRUNED and stopped is None:  # never ran
             continue
         counted += 1
         if state in ACTIVE_TRIAL:
@@ -263,7 +277,7 @@ def usage(
                 device_s += max(0.0, (now - aware(started)).total_seconds()) * world
         elif state.is_finished():
             finished += 1
-            if told in (Feedback.SCORE.value, Feedback.INFEASIBLE.value):
+            if told in (Feedback.SCORE, Feedback.INFEASIBLE):
                 if tokens and tokens > best * (1 + min_improvement):
                     since = 0
                 else:
@@ -283,9 +297,9 @@ def trials_after(session: Session, study: Study, after: int = -1, limit: int = 1
     return list(session.scalars(q))
 
 
-def trial_counts(session: Session, study_ids: list[int]) -> dict[int, dict[str, int]]:
+def trial_counts(session: Session, study_ids: list[int]) -> dict[int, dict[TrialState, int]]:
     """{study id: {trial state: count}} in one query."""
-    out: dict[int, dict[str, int]] = {i: {} for i in study_ids}
+    out: dict[int, dict[TrialState, int]] = {i: {} for i in study_ids}
     if not study_ids:
         return out
     q = (

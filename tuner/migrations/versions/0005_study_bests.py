@@ -10,6 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from tuner.outcome import TrialState
+
 revision = "0005"
 down_revision = "0004"
 branch_labels = None
@@ -29,14 +31,16 @@ def upgrade() -> None:
     )
     # The rebuild as it was at this revision (tuner/store/results.py's REBUILD_BESTS_SQL then):
     # the live one names later columns (tp_col, 0007) that do not exist yet here.
-    op.execute("""
+    op.execute(
+        sa.text("""
 INSERT INTO study_bests (study_id, world_size, trial_id, tokens_per_s)
 SELECT study_id, world, id, tokens_per_s FROM (
     SELECT id, study_id, tp * pp * dp AS world, tokens_per_s,
            ROW_NUMBER() OVER (PARTITION BY study_id, tp * pp * dp ORDER BY tokens_per_s DESC, id) AS r
-    FROM trials WHERE state = 'COMPLETE' AND tokens_per_s IS NOT NULL
+    FROM trials WHERE state = :complete AND tokens_per_s IS NOT NULL
 ) ranked WHERE r = 1
-""")
+""").bindparams(complete=TrialState.COMPLETE.value)  # the stored value, the same since revision 0001
+    )
 
 
 def downgrade() -> None:
