@@ -75,15 +75,25 @@ def prior(kind: str, path: Path, tables: list[Path]) -> perfconstants.ModelConst
 
 
 # Fitted for the CPU defaults: what a study calibrates, plus the price of memory-bound work (a CPU
-# core moves ~10 GB/s against 0.05 TFLOP/s, nothing like a GPU's 2 TB/s against 312).
-CPU_DEFAULT_FITTED = (*perfconstants.FITTED, "elementwise_flops_per_byte")
+# core moves ~10 GB/s against 0.05 TFLOP/s, nothing like a GPU's 2 TB/s against 312), the wait
+# behind the compute before a blocking collective and the scale of the framework's measured call
+# costs. Not collective_overhead_s: on CPU ranks a call's cost is measured (CPU_CALL_S,
+# bench/gloo_groups.py), never fitted to a table.
+CPU_DEFAULT_FITTED = (
+    *(name for name in perfconstants.FITTED if name != "collective_overhead_s"),
+    "elementwise_flops_per_byte",
+    "collective_wait_fraction",
+    "framework_call_scale",
+)
 
 
 def fit_cpu_defaults(own_tables: Path = ROOT / "bench" / "own_tables") -> perfconstants.ModelConstants:
-    """calibrate() on every layout that ran in the CPU_DEFAULT_TABLES, from the GPU defaults."""
+    """calibrate() on every layout that ran in the CPU_DEFAULT_TABLES, from the GPU defaults with
+    the measured call costs of CPU ranks (and a wait of half the compute to start from)."""
     rows = [r for name in CPU_DEFAULT_TABLES for r in load_csv(own_tables / name)]
     points = [inputs(r) for r in rows if r.status == "ok" and r.iteration_time_s]
-    return fitting.calibrate(points, perfconstants.ModelConstants(), fitted=CPU_DEFAULT_FITTED)
+    start = perfconstants.ModelConstants(cpu_call_s=perfconstants.CPU_CALL_S, collective_wait_fraction=0.5)
+    return fitting.calibrate(points, start, fitted=CPU_DEFAULT_FITTED)
 
 
 def main() -> None:

@@ -43,6 +43,21 @@ class ModelConstants:
     layer_floor_s: float = 3e-3
     microbatch_overhead_s: float = 1e-2  # per micro-batch per stage: data, loss, engine bookkeeping
     collective_overhead_s: float = 3e-5
+    # Collectives from their parts on CPU ranks (tuner/collectives.py; docs/perfmodel.md,
+    # "Collectives"): what one call costs beyond its bytes, measured by bench/gloo_groups.py in busy
+    # seconds per rank, as (path, ranks per core, group size, seconds). Paths: "gloo" (a bare
+    # all-reduce), "dtensor" (what the trainer's DTensor 1D tensor parallelism adds per Megatron
+    # collective), "replicate" and "fsdp" (what FSDP2's replicate and its sharding add per
+    # data-parallel collective). Empty on GPUs: NCCL's call costs collective_overhead_s per log2
+    # round plus the link latency per hop.
+    cpu_call_s: tuple[tuple[str, float, int, float], ...] = ()
+    # The framework paths' measured costs (all but "gloo") times this: inside a training step they
+    # cost less than in bench/gloo_groups.py's blocks alone; fitted with the CPU defaults.
+    framework_call_scale: float = 1.0
+    # The wait behind the compute before a blocking collective, as a fraction of that compute,
+    # where ranks share cores (more than one per core): the group waits for its slowest member.
+    # None on dedicated devices; fitted with the CPU defaults.
+    collective_wait_fraction: float = 0.0
     workspace_bytes: float = 2.0e9  # CUDA context, allocator fragmentation, library workspaces
     memory_margin: float = 0.05  # `fits` keeps this fraction of device memory free
     # Measured peaks exceed the tensors' bytes by what the framework keeps besides them (the
@@ -54,6 +69,11 @@ class ModelConstants:
     # counts FLOPs (a causal forward 2sh per token, the backward 2.5 forwards: it recomputes the
     # scores). None: the attention core is priced like the GEMMs (CPU ranks, stored calibrations).
     attention_efficiency: float | None = None
+
+    def __post_init__(self) -> None:
+        # stored constants come back from JSON with lists where the table has tuples
+        table = tuple((str(k), float(r), int(g), float(t)) for k, r, g, t in self.cpu_call_s)
+        object.__setattr__(self, "cpu_call_s", table)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -74,14 +94,30 @@ FITTED = (
 )
 
 
+# What one collective call costs on CPU ranks beyond its bytes, measured on this project's 2-core VM
+# by `bench/gloo_groups.py --worlds 8 4 2 --repeats 4` (2026-12-03, docs/benchmarks.md "Collectives
+# from their parts"): busy ms per rank (wall ms x cores / ranks), median of 4 runs, by path, ranks
+# per core and group size. 8 ranks on 2 cores (4 per core) are the own tables' setting; 4 ranks
+# (2 per core) the nearest to a core per rank that measured steadily (2 ranks on the 2 cores
+# varied 3-20x between runs: kept out, so one rank per core is priced as two).
+_MEASURED_CALL_MS = (
+    ("gloo", 4, 2, 0.254), ("gloo", 4, 4, 1.87), ("gloo", 4, 8, 4.71), ("gloo", 2, 2, 0.223), ("gloo", 2, 4, 3.16),
+    ("dtensor", 4, 2, 3.57), ("dtensor", 4, 4, 4.43), ("dtensor", 2, 2, 4.13), ("dtensor", 2, 4, 5.18),
+    ("replicate", 4, 2, 4.48), ("replicate", 4, 4, 4.73), ("replicate", 4, 8, 5.30), ("replicate", 2, 2, 5.08),
+    ("replicate", 2, 4, 6.11),
+    ("fsdp", 4, 2, 2.73), ("fsdp", 4, 4, 2.44), ("fsdp", 4, 8, 1.17), ("fsdp", 2, 2, 2.70), ("fsdp", 2, 4, 2.97),
+)  # fmt: skip
+CPU_CALL_S = tuple((path, float(rpc), g, ms * 1e-3) for path, rpc, g, ms in _MEASURED_CALL_MS)
+
+
 # CPU ranks (gloo over loopback, ranks sharing a few cores) are nothing like a GPU: milliseconds per
 # layer and per collective, no CUDA context. Fitted by `bench/priors.py --fit-cpu-defaults`
 # (calibrate() from the GPU defaults on every layout of bench/own_tables/own_gpt-tiny_8rank_gbs16.csv
 # and own_gpt-small_8rank_gbs16.csv); every other own table is held out from them.
 CPU_CONSTANTS = ModelConstants(
-    compute_efficiency=0.9569, compute_half_size=10105.0, elementwise_flops_per_byte=34.04,
-    comm_efficiency=0.9195, dp_overlap=0.5, layer_floor_s=1.65e-3, microbatch_overhead_s=1.429e-3,
-    collective_overhead_s=2.464e-3,
+    compute_efficiency=0.8882, compute_half_size=9311.0, elementwise_flops_per_byte=17.4,
+    comm_efficiency=0.8099, dp_overlap=0.5, layer_floor_s=2.859e-3, microbatch_overhead_s=8.704e-4,
+    cpu_call_s=CPU_CALL_S, framework_call_scale=0.3812, collective_wait_fraction=0.7765,
     workspace_bytes=0.0,  # the trainer's CPU peak is its live tensors: no context or allocator reserve
 )  # fmt: skip
 

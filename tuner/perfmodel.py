@@ -23,10 +23,13 @@ from tuner.collectives import (
     Comm,
     call_overhead_s,
     group_link,
+    ranks_per_core,
     ring_allreduce_s,
     send_s,
     tensor_1d,
     tensor_2d,
+    tp_1d_collectives,
+    wait_s,
 )
 from tuner.memmodel import _layer_params, memory
 from tuner.perfconstants import ModelConstants, default_constants
@@ -51,6 +54,8 @@ class StepTerms:
     microbatch_overhead_s: float  # the framework's per-micro-batch bookkeeping
     tp_comm_intra_s: float  # tensor-parallel collectives not hidden behind compute
     tp_comm_inter_s: float
+    # ranks sharing cores: a tensor-parallel group waits behind the compute for its slowest member
+    collective_wait_s: float
     pp_bubble_s: float  # ranks idle while the pipeline fills and drains
     pp_p2p_intra_s: float  # pipeline sends on the critical path
     pp_p2p_inter_s: float
@@ -71,7 +76,7 @@ class StepTerms:
 TERM_LABELS = {
     "compute_s": "compute", "launch_floor_s": "launch floor", "microbatch_overhead_s": "per-micro-batch overhead",
     "tp_comm_intra_s": "tensor-parallel comm (in node)", "tp_comm_inter_s": "tensor-parallel comm (across nodes)",
-    "pp_bubble_s": "pipeline bubble",
+    "collective_wait_s": "wait behind compute before collectives", "pp_bubble_s": "pipeline bubble",
     "pp_p2p_intra_s": "pipeline sends (in node)", "pp_p2p_inter_s": "pipeline sends (across nodes)",
     "dp_comm_intra_s": "data-parallel comm (in node)", "dp_comm_inter_s": "data-parallel comm (across nodes)",
     "optimizer_s": "optimizer step", "shared_cores_s": "ranks sharing cores",
@@ -216,6 +221,7 @@ class _Rank:
     floor_mb: float  # what the launch floor adds to it
     tp_mb: Comm  # exposed tensor-parallel communication per micro-batch
     tp_hidden: float  # tensor-parallel traffic overlapped with compute (2D only)
+    wait_mb: float  # the wait behind the compute before blocking tensor-parallel collectives
     overhead_mb: float
     bubble: float
     p2p: Comm
@@ -225,7 +231,7 @@ class _Rank:
 
     @property
     def stage_mb(self) -> float:
-        return self.compute_mb + self.floor_mb + self.tp_mb.total + self.overhead_mb
+        return self.compute_mb + self.floor_mb + self.tp_mb.total + self.wait_mb + self.overhead_mb
 
     def step_s(self, microbatches: int) -> float:
         """The step on dedicated devices: the slowest stage's micro-batches, the bubble, the
@@ -267,9 +273,19 @@ def _rank_step(
         tp_mb, tp_hidden = tensor_1d(m, p, cluster, act_bytes, c, layers), 0.0
 
     floor_mb = max(0.0, layers * c.layer_floor_s - compute_mb)
+    # With tensor parallelism each compute segment of a layer ends in a blocking collective of the
+    # group: where ranks share cores, the group waits for its slowest member. The CPU work before
+    # them is the compute and, with 1D's DTensor, the framework's Python around each call.
+    rpc = ranks_per_core(cluster, p.world_size)
+    wait_mb = 0.0
+    if tc > 1:
+        dtensor_mb = (
+            layers * tp_1d_collectives(p) * call_overhead_s(t, c, rpc, "dtensor") if p.tp_col == 1 else 0.0
+        )
+        wait_mb = wait_s(compute_mb + floor_mb + dtensor_mb, c, rpc)
     # Pipeline: the bubble is (p-1) stage-times, divided by v when interleaved (Megatron-3D sec. 2.2).
     # The framework's per-micro-batch bookkeeping runs on each rank's CPU and does not lengthen it.
-    bubble = (pp - 1) / v * (compute_mb + floor_mb + tp_mb.total)
+    bubble = (pp - 1) / v * (compute_mb + floor_mb + tp_mb.total + wait_mb)
     p2p = Comm()
     if pp > 1:
         # scatter/gather: sec. 4.1; 2D: the residual stream is split over the column group
@@ -293,15 +309,18 @@ def _rank_step(
     # halves x layers; replicated gradients the trainer's way (trainer/parallelize.py
     # apply_replicate: FSDP2's replicate per block and on the root, synced on the last micro-batch
     # only), one per layer plus the root's; ZeRO-1, which the trainer does not offer, one per
-    # 25 MB bucket (DeepSpeed's and DDP's). Each pays the software cost as tp's do (on gloo over
-    # loopback ~1 ms: most of what ZeRO-3 and small replicated models cost there).
+    # 25 MB bucket (DeepSpeed's and DDP's). Each pays the backend's call cost as tp's do and, on
+    # CPU ranks, what FSDP2's Python adds per collective (bench/gloo_groups.py: a few ms there,
+    # most of what ZeRO-3 and small replicated models cost).
     if p.zero_stage >= 2:
         n_dp_collectives = halves * layers
     elif p.zero_stage == 0:
         n_dp_collectives = math.ceil(layers) + 1
     else:
         n_dp_collectives = math.ceil(params_rank * act_bytes / DDP_BUCKET_BYTES)
-    dp_comm = Comm.on(dp_link.tier, full_ar / 2 * halves + n_dp_collectives * call_overhead_s(d, c))
+    framework = "replicate" if p.zero_stage == 0 else "fsdp"  # FSDP2's replicate, or its sharding
+    per_call = call_overhead_s(d, c, rpc) + call_overhead_s(d, c, rpc, framework)
+    dp_comm = Comm.on(dp_link.tier, full_ar / 2 * halves + n_dp_collectives * per_call)
     dp_exposed = dp_comm * (1 - c.dp_overlap)
 
     # The optimizer step (AdamW) once per step over the rank's parameters, memory-bound like the
@@ -310,8 +329,8 @@ def _rank_step(
     opt_params = params_rank / (d if p.zero_stage >= 1 else 1)
     optimizer_s = opt_params * OPTIMIZER_BYTES_PER_PARAM * c.elementwise_flops_per_byte / memory_peak_flops
 
-    return _Rank(compute_mb, floor_mb, tp_mb, tp_hidden, c.microbatch_overhead_s, bubble, p2p, dp_comm,
-                 dp_exposed, optimizer_s)  # fmt: skip
+    return _Rank(compute_mb, floor_mb, tp_mb, tp_hidden, wait_mb, c.microbatch_overhead_s, bubble, p2p,
+                 dp_comm, dp_exposed, optimizer_s)  # fmt: skip
 
 
 def _on_node_links(cluster: ClusterSpec) -> ClusterSpec:
@@ -383,7 +402,8 @@ def estimate(
         shared = max(0.0, bound - dedicated)
     terms = StepTerms(
         compute_s=mb * k.compute_mb, launch_floor_s=mb * k.floor_mb, microbatch_overhead_s=mb * k.overhead_mb,
-        tp_comm_intra_s=mb * k.tp_mb.intra, tp_comm_inter_s=mb * k.tp_mb.inter, pp_bubble_s=k.bubble,
+        tp_comm_intra_s=mb * k.tp_mb.intra, tp_comm_inter_s=mb * k.tp_mb.inter,
+        collective_wait_s=mb * k.wait_mb, pp_bubble_s=k.bubble,
         pp_p2p_intra_s=k.p2p.intra, pp_p2p_inter_s=k.p2p.inter, dp_comm_intra_s=k.dp_exposed.intra,
         dp_comm_inter_s=k.dp_exposed.inter, optimizer_s=k.optimizer_s, shared_cores_s=shared,
     )  # fmt: skip
