@@ -112,12 +112,13 @@ CPU_CALL_S = tuple((path, float(rpc), g, ms * 1e-3) for path, rpc, g, ms in _MEA
 
 # CPU ranks (gloo over loopback, ranks sharing a few cores) are nothing like a GPU: milliseconds per
 # layer and per collective, no CUDA context. Fitted by `bench/priors.py --fit-cpu-defaults`
-# (calibrate() from the GPU defaults on every layout of bench/own_tables/own_gpt-tiny_8rank_gbs16.csv
-# and own_gpt-small_8rank_gbs16.csv); every other own table is held out from them.
+# (calibrate() on every layout of bench/priors.py CPU_DEFAULT_TABLES: our gpt-tiny and gpt-small
+# 8-rank tables and the two 4-node gpt-small tables of global batch 16); the gpt-deep table and
+# the 2D table are held out from them.
 CPU_CONSTANTS = ModelConstants(
-    compute_efficiency=0.8882, compute_half_size=9311.0, elementwise_flops_per_byte=17.4,
-    comm_efficiency=0.8099, dp_overlap=0.5, layer_floor_s=2.859e-3, microbatch_overhead_s=8.704e-4,
-    cpu_call_s=CPU_CALL_S, framework_call_scale=0.3812, collective_wait_fraction=0.7765,
+    compute_efficiency=0.972, compute_half_size=5041.0, elementwise_flops_per_byte=13.83,
+    comm_efficiency=0.5000, dp_overlap=0.2754, layer_floor_s=2.988e-3, microbatch_overhead_s=4.209e-4,
+    cpu_call_s=CPU_CALL_S, framework_call_scale=0.4269, collective_wait_fraction=0.5952,
     workspace_bytes=0.0,  # the trainer's CPU peak is its live tensors: no context or allocator reserve
 )  # fmt: skip
 

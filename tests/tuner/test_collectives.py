@@ -170,10 +170,10 @@ def test_dedicated_devices_wait_for_nothing_and_pay_no_framework_call() -> None:
 
 def test_the_cpu_defaults_are_the_fit_and_the_2d_table_is_kept_out_of_it() -> None:
     """CPU_CONSTANTS are what `bench/priors.py --fit-cpu-defaults` fits (to the 4 digits written
-    down), on the two 8-rank tables only: the held-out 2D table judges the result, never feeds it."""
+    down), on the dev tables only: the held-out 2D and gpt-deep tables judge the result, never feed it."""
     from bench import priors
 
-    assert not any("column" in name for name in priors.CPU_DEFAULT_TABLES)
+    assert not any("column" in name or "deep" in name for name in priors.CPU_DEFAULT_TABLES)
     assert {"collective_wait_fraction", "framework_call_scale"} <= set(priors.CPU_DEFAULT_FITTED)
     assert "collective_overhead_s" not in priors.CPU_DEFAULT_FITTED  # measured on CPU ranks, not fitted
     fitted = priors.fit_cpu_defaults()
