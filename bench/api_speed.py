@@ -125,16 +125,19 @@ def main() -> None:
     parser.add_argument("--database-url")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="API processes, each in turn")
     args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="tuner-api-bench-"))
-    url = args.database_url or f"sqlite:///{tmp / 'bench.db'}"
-    t = time.perf_counter()
-    big = populate(url, args.trials)
-    print(
-        f"populated {args.trials} trials in {time.perf_counter() - t:.1f} s ({url.split(':')[0]})", flush=True
-    )
-    for workers in args.workers:
-        print(f"\n--- tuner serve --no-worker --workers {workers} ---", flush=True)
-        measure(url, tmp, big, workers, args.rate, args.seconds)
+    # The SQLite file of 100k trials is ~54 MB: removed with its folder when the run ends.
+    with tempfile.TemporaryDirectory(prefix="tuner-api-bench-") as folder:
+        tmp = Path(folder)
+        url = args.database_url or f"sqlite:///{tmp / 'bench.db'}"
+        t = time.perf_counter()
+        big = populate(url, args.trials)
+        print(
+            f"populated {args.trials} trials in {time.perf_counter() - t:.1f} s ({url.split(':')[0]})",
+            flush=True,
+        )
+        for workers in args.workers:
+            print(f"\n--- tuner serve --no-worker --workers {workers} ---", flush=True)
+            measure(url, tmp, big, workers, args.rate, args.seconds)
 
 
 def measure(url: str, tmp: Path, big: int, workers: int, rate: float, seconds: float) -> None:
