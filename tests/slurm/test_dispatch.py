@@ -362,7 +362,8 @@ def test_allocation_mode_runs_the_study_as_steps_of_one_allocation(
     allocations = {JobHandle.parse(t.job_id).id.split("/")[0] for t in trials}
     assert len(allocations) == 1 and all(t.job_id.startswith("step:") for t in trials)
     (allocation,) = allocations
-    assert slurm_env.job_state(allocation) == "COMPLETED"
+    # `tuner run` returns when the study is final; the allocation's batch script ends a moment later
+    assert slurm_env.wait_final_state(allocation) == "COMPLETED"
     # srun steps of that one allocation, several side by side (1 + 2 + 4 ranks fit its 8 CPUs)
     steps = slurm_env.run("sacct", "-n", "-P", "-j", allocation, "--format=JobID,JobName").split()
     prefix = f"pt{trials[0].study_id}-t"
