@@ -114,7 +114,8 @@ CPU_CALL_S = tuple((path, float(rpc), g, ms * 1e-3) for path, rpc, g, ms in _MEA
 # layer and per collective, no CUDA context. Fitted by `bench/priors.py --fit-cpu-defaults`
 # (calibrate() on every layout of bench/priors.py CPU_DEFAULT_TABLES: our gpt-tiny and gpt-small
 # 8-rank tables and the two 4-node gpt-small tables of global batch 16); the gpt-deep table and
-# the 2D table are held out from them.
+# the 2D table are held out from them. The digits are scipy 1.17's minimum; the objective has
+# another of equal fit (scipy 1.11: docs/benchmarks.md, "The refit with the 4-node tables").
 CPU_CONSTANTS = ModelConstants(
     compute_efficiency=0.972, compute_half_size=5041.0, elementwise_flops_per_byte=13.83,
     comm_efficiency=0.5000, dp_overlap=0.2754, layer_floor_s=2.988e-3, microbatch_overhead_s=4.209e-4,

@@ -169,17 +169,33 @@ def test_dedicated_devices_wait_for_nothing_and_pay_no_framework_call() -> None:
 
 
 def test_the_cpu_defaults_are_the_fit_and_the_2d_table_is_kept_out_of_it() -> None:
-    """CPU_CONSTANTS are what `bench/priors.py --fit-cpu-defaults` fits (to the 4 digits written
-    down), on the dev tables only: the held-out 2D and gpt-deep tables judge the result, never feed it."""
+    """CPU_CONSTANTS are a least-squares fit (`bench/priors.py --fit-cpu-defaults`) on the dev tables
+    only: the held-out 2D and gpt-deep tables judge the result, never feed it. The fit's objective
+    has near-equal minima (elementwise_flops_per_byte trades against compute_efficiency): scipy
+    1.17 stops at the digits written down, scipy 1.11 (the floor) at compute_efficiency 0.90 and
+    elementwise_flops_per_byte 7.0, a 0.2 % lower rms. So the check is the fit, not the digits:
+    no fresh fit fits the dev tables more than 1 % better than the committed constants."""
     from bench import priors
+    from bench.validation_data import load_csv
+    from tuner.fitting import rms_log_error
 
     assert not any("column" in name or "deep" in name for name in priors.CPU_DEFAULT_TABLES)
     assert {"collective_wait_fraction", "framework_call_scale"} <= set(priors.CPU_DEFAULT_FITTED)
     assert "collective_overhead_s" not in priors.CPU_DEFAULT_FITTED  # measured on CPU ranks, not fitted
     fitted = priors.fit_cpu_defaults()
     assert fitted.cpu_call_s == CPU_CONSTANTS.cpu_call_s
-    for name in priors.CPU_DEFAULT_FITTED:
-        assert getattr(fitted, name) == pytest.approx(getattr(CPU_CONSTANTS, name), rel=2e-3), name
+    rows = [
+        r for name in priors.CPU_DEFAULT_TABLES for r in load_csv(priors.ROOT / "bench" / "own_tables" / name)
+    ]
+    dev = [priors.inputs(r) for r in rows if r.status == "ok" and r.iteration_time_s]
+    assert len(dev) == 144
+    committed, fresh = rms_log_error(dev, CPU_CONSTANTS), rms_log_error(dev, fitted)
+    assert committed == pytest.approx(fresh, rel=0.01), (committed, fresh)
+    # From the fit's starting point (the GPU defaults with the measured call costs) the dev tables
+    # are fitted ~11x worse (rms 1.69 against 0.149): the committed constants are the fit's.
+    start = rms_log_error(dev, dataclasses.replace(ModelConstants(), cpu_call_s=CPU_CONSTANTS.cpu_call_s,
+                                                   collective_wait_fraction=0.5))  # fmt: skip
+    assert committed < start / 3, (committed, start)
 
 
 def test_the_held_out_2d_table_is_found_in_two_trials_from_a_cold_prior() -> None:

@@ -24,7 +24,7 @@ from tuner.dispatch.local import LocalDispatcher
 from tuner.export import export_layout
 from tuner.fitting import Measurement, rms_log_error
 from tuner.loop import run_study
-from tuner.perfconstants import ModelConstants
+from tuner.perfconstants import default_constants
 from tuner.spec import parse_spec
 
 pytestmark = pytest.mark.distributed
@@ -95,7 +95,9 @@ def test_failed_trials_are_recorded_and_the_study_completes(tmp_path: Path) -> N
         points = [Measurement(spec.gpt(), store.config_of(t), spec.cluster, t.step_time_median_s, "fp32")
                   for t in trials if t.state == "COMPLETE"]  # fmt: skip
         fitted = store.latest_constants(s, "cpu-local")
-        assert rms_log_error(points, fitted) < rms_log_error(points, ModelConstants())
+        # it fits them better than the constants the study began with (a fresh database: the CPU
+        # defaults), which price these 2-rank trials ~3x fast (docs/benchmarks.md, "One rank per core")
+        assert rms_log_error(points, fitted) < rms_log_error(points, default_constants(spec.cluster))
 
 
 def _states(db: str, name: str) -> list[tuple[int, str, int, str]]:
