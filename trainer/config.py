@@ -39,18 +39,45 @@ def _from_dict(cls: type, data: dict[str, Any]) -> Any:
         raise ValueError(f"{cls.__name__}: {e}") from None
 
 
+Norm = Literal["layernorm", "rmsnorm"]
+MLPKind = Literal["gelu", "swiglu"]
+Positions = Literal["learned", "rope"]
+NORMS = ("layernorm", "rmsnorm")
+MLP_KINDS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
+
+
 @dataclass(frozen=True)
 class GPTConfig:
-    """A GPT-2/3 style decoder: learned positions, pre-LN blocks, GELU MLP, untied head, no biases
-    in the linear layers (PaLM; it also keeps row-parallel layers free of a replicated bias)."""
+    """A decoder-only transformer. The defaults are GPT-2/3's block: learned positions, pre-LN
+    blocks with LayerNorm, a GELU MLP of 4h, multi-head attention, an untied head, no biases in the
+    linear layers (PaLM; it also keeps row-parallel layers free of a replicated bias). The fields
+    after `dropout` tell the other families apart (`family`): Llama's block is RMSNorm, a SwiGLU
+    MLP (three matrices), rotary positions and grouped-query attention (num_kv_heads < num_heads);
+    Mistral's is Llama's; Qwen2's adds a bias to q, k and v. Small models tie the head to the
+    token embedding."""
 
     num_layers: int
     hidden_size: int
     num_heads: int
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 128 (nanoGPT)
     seq_len: int = 2048
-    ffn_hidden_size: int | None = None  # None -> 4 * hidden_size
+    ffn_hidden_size: int | None = None  # None -> 4h (gelu), Llama's 8h/3 rounded up to 256 (swiglu)
     dropout: float = 0.0
+    num_kv_heads: int | None = None  # None -> num_heads (multi-head attention); fewer: GQA
+    norm: Norm = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: MLPKind = "gelu"
+    positions: Positions = "learned"
+    rope_theta: float = 10000.0  # the rotary base (positions "rope" only)
+    # Llama 3.1's rope_scaling (rope_type "llama3"): factor, low/high frequency factors and the
+    # original context; None: plain RoPE.
+    rope_scaling_factor: float | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    tie_embeddings: bool = False  # the head is the token embedding's weight
+    qkv_bias: bool = False  # a bias on q, k and v (Qwen2)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
@@ -63,40 +90,104 @@ class GPTConfig:
             )
         if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
             raise ValueError(f"GPTConfig.ffn_hidden_size must be >= 1, got {self.ffn_hidden_size}")
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            raise ValueError(
+                f"GPTConfig.num_kv_heads ({self.num_kv_heads}) must be >= 1 and divide num_heads "
+                f"({self.num_heads}): each KV head serves a whole group of query heads"
+            )
+        for name, valid in (("norm", NORMS), ("mlp", MLP_KINDS), ("positions", POSITIONS)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"GPTConfig.{name} {getattr(self, name)!r} is not one of {list(valid)}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"GPTConfig: rotary positions need an even head_dim, got {self.head_dim}")
+        for name in ("norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.rope_scaling_factor is not None:
+            if self.positions != "rope":
+                raise ValueError("GPTConfig.rope_scaling_factor needs positions 'rope'")
+            if self.rope_scaling_factor < 1 or self.rope_high_freq_factor <= self.rope_low_freq_factor:
+                raise ValueError(
+                    f"GPTConfig: rope scaling needs rope_scaling_factor >= 1 (got {self.rope_scaling_factor}) "
+                    f"and rope_high_freq_factor ({self.rope_high_freq_factor}) > rope_low_freq_factor "
+                    f"({self.rope_low_freq_factor})"
+                )
+
+    @property
+    def family(self) -> str:
+        """'gpt' (LayerNorm, GELU, learned positions), 'llama' (RMSNorm, SwiGLU, RoPE: Llama,
+        Mistral, Qwen2) or 'custom' for another mix."""
+        block = (self.norm, self.mlp, self.positions)
+        return {("layernorm", "gelu", "learned"): "gpt", ("rmsnorm", "swiglu", "rope"): "llama"}.get(
+            block, "custom"
+        )
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.mlp == "swiglu":  # Llama: 2/3 of 4h, rounded up to a multiple of 256
+            return -(-(8 * self.hidden_size // 3) // 256) * 256
+        return 4 * self.hidden_size
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the k (or v) projection: kv_heads x head_dim (h with multi-head attention)."""
+        return self.kv_heads * self.head_dim
+
+    @property
     def num_layer_params(self) -> int:
-        h = self.hidden_size
-        attn = 4 * h * h  # q, k, v, out
-        mlp = 2 * h * self.ffn_size
-        norms = 2 * 2 * h  # two LayerNorms, weight + bias
-        return attn + mlp + norms
+        h, kv = self.hidden_size, self.kv_size
+        attn = 2 * h * h + 2 * h * kv  # q and out h x h; k and v h x kv
+        if self.qkv_bias:
+            attn += h + 2 * kv
+        mlp = (3 if self.mlp == "swiglu" else 2) * h * self.ffn_size
+        return attn + mlp + 2 * self._norm_params
+
+    @property
+    def _norm_params(self) -> int:
+        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size  # weight (+ bias)
 
     @property
     def num_embedding_params(self) -> int:
-        return (self.vocab_size + self.seq_len) * self.hidden_size
+        return (self.vocab_size + (self.seq_len if self.positions == "learned" else 0)) * self.hidden_size
+
+    @property
+    def num_head_params(self) -> int:
+        """The head's own parameters: none when tied to the token embedding."""
+        return 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
 
     @property
     def num_nonembed_params(self) -> int:
-        # The untied head is a real matmul per token, so it counts (as in torchtitan).
-        head = self.vocab_size * self.hidden_size
-        return self.num_layers * self.num_layer_params + 2 * self.hidden_size + head
+        """Layers, final norm and the head's matmul: the head is a real matmul per token whether
+        or not it is tied, so it counts (torchtitan counts an untied head; we count a tied one too,
+        so that MFU does not depend on where the weight is stored)."""
+        return (
+            self.num_layers * self.num_layer_params + self._norm_params + self.vocab_size * self.hidden_size
+        )
 
     @property
     def num_params(self) -> int:
-        return self.num_nonembed_params + self.num_embedding_params
+        """Parameters stored (a tied head once)."""
+        return (
+            self.num_nonembed_params
+            - self.vocab_size * self.hidden_size
+            + self.num_head_params
+            + (self.num_embedding_params)
+        )
 
     @property
     def flops_per_token(self) -> int:
-        """Model FLOPs per trained token (PaLM, appendix B): 6*N_nonembed + 12*L*h*s.
+        """Model FLOPs per trained token (PaLM, appendix B): 6*N_nonembed + 12*L*h*s (the
+        attention scores, h = heads x head_dim: GQA shares K and V but every query head scores).
 
         Recompute from activation checkpointing is not counted: this is model FLOPs, not hardware.
         """
@@ -110,9 +201,26 @@ class GPTConfig:
         return _from_dict(cls, data)
 
 
+def _llama(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, ffn_hidden_size: int,
+           *, vocab_size: int = 128256, seq_len: int = 8192, tie_embeddings: bool = False,
+           rope_scaling_factor: float | None = 8.0, **fields: Any) -> GPTConfig:  # fmt: skip
+    """A Llama-family shape: RMSNorm, SwiGLU, RoPE, GQA (Llama 3's base 500000 and rope scaling
+    unless `fields` say otherwise)."""
+    return GPTConfig(
+        num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        ffn_hidden_size=ffn_hidden_size, vocab_size=vocab_size, seq_len=seq_len, norm="rmsnorm", mlp="swiglu",
+        positions="rope", rope_theta=fields.pop("rope_theta", 500000.0), rope_scaling_factor=rope_scaling_factor,
+        tie_embeddings=tie_embeddings, **fields,
+    )  # fmt: skip
+
+
 # Shapes from the papers they name. "gpt-tiny" is the CPU test model; "gpt-1.3b" is GPT-3 XL's shape
 # (1.3B with tied embeddings, 1.42B with our untied head).
 # 22B / 175B / 1T are the Frontier study's shapes (Dash et al. 2023, table 1).
+# The Llama and Qwen presets are their published Hugging Face config.json files (meta-llama/Llama-3.2-1B,
+# Llama-3.2-3B, Llama-3.1-8B, -70B, -405B; Qwen/Qwen2.5-7B: docs/models.md), trained at Llama 3's
+# 8192-token context (Qwen2.5's pre-training context 4096); "llama-tiny" and "llama-small" are CPU
+# shapes of the family with 2 KV heads for 4 query heads.
 MODEL_PRESETS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(num_layers=4, hidden_size=64, num_heads=4, vocab_size=256, seq_len=32),
     "gpt-small": GPTConfig(num_layers=4, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=128),
@@ -123,7 +231,17 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
     "gpt-22b": GPTConfig(num_layers=48, hidden_size=6144, num_heads=48, seq_len=2048),
     "gpt-175b": GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048),
     "gpt-1t": GPTConfig(num_layers=128, hidden_size=25600, num_heads=160, seq_len=2048),
-}
+    "llama-tiny": _llama(4, 64, 4, 2, 192, vocab_size=256, seq_len=32, rope_scaling_factor=None, rope_theta=10000.0),
+    "llama-small": _llama(4, 128, 4, 2, 384, vocab_size=1024, seq_len=128, rope_scaling_factor=None,
+                          rope_theta=10000.0),
+    "llama3.2-1b": _llama(16, 2048, 32, 8, 8192, tie_embeddings=True, rope_scaling_factor=32.0),
+    "llama3.2-3b": _llama(28, 3072, 24, 8, 8192, tie_embeddings=True, rope_scaling_factor=32.0),
+    "llama3.1-8b": _llama(32, 4096, 32, 8, 14336),
+    "llama3.1-70b": _llama(80, 8192, 64, 8, 28672),
+    "llama3.1-405b": _llama(126, 16384, 128, 8, 53248),
+    "qwen2.5-7b": _llama(28, 3584, 28, 4, 18944, vocab_size=152064, seq_len=4096, rope_scaling_factor=None,
+                         rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -199,6 +317,12 @@ class ParallelConfig:
             out.append(
                 ("tp must divide num_heads", f"tp ({self.tp}) must divide num_heads ({model.num_heads})")
             )
+        if model.kv_heads % self.tp:
+            out.append((
+                "tp must divide num_kv_heads",
+                f"tp ({self.tp}) must divide num_kv_heads ({model.kv_heads}): each rank holds whole KV heads "
+                "(Megatron's num_query_groups % tp, torchtitan's n_kv_heads % tp)",
+            ))  # fmt: skip
         if model.ffn_size % self.tp:
             out.append((
                 "tp must divide ffn_hidden_size", f"tp ({self.tp}) must divide ffn_hidden_size ({model.ffn_size})"

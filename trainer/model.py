@@ -94,6 +94,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        if (
+            cfg.family != "gpt"
+            or cfg.num_kv_heads not in (None, cfg.num_heads)
+            or cfg.tie_embeddings
+            or cfg.qkv_bias
+        ):
+            raise NotImplementedError(
+                f"the trainer builds the GPT block only, not this {cfg.family} model (issue 26)"
+            )
         self.cfg = cfg
         self.embed: Embeddings | None = Embeddings(cfg)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})

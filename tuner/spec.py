@@ -21,7 +21,15 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig
+from trainer.config import (
+    MLP_KINDS,
+    MODEL_PRESETS,
+    NORMS,
+    POSITIONS,
+    BenchmarkConfig,
+    GPTConfig,
+    ParallelConfig,
+)
 from trainer.devices import DEVICES, Device, DeviceKind, Dtype, device_kind, find_device
 from tuner.hardware import cluster_preset
 
@@ -84,6 +92,9 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
+    """The model: a preset's name, a preset with overrides, or every field (trainer.config.GPTConfig:
+    the GPT defaults, or the fields of another family)."""
+
     preset: str | None = None
     num_layers: PositiveInt
     hidden_size: PositiveInt
@@ -94,13 +105,25 @@ class ModelSpec(_Strict):
     seq_len: PositiveInt = 2048
     ffn_hidden_size: PositiveInt | None = None
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    num_kv_heads: PositiveInt | None = None  # None: num_heads (multi-head attention); fewer: GQA
+    norm: Literal[NORMS] = "layernorm"  # type: ignore[valid-type]
+    norm_eps: PositiveFloat = 1e-5
+    mlp: Literal[MLP_KINDS] = "gelu"  # type: ignore[valid-type]
+    positions: Literal[POSITIONS] = "learned"  # type: ignore[valid-type]
+    rope_theta: PositiveFloat = 10000.0
+    rope_scaling_factor: PositiveFloat | None = None
+    rope_low_freq_factor: PositiveFloat = 1.0
+    rope_high_freq_factor: PositiveFloat = 4.0
+    rope_original_max_positions: PositiveInt = 8192
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
 
     @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> ModelSpec:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
-            )
+    def _a_model(self) -> ModelSpec:
+        try:  # the cross-field rules (heads divide hidden, KV heads divide heads, ...) are GPTConfig's
+            self.gpt()
+        except ValueError as e:
+            raise ValueError(str(e).removeprefix("GPTConfig: ").replace("GPTConfig.", "")) from None
         return self
 
     def gpt(self, seq_len: int | None = None) -> GPTConfig:
@@ -332,12 +355,17 @@ class StudySpec(_Strict):
                 f"num_gpus ({gpus}) must be a multiple of gpus_per_node ({c.gpus_per_node}) or divide it "
                 f"(whole nodes, or a part of one node)"
             )
-        heads = self.model.num_heads
+        model = self.gpt()
+        heads, what = (
+            (model.kv_heads, "num_kv_heads")
+            if model.kv_heads < model.num_heads
+            else (model.num_heads, "num_heads")
+        )
         bad = [t for t in self.space.tp if heads % t]
         if bad:
             valid = [t for t in range(1, heads + 1) if heads % t == 0]
             raise ValueError(
-                f"space.tp: {bad} do not divide the model's num_heads ({heads}); valid tp values: {valid}"
+                f"space.tp: {bad} do not divide the model's {what} ({heads}); valid tp values: {valid}"
             )
         return self
 

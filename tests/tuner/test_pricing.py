@@ -34,7 +34,7 @@ def _specs_of_every_preset():
             cpu = cluster == "cpu-local"
             if cpu != (MODEL_PRESETS[model].hidden_size < 512):  # CPU shapes on CPU ranks
                 continue
-            heads = MODEL_PRESETS[model].num_heads
+            heads = MODEL_PRESETS[model].kv_heads  # tp divides the KV heads (GQA) and so the heads
             nodes = 1 if cpu else 8
             fields = {**cluster_preset(cluster), "num_nodes": nodes}
             if cpu:

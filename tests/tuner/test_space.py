@@ -18,6 +18,7 @@ def _obeys_every_rule(space: SearchSpace, c: ParallelConfig) -> bool:
         c.tp * c.pp * c.dp == space.num_gpus
         and c.micro_batch_size * c.num_microbatches * c.dp == space.global_batch_size
         and m.num_heads % c.tp == 0
+        and (m.num_kv_heads or m.num_heads) % c.tp == 0
         and m.num_layers >= c.pp * c.virtual_stages
         and (not c.sequence_parallel or (c.tp > 1 and m.seq_len % c.tp == 0))
         and (c.tp <= space.gpus_per_node or space.space.allow_cross_node_tp)
@@ -38,6 +39,7 @@ BROKEN = {
     RULE_BATCH: lambda s, c: c.global_batch_size != s.global_batch_size,
     RULE_CROSS_NODE_TP: lambda s, c: c.tp > s.gpus_per_node,
     "tp must divide num_heads": lambda s, c: s.model.num_heads % c.tp != 0,
+    "tp must divide num_kv_heads": lambda s, c: (s.model.num_kv_heads or s.model.num_heads) % c.tp != 0,
     "tp must divide ffn_hidden_size": lambda s, c: s.model.ffn_size % c.tp != 0,
     "tp must divide vocab_size": lambda s, c: s.model.vocab_size % c.tp != 0,
     "sequence_parallel needs tp > 1": lambda s, c: c.sequence_parallel and c.tp == 1,
@@ -66,10 +68,13 @@ pow2 = st.sampled_from([1, 2, 4, 8, 16])
 @st.composite
 def spaces(draw) -> SearchSpace:
     heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]))
+    kv_heads = draw(st.sampled_from([None, *(k for k in range(1, heads + 1) if heads % k == 0)]))  # GQA
+    llama = draw(st.booleans())
     model = GPTConfig(
         num_layers=draw(st.integers(1, 40)), hidden_size=heads * draw(st.sampled_from([8, 16, 64])),
         num_heads=heads, vocab_size=draw(st.sampled_from([256, 1000, 50304])),
-        seq_len=draw(st.sampled_from([32, 100, 2048])),
+        seq_len=draw(st.sampled_from([32, 100, 2048])), num_kv_heads=kv_heads,
+        **({"norm": "rmsnorm", "mlp": "swiglu", "positions": "rope"} if llama else {}),
     )  # fmt: skip
     space = SpaceSpec(
         tp=draw(st.lists(pow2, min_size=1, max_size=4)), pp=draw(st.lists(pow2, min_size=1, max_size=4)),
