@@ -171,6 +171,7 @@ class Trainer:
             parallelize_gpt(module, self.mesh, self.dims, p, param_dtype=param_dtype, compile=cfg.compile)
             if init == "fast":
                 module.to_empty(device=device)
+                module.init_buffers()
                 # One seed on every rank: replicated parameters must be equal on all replicas.
                 gen = torch.Generator(device=device).manual_seed(cfg.seed)
                 for name, param in module.named_parameters():

@@ -1,4 +1,10 @@
-"""A plain GPT: no process groups inside, parallelism is applied from outside (parallelize.py).
+"""A plain decoder: no process groups inside, parallelism is applied from outside (parallelize.py).
+
+One class for both families (trainer/config.py GPTConfig.family): GPT-2's block (LayerNorm, GELU
+MLP, learned positions) and Llama's (RMSNorm, SwiGLU, rotary positions, grouped-query attention;
+Mistral's is the same, Qwen2's adds a q/k/v bias), after torchtitan's Llama and nanoGPT. Rotary
+positions follow Hugging Face's layout (rotate_half over the two halves of each head), so a
+Hugging Face checkpoint's q and k weights load as they are.
 
 Layers live in a ModuleDict keyed by layer id and the embedding, final norm and head may be None,
 so a pipeline stage is this same class with parts removed (torchtitan's layout).
@@ -17,18 +23,61 @@ from trainer.config import GPTConfig
 INIT_STD = 0.02  # GPT-2
 
 
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
 class Embeddings(nn.Module):
-    """Token + learned position embeddings."""
+    """Token embeddings, plus learned position embeddings (GPT; rotary positions live in attention)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.positions == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.tok(idx) + self.pos(positions))
+        x = self.tok(idx)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.drop(x)
+
+
+def rope_inv_freq(cfg: GPTConfig) -> torch.Tensor:
+    """The rotary frequencies of one head (head_dim / 2), with Llama 3.1's scaling when configured:
+    wavelengths beyond the original context / low_freq_factor slow down by `factor`, those under
+    original / high_freq_factor stay, the band between is interpolated (Hugging Face's
+    _compute_llama3_parameters, Meta's apply_scaling)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).double() / d))
+    if cfg.rope_scaling_factor is None:
+        return inv_freq.float()
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def rope_cos_sin(cfg: GPTConfig, device: torch.device | None = None) -> torch.Tensor:
+    """cos and sin of every position's angles, stacked: (2, seq_len, head_dim), fp32."""
+    positions = torch.arange(cfg.seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, rope_inv_freq(cfg).to(device))
+    angles = torch.cat((angles, angles), dim=-1)
+    return torch.stack((angles.cos(), angles.sin()))
+
+
+def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, head_dim) rotated by position: x cos + rotate_half(x) sin, in fp32."""
+    cos, sin = cos_sin[0, : x.shape[2]], cos_sin[1, : x.shape[2]]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated * sin).type_as(x)
 
 
 class CoreAttention(nn.Module):
@@ -45,81 +94,95 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
+    """Multi-head or grouped-query attention (num_kv_heads < num_heads: each KV head serves
+    num_heads / num_kv_heads query heads; Ainslie et al. 2023), rotary positions when configured."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        h = cfg.hidden_size
+        h, kv = cfg.hidden_size, cfg.kv_size
         self.head_dim = cfg.head_dim
-        # Separate q/k/v so that column-parallel sharding splits whole heads.
-        self.wq = nn.Linear(h, h, bias=False)
-        self.wk = nn.Linear(h, h, bias=False)
-        self.wv = nn.Linear(h, h, bias=False)
+        self.rope = cfg.positions == "rope"
+        # Separate q/k/v so that column-parallel sharding splits whole (query and KV) heads.
+        self.wq = nn.Linear(h, h, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(h, kv, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(h, kv, bias=cfg.qkv_bias)
         self.core = CoreAttention(cfg.dropout)
         self.wo = nn.Linear(h, h, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        # Under tensor parallelism q is this rank's heads only: derive the head count from it.
+        # Under tensor parallelism q, k and v are this rank's heads only: derive the counts from them.
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if self.rope:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if k.shape[1] != q.shape[1]:  # GQA: each KV head repeated for its group of query heads
+            k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
         y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)
         return self.drop(self.wo(y))
 
 
 class MLP(nn.Module):
+    """GELU (GPT-2): proj(gelu(fc x)). SwiGLU (Shazeer 2020; Llama): proj(silu(gate x) * fc x),
+    the gate and fc (Llama's w1 and w3) both column-parallel under tensor parallelism."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=False) if cfg.mlp == "swiglu" else None
         self.fc = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=False)
         self.proj = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.drop(self.proj(F.silu(self.gate(x)) * self.fc(x)))
         return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block (GPT-2)."""
+    """Pre-norm transformer block (GPT-2, Llama)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.attn_norm = nn.LayerNorm(cfg.hidden_size)
+        self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp_norm = nn.LayerNorm(cfg.hidden_size)
+        self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if (
-            cfg.family != "gpt"
-            or cfg.num_kv_heads not in (None, cfg.num_heads)
-            or cfg.tie_embeddings
-            or cfg.qkv_bias
-        ):
-            raise NotImplementedError(
-                f"the trainer builds the GPT block only, not this {cfg.family} model (issue 26)"
-            )
         self.cfg = cfg
         self.embed: Embeddings | None = Embeddings(cfg)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
-        self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.hidden_size)
+        self.norm: nn.Module | None = make_norm(cfg)
         self.head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # one weight; a pipeline's first and last stage each hold a copy
+            self.head.weight = self.embed.tok.weight
+        # Rotary cos/sin, shared by every layer of this stage (not a parameter, not saved).
+        self.register_buffer("rope", rope_cos_sin(cfg) if cfg.positions == "rope" else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds."""
         if self.embed is not None:
             x = self.embed(x)
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, self.rope)
         if self.norm is not None:
             x = self.norm(x)
         if self.head is not None:
             x = self.head(x)
         return x
+
+    def init_buffers(self) -> None:
+        """Recompute the buffers where the parameters are (after to_empty() from meta)."""
+        if self.rope is not None:
+            self.rope = rope_cos_sin(self.cfg, self.rope.device)
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Parameters are visited in a fixed order, so one seeded generator gives every layout
@@ -130,10 +193,10 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def init_param_(name: str, p: torch.Tensor, cfg: GPTConfig, generator: torch.Generator | None = None) -> None:
-    """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L), norms at (1, 0).
-    `p` may be a whole parameter or one rank's shard of it."""
-    if "norm" in name:
-        p.fill_(1.0 if name.endswith("weight") else 0.0)
+    """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L), norms at (1, 0), biases
+    0. `p` may be a whole parameter or one rank's shard of it."""
+    if "norm" in name or name.endswith(".bias"):
+        p.fill_(1.0 if "norm" in name and name.endswith("weight") else 0.0)
     else:
         std = (
             INIT_STD / math.sqrt(2 * cfg.num_layers)
