@@ -1,10 +1,11 @@
 """A study's best layout as a launch config for another stack: a torchtitan config module,
 Megatron-LM `pretrain_gpt.py` arguments under torchrun, or an sbatch script that runs our own trainer.
 
-Only the layout and the model's shape travel: data, tokenizer, optimizer and step counts belong to
-the run, not the layout. Where a stack has no equivalent of a knob the file says so in a comment
-instead of silently changing what was measured; where it cannot run the layout at all, export_layout
-refuses with the reason (UNSUPPORTED). Names a user wrote (study, cluster) appear only as
+Only the layout and the model travel (tuner/export_model.py: the model by family): data,
+tokenizer, optimizer and step counts belong to the run, not the layout. Where a stack has no
+equivalent of a knob the file says so in a comment instead of silently changing what was measured;
+where it cannot run the layout or build the model at all, export_layout refuses with the reason
+(UNSUPPORTED). Names a user wrote (study, cluster) appear only as
 slug(name), so no comment or shell line carries a user's text. Golden files: tests/tuner/golden/;
 the tests parse them with torchtitan's own ConfigManager and check Megatron-LM's flags and
 validate_args rules (docs/exports.md).

@@ -203,6 +203,27 @@ MORE_TORCHTITAN = {
 }  # fmt: skip
 
 
+# torchtitan's own llama3 flavors (models/llama3/__init__.py) -> (the preset of the same model, the case
+# that exports it).
+TORCHTITAN_FLAVORS = {"1B": ("llama3.2-1b", "llama1b_tied"), "3B": ("llama3.2-3b", "llama3b_tied"),
+                      "8B": ("llama3.1-8b", "llama8b_h100"), "70B": ("llama3.1-70b", "llama70b"),
+                      "405B": ("llama3.1-405b", "llama405b")}  # fmt: skip
+
+
+def _torchtitan_flavor(flavor: str, m: GPTConfig) -> str:
+    """A config module that selects torchtitan's own llama3 `flavor`, at the preset's sequence length."""
+    return (
+        "from torchtitan.models.llama3 import model_registry\n"
+        "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n\n\n"
+        "def tuned_layout():\n"
+        "    config = llama3_debugmodel()\n"
+        f'    config.model_spec = model_registry("{flavor}")\n'
+        f"    config.loss.loss_fn.global_vocab_size = {m.vocab_size}\n"
+        f"    config.training.seq_len = {m.seq_len}\n"
+        "    return config\n"
+    )
+
+
 def _tied_with_pipeline(text: str) -> str:
     """A tied-head export edited to pp 2 (with CUDA graphs off, which pp needs), which the export
     itself refuses: to show torchtitan's own refusal."""
@@ -226,6 +247,8 @@ def torchtitan_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
     modules["no_cuda_graphs_rule"] = ("".join(line for line in pipelined.splitlines(keepends=True)
                                               if "disable_cuda_graphs" not in line), 24)  # fmt: skip
     modules["tied_pipeline_rule"] = (_tied_with_pipeline(modules["llama1b_tied"][0]), 16)
+    for flavor, (preset, _) in TORCHTITAN_FLAVORS.items():
+        modules[f"flavor_{flavor}"] = (_torchtitan_flavor(flavor, MODEL_PRESETS[preset]), 1)
     for name, (text, _) in modules.items():
         (folder / f"titan_{name}.py").write_text(text)
     argv = [f"titan_{name}:{layers}" for name, (_, layers) in modules.items()]
@@ -320,6 +343,26 @@ def test_torchtitan_builds_the_studys_model(case: str, torchtitan_parsed: dict) 
         "hidden_dim": [m.ffn_size], "vocab_size": m.vocab_size, "loss_vocab_size": m.vocab_size,
         "tied": m.tie_embeddings, "norm_eps": [m.norm_eps], "qkv_bias": [m.qkv_bias]}  # fmt: skip
     assert model["num_params"] == m.num_params
+
+
+@pytest.mark.parametrize("flavor", TORCHTITAN_FLAVORS)
+def test_the_llama_3_exports_are_torchtitans_own_flavors(flavor: str, torchtitan_parsed: dict) -> None:
+    """The export of a Llama 3.x preset is the model of torchtitan's flavor of that name, field for
+    field and parameter for parameter, except RoPE's context (the flavors' 131072, which torchtitan
+    cuts to the training length; the export writes the study's) and, for 1B and 3B, the RoPE scaling
+    factor: torchtitan's flavors leave it at its default 8, Llama 3.2's config.json has 32."""
+    preset, case = TORCHTITAN_FLAVORS[flavor]
+    ours, theirs = torchtitan_parsed[case]["model"], torchtitan_parsed[f"flavor_{flavor}"]["model"]
+    assert (theirs["flavor"], theirs["rope"]["max_seq_len"], ours["rope"]["max_seq_len"]) == (
+        flavor,
+        131072,
+        8192,
+    )
+    differ = {k for k in ours if ours[k] != theirs[k]} | {f"rope.{k}" for k in ours["rope"]
+                                                          if ours["rope"][k] != theirs["rope"][k]}  # fmt: skip
+    factor = {"rope.scaling_factor"} if MODEL_PRESETS[preset].rope_scaling_factor != 8.0 else set()
+    assert differ == {"flavor", "rope", "rope.max_seq_len"} | factor
+    assert theirs["rope"]["scaling_factor"] == 8.0
 
 
 def test_the_llama_presets_are_all_exported_to_torchtitan() -> None:
