@@ -479,22 +479,39 @@ def test_megatron_flags_describe_the_studys_model(case: str) -> None:
     assert _megatron_model(_megatron_args(_megatron_export(case))[1]) == _megatron_expected(spec.gpt())
 
 
-MEGATRON_SRC = os.environ.get("MEGATRON_SRC")
+MEGATRON_WHEEL = "megatron-core==0.19.2"  # the first release with megatron/training; it needs Python 3.12
 
 
-@pytest.mark.skipif(not MEGATRON_SRC, reason="MEGATRON_SRC (megatron-core >= 0.19 unpacked, "
-                                             "scripts/check-megatron-export.py) is not set")  # fmt: skip
-def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path) -> None:
+@pytest.fixture(scope="session")
+def megatron_src(tmp_path_factory) -> str:
+    """megatron-core 0.19.2 unpacked (MEGATRON_SRC, or downloaded from PyPI into the test's temp dir):
+    no package for Python 3.11 ships megatron/training, so the wheel for 3.12 is unpacked, not
+    installed (scripts/check-megatron-export.py). 2.4 MB; CI reaches PyPI."""
+    if os.environ.get("MEGATRON_SRC"):
+        return os.environ["MEGATRON_SRC"]
+    import zipfile
+
+    where = tmp_path_factory.mktemp("megatron")
+    run = subprocess.run([sys.executable, "-m", "pip", "download", MEGATRON_WHEEL, "--no-deps", "--python-version",
+                          "3.12", "--only-binary=:all:", "--quiet", "-d", str(where)], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    wheels = list(where.glob("megatron_core-*.whl"))
+    assert run.returncode == 0 and wheels, f"cannot download {MEGATRON_WHEEL} from PyPI: {run.stderr[-2000:]}"
+    with zipfile.ZipFile(wheels[0]) as z:
+        z.extractall(where / "src")
+    return str(where / "src")
+
+
+def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path, megatron_src: str) -> None:
     """Megatron-LM's parse_args + validate_args accept every export (MEGATRON_CASES) and describe the
-    study's model and layout with their arguments. Needs megatron/training, which no package for
-    Python 3.11 ships: MEGATRON_SRC is the unpacked megatron-core 0.19.2 wheel (docs/exports.md)."""
+    study's model and layout with their arguments (megatron-core 0.19.2's megatron/training)."""
     paths = {}
     for case in MEGATRON_CASES:
         paths[case] = tmp_path / f"{case}.txt"
         paths[case].write_text(_megatron_export(case))
     script = ROOT / "scripts" / "check-megatron-export.py"
     run = subprocess.run([sys.executable, str(script), "--json", *map(str, paths.values())], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": MEGATRON_SRC})  # fmt: skip
+                         text=True, env={**os.environ, "PYTHONPATH": megatron_src})  # fmt: skip
     parsed = json.loads(run.stdout.splitlines()[-1]) if run.stdout else {}
     assert run.returncode == 0 and parsed, (run.stderr[-3000:], parsed)
     for case, (spec, config) in MEGATRON_CASES.items():
