@@ -174,6 +174,65 @@ def test_plan_reads_a_spec_file_and_reports_bad_keys(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "budjet: Extra inputs are not permitted" in proc.stderr
 
 
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "hf_configs"
+LLAMA_70B = ["plan", "--hf-config", str(HF_CONFIGS / "Llama-3.1-70B.json"), "--cluster", "h100-80gb",
+             "--gpus", "512", "--global-batch", "1024"]  # fmt: skip
+LLAMA_405B = ["plan", "--model", "llama3.1-405b", "--cluster", "h100-80gb", "--gpus", "1024",
+              "--global-batch", "2048"]  # fmt: skip
+
+
+@pytest.mark.parametrize("args", [LLAMA_70B, LLAMA_405B], ids=["70b-hf-config", "405b-preset"])
+def test_plan_of_a_gqa_model_rejects_tp_past_its_kv_heads(args: list[str]) -> None:
+    """Issue 26: Llama 3.1's 8 KV heads cap tp at 8. The default space offers tp up to the query
+    heads (tuner.spec.default_tp), so the rejections count the layouts the rule removes."""
+    proc = tuner(*args, "--json", "--top", "100000", "--include-unfit")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert len(doc["candidates"]) == doc["num_valid"] > 0
+    assert {c["config"]["tp"] for c in doc["candidates"]} == {1, 2, 4, 8}
+    assert doc["rejected"]["tp must divide num_kv_heads"] > 0
+    text = tuner(*args, "--top", "3").stdout
+    assert "(llama):" in text.splitlines()[0]
+    kv_line = next(line for line in text.splitlines() if line.endswith("tp must divide num_kv_heads"))
+    assert int(kv_line.split()[0]) == doc["rejected"]["tp must divide num_kv_heads"]
+
+
+def test_plan_of_an_hf_config_is_the_preset_it_names() -> None:
+    from_file = json.loads(tuner(*LLAMA_70B, "--json", "--top", "5").stdout)
+    preset = json.loads(
+        tuner(*LLAMA_70B[:1], "--model", "llama3.1-70b", *LLAMA_70B[3:], "--json", "--top", "5").stdout
+    )
+    assert from_file == preset
+    assert tuner(*LLAMA_70B, "--top", "1").stdout.startswith(
+        "llama3.1-70b (llama): 70.55B parameters, seq 8192"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--hf-config", str(HF_CONFIGS / "Mistral-7B-v0.1.json")], "model.hf_config: "),
+        (["--hf-config", str(HF_CONFIGS / "Mistral-7B-v0.1.json")], "sliding_window 4096 is not supported"),
+        (["--hf-config", str(HF_CONFIGS / "Mixtral-8x7B-v0.1.json")], "mixture of experts"),
+        (["--hf-config", "no/such/config.json"], "cannot read"),
+        (["--hf-config", str(HF_CONFIGS / "Llama-3.1-8B.json"), "--model", "llama3.1-8b"], "give one model"),
+    ],
+)
+def test_plan_refuses_an_hf_config_it_cannot_read(args: list[str], message: str) -> None:
+    proc = tuner("plan", *args, "--cluster", "h100-80gb", "--gpus", "8", "--global-batch", "64")
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_plan_spec_reads_hf_config_relative_to_the_spec(tmp_path: Path) -> None:
+    (tmp_path / "llama").mkdir()
+    shutil.copy(HF_CONFIGS / "Llama-3.1-8B.json", tmp_path / "llama" / "config.json")
+    (tmp_path / "s.yaml").write_text("model: {hf_config: llama/config.json, num_layers: 16}\n"
+                                     "cluster: h100-80gb\ntraining: {global_batch_size: 64}\n")  # fmt: skip
+    proc = tuner("plan", "--spec", str(tmp_path / "s.yaml"), "--top", "1", cwd=HF_CONFIGS)  # cwd elsewhere
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("llama-L16-h4096-a32-kv8 (llama): ")
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
