@@ -233,6 +233,41 @@ def test_plan_spec_reads_hf_config_relative_to_the_spec(tmp_path: Path) -> None:
     assert proc.stdout.startswith("llama-L16-h4096-a32-kv8 (llama): ")
 
 
+def test_studies_and_best_name_the_model_with_its_family(tmp_path: Path) -> None:
+    """A study of a config.json submitted from its file: listed under the preset it is, with its
+    family; a GPT study beside it keeps its plain key."""
+    from tests.records import finish, record_trial
+    from trainer.config import ParallelConfig
+    from tuner import store
+    from tuner.db import connect
+    from tuner.outcome import Outcome
+
+    env = {**os.environ, "TUNER_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}", "COLUMNS": "300"}
+    shutil.copy(HF_CONFIGS / "Llama-3.1-8B.json", tmp_path / "config.json")
+    (tmp_path / "llama.yaml").write_text("name: llama\nmodel: {hf_config: config.json}\ncluster: h100-80gb\n"
+                                         "training: {global_batch_size: 64}\n")  # fmt: skip
+    (tmp_path / "gpt.yaml").write_text("name: gpt\nmodel: {num_layers: 4, hidden_size: 64, num_heads: 4}\n"
+                                       "cluster: h100-80gb\ntraining: {global_batch_size: 64}\n")  # fmt: skip
+    for name in ("llama", "gpt"):
+        proc = subprocess.run([TUNER, "submit", str(tmp_path / f"{name}.yaml")], capture_output=True, text=True,
+                              env=env, timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    listed = subprocess.run([TUNER, "studies"], capture_output=True, text=True, env=env, timeout=60).stdout
+    assert "llama3.1-8b (llama)" in listed and "L4-h64-a4 (gpt)" in listed
+    with connect(env["TUNER_DATABASE_URL"]).begin() as s:
+        study = store.get_study(s, "llama")
+        record_trial(
+            s, study, ParallelConfig(tp=8, micro_batch_size=8), Outcome(ok=True, tokens_per_s=9e4, mfu=0.4)
+        )
+        finish(s, study.id)
+    best = subprocess.run([TUNER, "best"], capture_output=True, text=True, env=env, timeout=60).stdout
+    assert best.startswith("llama3.1-8b (llama) (8,030.3M params) on 8 x h100-80gb: tp8"), best
+    (row,) = json.loads(
+        subprocess.run([TUNER, "best", "--json"], capture_output=True, text=True, env=env).stdout
+    )
+    assert (row["model"], row["family"]) == ("llama3.1-8b", "llama")
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
