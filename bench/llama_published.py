@@ -83,8 +83,10 @@ def study(run: Run) -> StudySpec:
 
 
 def main() -> None:
-    print("| table | model | GPUs | layout | published TPS/GPU (stack) | predicted TPS/GPU | predicted / published |"
-          " predicted MFU | fits | planner's pick | its predicted TPS/GPU |")
+    print(
+        "| table | model | GPUs | layout | published TPS/GPU (stack) | predicted TPS/GPU | predicted / published |"
+        " predicted MFU | fits | planner's pick | its predicted TPS/GPU |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in RUNS:
         spec = study(run)
