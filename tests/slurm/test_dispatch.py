@@ -185,6 +185,7 @@ def test_scancel_from_outside_is_a_cancelled_trial(slurm_env: SlurmCluster, tmp_
     assert "outside the tuner" in trial.failure_message
 
 
+@pytest.mark.timeout(1500)  # the trial's own limit below, with room
 def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
     slurm_env: SlurmCluster, tmp_path: Path
 ) -> None:
