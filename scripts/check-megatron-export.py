@@ -16,8 +16,8 @@ validate_args asks the GPU's architecture (CUDA_DEVICE_MAX_CONNECTIONS rules dif
 Blackwell); --arch gives it (default 9, Hopper), so the check runs on a machine without a GPU.
 Data, tokenizer and iteration arguments, which an export leaves to the user, are added.
 --json prints, for each export, what Megatron parsed (MODEL_ARGS and the layout) or its refusal:
-tests/tuner/test_export.py compares that with the study's model when MEGATRON_SRC names the
-unpacked wheel (PYTHONPATH above).
+tests/tuner/test_export.py compares that with the study's model (it downloads and unpacks the
+wheel as above, or takes MEGATRON_SRC, an unpacked copy).
 """
 
 from __future__ import annotations

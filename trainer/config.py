@@ -177,12 +177,8 @@ class GPTConfig:
     @property
     def num_params(self) -> int:
         """Parameters stored (a tied head once)."""
-        return (
-            self.num_nonembed_params
-            - self.vocab_size * self.hidden_size
-            + self.num_head_params
-            + (self.num_embedding_params)
-        )
+        layers = self.num_layers * self.num_layer_params + self._norm_params
+        return layers + self.num_head_params + self.num_embedding_params
 
     @property
     def flops_per_token(self) -> int:

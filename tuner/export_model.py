@@ -87,11 +87,16 @@ TORCHTITAN_IMPORTS = [
 ]
 
 
+def _embedding_init(m: GPTConfig) -> str:
+    """torchtitan's init of the token embedding: skipped when tied (the head's init sets it)."""
+    return "_EMBEDDING_SKIP_INIT" if m.tie_embeddings else "_EMBEDDING_INIT"
+
+
 def _torchtitan_helpers(m: GPTConfig) -> list[str]:
     return [
         "# torchtitan's own helpers for its llama3 flavors (models/llama3/__init__.py): layers and inits",
         "from torchtitan.models.llama3 import (",
-        f"    {'_EMBEDDING_SKIP_INIT' if m.tie_embeddings else '_EMBEDDING_INIT'},",
+        f"    {_embedding_init(m)},",
         "    _NORM_INIT,",
         "    _build_llama3_layers,",
         "    _output_linear_init,",
@@ -105,7 +110,6 @@ def torchtitan_model(m: GPTConfig, flavor: str) -> list[str]:
     torchtitan's llama3 model. The FFN width is the final one: torchtitan's FeedForward takes it as
     is (its flavors compute theirs with compute_ffn_hidden_dim; 8B: 4096, multiple_of 1024,
     ffn_dim_multiplier 1.3 -> 14336). RoPE's max_seq_len is the study's sequence length."""
-    embed_init = "_EMBEDDING_SKIP_INIT" if m.tie_embeddings else "_EMBEDDING_INIT"
     if m.rope_scaling_factor is None:
         scaling = ['scaling="none",']
     else:
@@ -135,7 +139,7 @@ def torchtitan_model(m: GPTConfig, flavor: str) -> list[str]:
         "        dim=dim,",
         "        vocab_size=vocab_size,",
         f"        enable_weight_tying={m.tie_embeddings},",
-        f"        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init={embed_init}),",
+        f"        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init={_embedding_init(m)}),",
         f"        norm=RMSNorm.Config(normalized_shape=dim, eps={m.norm_eps!r}, param_init=_NORM_INIT),",
         "        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_output_linear_init(dim)),",
         "        layers=_build_llama3_layers(",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pydantic import BaseModel, computed_field
+
 from trainer.config import MODEL_PRESETS, GPTConfig
 
 
@@ -36,3 +38,14 @@ def model_family(key: str) -> str:
 def model_label(key: str) -> str:
     """The key with its family, as listings show it: "llama3.1-8b (llama)"."""
     return f"{key} ({model_family(key)})"
+
+
+class WithFamily(BaseModel):
+    """A listed row (study, best, prediction) whose `model` field is a model_key: `family` comes
+    with it. The subclass declares `model` where its fields put it (the mixin adds none)."""
+
+    @computed_field
+    @property
+    def family(self) -> str:
+        """The model's family (gpt, llama, custom: tuner/models.py), from its key."""
+        return model_family(self.model)  # type: ignore[attr-defined]

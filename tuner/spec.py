@@ -396,7 +396,8 @@ class StudySpec(_Strict):
         # that do not divide are rejected layout by layout, with the rule, in the plan. Any other
         # value that does not divide is a mistake in the spec, as is a space with none that does.
         bad = [t for t in self.space.tp if heads % t]
-        strays = [t for t in bad if t not in default_tp(model)]
+        defaults = default_tp(model)
+        strays = [t for t in bad if t not in defaults]
         if strays or len(bad) == len(self.space.tp):
             valid = [t for t in range(1, heads + 1) if heads % t == 0]
             raise ValueError(

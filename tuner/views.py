@@ -10,13 +10,13 @@ import statistics
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, WithJsonSchema, computed_field
+from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, WithJsonSchema
 from sqlalchemy.orm import Session
 
 from tuner import store
 from tuner.cache import RevisionCache
 from tuner.db import Study, Trial, aware, utcnow
-from tuner.models import model_family
+from tuner.models import WithFamily
 from tuner.outcome import FailureKind, StudyStatus, TrialState, words
 from tuner.payoff import Payoff, payoff
 from tuner.predict import CalibrationOut
@@ -94,7 +94,7 @@ class TrialOut(BaseModel):
     finished_at: dt.datetime | None
 
 
-class StudySummary(BaseModel):
+class StudySummary(WithFamily):
     id: int
     name: str
     status: StudyWord
@@ -110,12 +110,6 @@ class StudySummary(BaseModel):
     progress: Progress
     best_tokens_per_s: float | None = None
     best_mfu: float | None = None
-
-    @computed_field
-    @property
-    def family(self) -> str:
-        """The model's family (gpt, llama, custom: tuner/models.py), from its key."""
-        return model_family(self.model)
 
 
 class StudyDetail(StudySummary):
@@ -138,7 +132,7 @@ class TrialPage(BaseModel):
     last_number: int  # pass as ?after= to get only newer trials
 
 
-class BestOut(BaseModel):
+class BestOut(WithFamily):
     kind: Literal["measured"] = "measured"  # predicted rows: tuner/predict.py PredictedBest
     study_id: int
     study: str
@@ -155,12 +149,6 @@ class BestOut(BaseModel):
     peak_memory_bytes: int | None
     predicted_tokens_per_s: float | None
     payoff: Payoff | None = None  # of the study the row comes from
-
-    @computed_field
-    @property
-    def family(self) -> str:
-        """The model's family (gpt, llama, custom: tuner/models.py), from its key."""
-        return model_family(self.model)
 
 
 # --- builders ------------------------------------------------------------------------------------
