@@ -77,6 +77,12 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
     (Korthikanti et al. 2022): q/k/v and MLP-up column-parallel, out-proj and MLP-down
     row-parallel, embedding and head vocab-parallel, logits left vocab-sharded for loss_parallel.
 
+    Llama's block splits the same way (torchtitan's plan): k and v column-parallel over whole KV
+    heads (tp divides num_kv_heads, a layout rule), so each rank's query heads find their KV head
+    on the same rank; SwiGLU's gate column-parallel like the fc it multiplies; a q/k/v bias sharded
+    with its weight's rows; RMSNorm like LayerNorm. Rotary positions need nothing: every rank
+    holds whole heads of full head_dim, and attention sees whole sequences.
+
     Between blocks activations are replicated (plain tensors), or with sequence parallelism
     sharded on the sequence dim: norms run on 1/tp of the tokens and each all-reduce becomes a
     reduce-scatter + all-gather pair."""
@@ -92,6 +98,11 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
         plan["head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if plan:
         parallelize_module(model, tp_mesh, plan)
+    if model.cfg.tie_embeddings and model.embed is not None and model.head is not None:
+        # parallelize_module gave the embedding and the head a DTensor Parameter each, cut from the
+        # one weight: tie them again. Both are vocab rows sharded on dim 0 (RowwiseParallel on an
+        # embedding, ColwiseParallel on a linear layer), so the embedding's shard is the head's.
+        model.head.weight = model.embed.tok.weight
 
     for block in model.layers.values():
         layer_plan: dict[str, object] = {
@@ -102,6 +113,8 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
             "mlp.fc": ColwiseParallel(),
             "mlp.proj": RowwiseParallel(output_layouts=seq),
         }
+        if block.mlp.gate is not None:  # SwiGLU
+            layer_plan["mlp.gate"] = ColwiseParallel()
         if sequence_parallel:
             # The attention's second input, the rotary table (or None), is left as it is.
             gather = PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None))
