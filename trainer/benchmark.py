@@ -32,7 +32,7 @@ from trainer.failures import FailureBoard, InvalidLayout, MemoryCapExceeded
 from trainer.metrics import LiveBytesTracker, cpu_name, grad_norm_, peak_tflops_of
 from trainer.model import GPT, cross_entropy_loss, init_param_
 from trainer.parallel_dims import ParallelDims
-from trainer.parallelize import data_parallel_modules, not_built_yet, parallelize_gpt
+from trainer.parallelize import data_parallel_modules, parallelize_gpt
 from trainer.stopping import measurement_stop
 from trainer.topology import placement
 from trainer.trial_dir import FAULT_VAR, STORE_FD_VAR, write_result
@@ -157,7 +157,7 @@ class Trainer:
         if p.pp > 1:
             # Here, not at the top: torch's pipelining imports torch._dynamo (0.6 s of every
             # rank's start on this CPU), which a trial without a pipeline does not need.
-            from trainer.pipeline import build_schedule, local_stage_ids, split_model
+            from trainer.pipeline import TiedEmbeddings, build_schedule, local_stage_ids, split_model
 
             pp_rank = self.mesh.get_local_rank("pp")
             stage_ids = local_stage_ids(pp_rank, p.pp, p.virtual_stages)
@@ -184,6 +184,13 @@ class Trainer:
             optimizer_groups(self.params), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1
         )
         self.pp_group = self.mesh.get_group("pp") if p.pp > 1 else None
+        # A head tied to the embedding: one copy on the first stage, one on the last (pipeline.py).
+        self.tied = None
+        if p.pp > 1 and cfg.model.tie_embeddings:
+            self.tied = TiedEmbeddings(parts, p.num_stages, self.pp_group)
+            if self.tied.group is not None:
+                self.groups.append(self.tied.group)
+            self.tied.sync_weights()
         if p.pp > 1:
             self.has_first = 0 in stage_ids
             self.has_last = p.num_stages - 1 in stage_ids
@@ -228,7 +235,11 @@ class Trainer:
                 loss = self._accumulate(x, y)
         if loss is None:
             loss = torch.zeros((), device=self.device)
-        norm = grad_norm_(self.params, self.cfg.grad_clip, self.pp_group)
+        duplicates = []
+        if self.tied is not None:
+            self.tied.sum_gradients()
+            duplicates = self.tied.duplicates
+        norm = grad_norm_(self.params, self.cfg.grad_clip, self.pp_group, duplicates)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach().float(), norm
@@ -446,7 +457,7 @@ def run(cfg: BenchmarkConfig, out: Path | None = None) -> BenchmarkResult:
         "tokens_per_step": cfg.tokens_per_step,
     }
     board = FailureBoard(out, rank, world_size, base)
-    problems = cfg.parallel.problems(cfg.model) + not_built_yet(cfg.model, cfg.parallel)
+    problems = cfg.parallel.problems(cfg.model)
     if cfg.parallel.world_size != world_size:
         problems.append(f"the layout needs {cfg.parallel.world_size} ranks, launched with {world_size}")
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import weakref
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -130,20 +131,29 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 def grad_norm_(
-    params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None,
+    duplicates: Collection[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Global L2 norm of the gradients over every parallel axis, then clip to max_norm (0: don't).
 
     DTensor gradients are grouped by (mesh, placements), so each group's norm is reduced over
     exactly the axes it is sharded on; pipeline stages hold disjoint parameters, so their squared
-    norms add up over the pp group (torchtitan's clip_grad_norm_)."""
+    norms add up over the pp group (torchtitan's clip_grad_norm_). `duplicates` are parameters
+    whose gradient is a copy of one counted elsewhere (the last stage's copy of a tied embedding,
+    trainer/pipeline.py): clipped, not counted."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    skip = {id(p) for p in duplicates}
     for p in params:
         if p.grad is not None:
             g = p.grad
-            groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+            groups[(key, id(p) in skip)].append(g)
     squares = []
-    for grads in groups.values():
+    for (_, duplicate), grads in groups.items():
+        if duplicate:
+            continue
         norm = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()

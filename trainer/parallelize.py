@@ -22,26 +22,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.config import ParallelConfig
 from trainer.model import GPT
 from trainer.parallel_dims import ParallelDims
 from trainer.tp2d import apply_tp_2d
-
-
-def not_built_yet(model: GPTConfig, parallel: ParallelConfig) -> list[str]:
-    """What this trainer cannot run yet for a model outside the GPT family: its tensor-parallel plans
-    (the SwiGLU gate, a tied head sharded with the embedding) and a tied head's gradients across
-    pipeline stages are issue 26's item 3, not built. Without this a trial would crash (tp) or
-    train a silently untied head (tied with tp or pp); with it the trial is 'invalid' with the reason."""
-    if model.family == "gpt":
-        return []
-    out = []
-    if parallel.tp > 1 or parallel.tp_col > 1:
-        out.append(f"tensor parallelism (tp {parallel.tp}, tp_col {parallel.tp_col}) of the {model.family} block "
-                   "is not built in this trainer yet (issue 26)")  # fmt: skip
-    if model.tie_embeddings and parallel.pp > 1:
-        out.append("a tied head across pipeline stages is not built in this trainer yet (issue 26)")
-    return out
 
 
 def parallelize_gpt(
@@ -77,6 +61,12 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
     (Korthikanti et al. 2022): q/k/v and MLP-up column-parallel, out-proj and MLP-down
     row-parallel, embedding and head vocab-parallel, logits left vocab-sharded for loss_parallel.
 
+    Llama's block splits the same way (torchtitan's plan): k and v column-parallel over whole KV
+    heads (tp divides num_kv_heads, a layout rule), so each rank's query heads find their KV head
+    on the same rank; SwiGLU's gate column-parallel like the fc it multiplies; a q/k/v bias sharded
+    with its weight's rows; RMSNorm like LayerNorm. Rotary positions need nothing: every rank
+    holds whole heads of full head_dim, and attention sees whole sequences.
+
     Between blocks activations are replicated (plain tensors), or with sequence parallelism
     sharded on the sequence dim: norms run on 1/tp of the tokens and each all-reduce becomes a
     reduce-scatter + all-gather pair."""
@@ -92,6 +82,11 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
         plan["head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
     if plan:
         parallelize_module(model, tp_mesh, plan)
+    if model.cfg.tie_embeddings and model.embed is not None and model.head is not None:
+        # parallelize_module gave the embedding and the head a DTensor Parameter each, cut from the
+        # one weight: tie them again. Both are vocab rows sharded on dim 0 (RowwiseParallel on an
+        # embedding, ColwiseParallel on a linear layer), so the embedding's shard is the head's.
+        model.head.weight = model.embed.tok.weight
 
     for block in model.layers.values():
         layer_plan: dict[str, object] = {
@@ -102,6 +97,8 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
             "mlp.fc": ColwiseParallel(),
             "mlp.proj": RowwiseParallel(output_layouts=seq),
         }
+        if block.mlp.gate is not None:  # SwiGLU
+            layer_plan["mlp.gate"] = ColwiseParallel()
         if sequence_parallel:
             # The attention's second input, the rotary table (or None), is left as it is.
             gather = PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None))

@@ -1,5 +1,10 @@
 """Pipeline parallelism: split a GPT into stages and drive them with a torch.distributed.pipelining
-schedule (GPipe, 1F1B, interleaved 1F1B)."""
+schedule (GPipe, 1F1B, interleaved 1F1B).
+
+Every stage is the same GPT class with parts removed, so each keeps its own copy of the rotary
+table (a buffer, not a parameter). A head tied to the token embedding (small Llamas) becomes two
+copies of the one weight, on the first and the last stage: TiedEmbeddings keeps them equal.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import copy
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -15,6 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.tensor import DTensor
 
 from trainer.model import GPT
 
@@ -49,6 +57,78 @@ def split_model(model: GPT, stage_id: int, num_stages: int) -> GPT:
         stage.norm = None
         stage.head = None
     return stage
+
+
+class TiedEmbeddings:
+    """The tied token-embedding / head weight across pipeline stages, as Megatron-LM keeps it (its
+    "embedding group": the ranks of the first and the last stage). The first stage holds the
+    embedding and the last the head, each a copy of the one weight with the same sharding (tensor
+    and data parallelism cut both the same way); one process would add both uses' gradients into
+    the one weight, so after backward the two copies' gradients are all-reduced (summed) between
+    the two ranks, before clipping and the optimizer: both copies get the same update and stay
+    equal. The gradient norm counts the weight once: the last stage's copy is a duplicate.
+
+    Built after parallelisation, on the parameters the optimizer steps (FSDP2's sharded ones)."""
+
+    def __init__(self, stage_modules: list[tuple[int, GPT]], num_stages: int, pp_group: dist.ProcessGroup):
+        self.copies: list[nn.Parameter] = []
+        for stage_id, module in stage_modules:
+            if stage_id == 0:
+                self.copies.append(module.embed.tok.weight)
+            if stage_id == num_stages - 1:
+                self.copies.append(module.head.weight)
+        # The last stage's copy: clipped with the others, but not counted in the norm.
+        self.duplicates = [m.head.weight for s, m in stage_modules if s == num_stages - 1]
+        self.group = embedding_group(pp_group, num_stages) if len(self.copies) == 1 else None
+
+    def _locals(self, grads: bool) -> list[torch.Tensor]:
+        tensors = [p.grad if grads else p for p in self.copies]
+        return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+
+    @torch.no_grad()
+    def _sum(self, tensors: list[torch.Tensor]) -> None:
+        """Both copies become their sum: across the two ranks, or on the one rank holding both."""
+        if not tensors:
+            return
+        if len(tensors) == 2:
+            tensors[0].add_(tensors[1])
+            tensors[1].copy_(tensors[0])
+        else:
+            dist.all_reduce(tensors[0], group=self.group)
+
+    def sync_weights(self) -> None:
+        """Start both copies from the first stage's values: the last stage's copy is zeroed and the
+        two summed (Megatron's initial all-reduce). Needed after "fast" init, where each stage
+        draws its own values; after "exact" init both copies are already equal."""
+        weights = self._locals(grads=False)
+        with torch.no_grad():
+            for p, local in zip(self.copies, weights, strict=True):
+                if any(p is d for d in self.duplicates):
+                    local.zero_()
+        self._sum(weights)
+
+    def sum_gradients(self) -> None:
+        """After backward (data-parallel reductions included), before clipping."""
+        for p in self.copies:
+            # Under TP the embedding's gradient comes out Replicate (every rank holds all V rows)
+            # while the head's is Shard(0) like both weights: cut it to the weight's rows first (a
+            # local slice, no communication), so that both ranks sum the same rows.
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        self._sum(self._locals(grads=True))
+
+
+def embedding_group(pp_group: dist.ProcessGroup, num_stages: int) -> dist.ProcessGroup:
+    """The two ranks of this rank's pipeline that hold the first and the last stage (pp ranks 0
+    and pp - 1 under looped placement), at the same coordinates on every other axis. Only the
+    group's own ranks create it (use_local_synchronization). With pp 2 it is the pipeline's own
+    group: a second group of the same ranks would get the same name (DeviceMesh names its groups
+    by a hash of their ranks, as new_group does here) and share its connections."""
+    pipeline = dist.get_process_group_ranks(pp_group)  # global ranks, by pp coordinate
+    first, last = pipeline[0], pipeline[(num_stages - 1) % len(pipeline)]
+    if len(pipeline) == 2:
+        return pp_group
+    return dist.new_group([first, last], use_local_synchronization=True)
 
 
 def build_schedule(

@@ -20,10 +20,18 @@ MLP-up and MLP-down; q, k and v's shared one starts once their three weight grad
 and does not overlap); the forward all-reduce of Y blocks (the next op needs Y). With FSDP2 its own all-gather prefetch and
 reduce-scatter overlap as in every other layout.
 
-Everything else keeps the model the same GPT: LayerNorm over the column-split hidden dim reduces
-its statistics over the column group; the token embedding is vocab-split over the row group
-(masked lookup, all-reduced) and hidden-split over the column group; the head is a normal layer
-whose logits stay vocab-split over the row group for loss_parallel.
+Everything else keeps the model the same GPT: LayerNorm (or RMSNorm) over the column-split hidden
+dim reduces its statistics over the column group; the token embedding is vocab-split over the row
+group (masked lookup, all-reduced) and hidden-split over the column group; the head is a normal
+layer whose logits stay vocab-split over the row group for loss_parallel.
+
+Llama's block: k and v are normal layers of kv_size outputs, split over the row group by whole KV
+heads (tp divides num_kv_heads, as in 1D), so rank r's query heads find their KV heads on rank r;
+rotary positions need nothing (whole heads, whole sequences on every rank). SwiGLU's gate and fc
+are normal layers reading the same input: like q, k and v, their two dX are summed and all-reduced
+once. A q/k/v bias is split with its layer's outputs over the row group and replicated over the
+column group, where Y is whole after its all-reduce. A tied head is a normal layer holding the
+embedding's own Parameter: both are vocab rows over the row group and hidden over the column group.
 """
 
 from __future__ import annotations
@@ -114,17 +122,25 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class Linear2D(nn.Module):
-    """A bias-free linear layer over the row x column groups; `weight` keeps its FQN."""
+    """A linear layer over the row x column groups; `weight` (and `bias`) keep their FQNs. The bias
+    (normal layers only) is added to Y once Y is whole over the column group."""
 
     def __init__(
-        self, weight: nn.Parameter, fwd_group: Group, bwd_group: Group, logits_mesh: DeviceMesh | None
+        self,
+        weight: nn.Parameter,
+        fwd_group: Group,
+        bwd_group: Group,
+        logits_mesh: DeviceMesh | None,
+        bias: nn.Parameter | None = None,
     ):
         super().__init__()
-        self.weight = weight
+        self.weight, self.bias = weight, bias
         self.fwd_group, self.bwd_group, self.logits_mesh = fwd_group, bwd_group, logits_mesh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _Linear.apply(x, self.weight.to_local(), self.fwd_group, self.bwd_group)
+        if self.bias is not None:
+            y = y + self.bias.to_local()
         if self.logits_mesh is not None:  # the head: vocab-split logits for loss_parallel
             return DTensor.from_local(y, self.logits_mesh, [Shard(-1)], run_check=False)
         return y
@@ -149,6 +165,22 @@ class LayerNorm2D(nn.Module):
         var = (sums[1] / self.hidden_size).unsqueeze(-1) - mean * mean
         y = ((xf - mean) * torch.rsqrt(var + self.eps)).to(x.dtype)
         return y * self.weight.to_local() + self.bias.to_local()
+
+
+class RMSNorm2D(nn.Module):
+    """RMSNorm (Zhang and Sennrich 2019; Llama) over a hidden dim split across the column group:
+    sum(x^2) is all-reduced there, so every rank scales by the full row's root mean square."""
+
+    def __init__(self, norm: nn.RMSNorm, weight: nn.Parameter, group: dist.ProcessGroup):
+        super().__init__()
+        self.weight, self.group = weight, group
+        self.eps, self.hidden_size = norm.eps, norm.normalized_shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        mean_sq = _AllReduceSum.apply((xf * xf).sum(-1), self.group) / self.hidden_size
+        y = (xf * torch.rsqrt(mean_sq.unsqueeze(-1) + self.eps)).to(x.dtype)
+        return y * self.weight.to_local()
 
 
 class Embedding2D(nn.Module):
@@ -176,22 +208,24 @@ def apply_tp_2d(model: GPT, mesh: DeviceMesh) -> None:
     plan = _Plan(mesh)
     if model.embed is not None:
         model.embed.tok = plan.embedding(model.embed.tok, vocab_split=True)
-        model.embed.pos = plan.embedding(model.embed.pos, vocab_split=False)
+        if model.embed.pos is not None:
+            model.embed.pos = plan.embedding(model.embed.pos, vocab_split=False)
     for block in model.layers.values():
         block.attn_norm, block.mlp_norm = plan.norm(block.attn_norm), plan.norm(block.mlp_norm)
-        for name in ("wq", "wk", "wv"):  # their dX all-reduced once, at the attention's input
-            setattr(
-                block.attn, name, plan.linear(getattr(block.attn, name), transposed=False, reduce_dx=False)
-            )
-        if plan.row is not None:
-            block.attn.register_forward_pre_hook(plan.reduce_input_gradient)
+        plan.fused_inputs(block.attn, ("wq", "wk", "wv"))
         block.attn.wo = plan.linear(block.attn.wo, transposed=True)
-        block.mlp.fc = plan.linear(block.mlp.fc, transposed=False)
+        if block.mlp.gate is not None:  # SwiGLU: gate and fc read the same input
+            plan.fused_inputs(block.mlp, ("gate", "fc"))
+        else:
+            block.mlp.fc = plan.linear(block.mlp.fc, transposed=False)
         block.mlp.proj = plan.linear(block.mlp.proj, transposed=True)
     if model.norm is not None:
         model.norm = plan.norm(model.norm)
     if model.head is not None:
-        model.head = plan.linear(model.head, transposed=False, logits=True)
+        tied = model.cfg.tie_embeddings and model.embed is not None  # else a copy (pipeline.py)
+        model.head = plan.linear(
+            model.head, transposed=False, logits=True, weight=model.embed.tok.weight if tied else None
+        )
 
 
 class _Plan:
@@ -213,21 +247,44 @@ class _Plan:
         """Forward pre-hook: the module's input through Megatron's f over the row group."""
         return (_AllReduceBackward.apply(args[0], self.row), *args[1:])
 
+    def fused_inputs(self, module: nn.Module, names: tuple[str, ...]) -> None:
+        """Normal layers of `module` that read its input (q, k, v; SwiGLU's gate and fc): their
+        dX are summed by autograd and all-reduced once over the row group, at the module's input
+        (AxoNN's fused QKV layer)."""
+        for name in names:
+            setattr(module, name, self.linear(getattr(module, name), transposed=False, reduce_dx=False))
+        if self.row is not None:
+            module.register_forward_pre_hook(self.reduce_input_gradient)
+
     def linear(
-        self, layer: nn.Linear, *, transposed: bool, logits: bool = False, reduce_dx: bool = True
+        self,
+        layer: nn.Linear,
+        *,
+        transposed: bool,
+        logits: bool = False,
+        reduce_dx: bool = True,
+        weight: nn.Parameter | None = None,
     ) -> Linear2D:
-        assert layer.bias is None, "the GPT's linear layers have no bias"
+        """`weight`: a Parameter already placed as this layer's would be (a tied embedding's)."""
         if transposed:  # in-features over the row group, out over the column group
+            assert layer.bias is None, "out-proj and MLP-down have no bias in either family"
             w = self._param(layer.weight, Shard(1), Shard(0))
             return Linear2D(w, fwd_group=self.row, bwd_group=self.col, logits_mesh=None)
-        w = self._param(layer.weight, Shard(0), Shard(1))
+        w = weight if weight is not None else self._param(layer.weight, Shard(0), Shard(1))
+        bias = self._param(layer.bias, Shard(0), Replicate()) if layer.bias is not None else None
         logits_mesh = self.mesh["tp"] if logits and self.row is not None else None
         return Linear2D(
-            w, fwd_group=self.col, bwd_group=self.row if reduce_dx else None, logits_mesh=logits_mesh
+            w,
+            fwd_group=self.col,
+            bwd_group=self.row if reduce_dx else None,
+            logits_mesh=logits_mesh,
+            bias=bias,
         )
 
-    def norm(self, norm: nn.LayerNorm) -> LayerNorm2D:
+    def norm(self, norm: nn.Module) -> LayerNorm2D | RMSNorm2D:
         weight = self._param(norm.weight, Replicate(), Shard(0))
+        if isinstance(norm, nn.RMSNorm):
+            return RMSNorm2D(norm, weight, self.col)
         bias = self._param(norm.bias, Replicate(), Shard(0))
         return LayerNorm2D(norm, weight, bias, self.col)
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tests.trainer.helpers import TINY
+from tests.trainer.helpers import MODELS, TINY
 from trainer.model import GPT, cross_entropy_loss
 from trainer.pipeline import local_stage_ids, split_model, stage_layer_ranges
 
 
-def test_param_count_matches_config() -> None:
-    assert sum(p.numel() for p in GPT(TINY).parameters()) == TINY.num_params
+@pytest.mark.parametrize("name", MODELS)
+def test_param_count_matches_config(name: str) -> None:
+    """A tied head is one Parameter: counted once by the model and by the config."""
+    cfg = MODELS[name]
+    assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.num_params
 
 
 def test_forward_and_loss() -> None:
@@ -42,13 +46,19 @@ def test_looped_stage_placement() -> None:
     assert local_stage_ids(1, 4, 2) == [1, 5]
 
 
-def test_stages_compose_to_the_whole_model() -> None:
-    model = GPT(TINY)
+@pytest.mark.parametrize("name", ["gpt", "llama-tied"])
+def test_stages_compose_to_the_whole_model(name: str) -> None:
+    """Every stage carries the rotary table; a tied head's weight is copied to the last stage."""
+    cfg = MODELS[name]
+    model = GPT(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
-    x = torch.randint(TINY.vocab_size, (2, TINY.seq_len))
-    h = x
-    for s in range(4):
-        stage = split_model(model, s, 4)
+    x = torch.randint(cfg.vocab_size, (2, cfg.seq_len))
+    h, stages = x, [split_model(model, s, 4) for s in range(4)]
+    for s, stage in enumerate(stages):
         assert (stage.embed is None) == (s != 0) and (stage.head is None) == (s != 3)
+        assert (stage.rope is None) == (cfg.positions != "rope")
         h = stage(h)
     torch.testing.assert_close(h, model(x))
+    if cfg.tie_embeddings:  # two copies, equal, not one Parameter
+        first, last = stages[0].embed.tok.weight, stages[-1].head.weight
+        assert first is not last and torch.equal(first, last)

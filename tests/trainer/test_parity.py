@@ -3,14 +3,19 @@ gradient norm must match one process holding everything. This is what proves the
 real: a rank that skipped its share of a reduction, a wrong shard or a lost micro-batch moves
 these numbers far beyond fp32 rounding.
 
-Multi-rank layouts run for real: `python -m trainer.benchmark` under torchrun, gloo on CPU.
+Multi-rank layouts run for real: `python -m trainer.benchmark` under torchrun, gloo on CPU. The GPT
+runs every layout; the Llama family (tests/trainer/helpers.py MODELS) the layouts that split it
+differently: GQA's KV heads under TP, SwiGLU, rotary positions under SP and pipelining, a tied
+head under TP, FSDP2 and across pipeline stages, Qwen2's q/k/v bias.
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from tests.trainer.helpers import GLOBAL_BATCH, assert_valid_result, tiny_config
+from tests.trainer.helpers import GLOBAL_BATCH, MODELS, assert_valid_result, tiny_config
 from trainer.benchmark import run
 from trainer.config import BenchmarkResult, ParallelConfig
 from trainer.launch import run_local
@@ -54,19 +59,61 @@ LAYOUTS = [
     ("ac-selective", P(activation_checkpoint="selective", micro_batch_size=8)),
     ("accum4-vs-big-batch", P(micro_batch_size=2, num_microbatches=4)),
 ]
-
-
-_LAYOUTS = dict(LAYOUTS)
+# (id, model, layout): the Llama family (llama-tiny: 4 query heads, 2 KV heads), global batch 8.
+FAMILY_LAYOUTS = [
+    ("llama-tp2", "llama", P(tp=2, micro_batch_size=8)),  # one KV head per rank
+    ("qwen-tp2-sp", "qwen", P(tp=2, sequence_parallel=True, micro_batch_size=8)),  # bias split with its rows
+    (
+        "llama-tp2-sp-pp2-interleaved-v2",
+        "llama",
+        P(
+            tp=2,
+            sequence_parallel=True,
+            pp=2,
+            pp_schedule="interleaved_1f1b",
+            virtual_stages=2,
+            micro_batch_size=2,
+            num_microbatches=4,
+        ),
+    ),
+    (
+        "llama-fsdp2-zero3-ac-full",
+        "llama",
+        P(dp_shard=2, zero_stage=3, activation_checkpoint="full", micro_batch_size=4),
+    ),
+    ("llama-ac-selective", "llama", P(activation_checkpoint="selective", micro_batch_size=8)),
+    # A tied head: one Parameter under TP and FSDP2; across stages a copy on the first and the last,
+    # their gradients summed (and counted once in the norm), also when interleaved.
+    ("llama-tied-tp2-fsdp2", "llama-tied", P(tp=2, dp_shard=2, zero_stage=2, micro_batch_size=4)),
+    ("llama-tied-pp2", "llama-tied", P(pp=2, micro_batch_size=2, num_microbatches=4)),
+    ("llama-tied-pp4", "llama-tied", P(pp=4, micro_batch_size=2, num_microbatches=4)),  # a group of 2 of 4
+    (
+        "llama-tied-tp2-pp2-interleaved-v2",
+        "llama-tied",
+        P(
+            tp=2,
+            pp=2,
+            pp_schedule="interleaved_1f1b",
+            virtual_stages=2,
+            micro_batch_size=2,
+            num_microbatches=4,
+        ),
+    ),
+]
+# Every case as (id, model, layout).
+CASES = [(name, "gpt", layout) for name, layout in LAYOUTS] + FAMILY_LAYOUTS
+_CASES = {name: (model, layout) for name, model, layout in CASES}
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory):
-    """Run a named layout once per module; later tests reuse the result."""
+    """Run a named case once per module; later tests reuse the result."""
     cache: dict[str, BenchmarkResult] = {}
 
     def get(name: str) -> BenchmarkResult:
         if name not in cache:
-            cfg = tiny_config(_LAYOUTS[name])
+            model, layout = _CASES[name]
+            cfg = tiny_config(layout, MODELS[model])
             work = tmp_path_factory.mktemp(name)
             if cfg.parallel.world_size == 1:  # same code path, no launcher needed
                 cache[name] = run(cfg, work / "result.json")
@@ -77,34 +124,41 @@ def measured(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-@pytest.fixture(scope="module")
-def reference() -> BenchmarkResult:
-    """One process, the whole global batch in one micro-batch."""
-    result = run(tiny_config(P(micro_batch_size=GLOBAL_BATCH)))
+@functools.cache
+def reference_of(model: str) -> BenchmarkResult:
+    """One process, the whole global batch in one micro-batch (once per test session)."""
+    result = run(tiny_config(P(micro_batch_size=GLOBAL_BATCH), MODELS[model]))
     assert result.status == "ok", result.error
     return result
 
 
-def test_reference_trains(reference: BenchmarkResult) -> None:
-    assert reference.losses[0] > reference.losses[1] > reference.losses[2]
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_reference_trains(model: str) -> None:
+    losses = reference_of(model).losses
+    assert losses[0] > losses[1] > losses[2]
 
 
 def _relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize(("name", "layout"), LAYOUTS, ids=[n for n, _ in LAYOUTS])
-def test_loss_parity(name: str, layout: ParallelConfig, reference: BenchmarkResult, measured) -> None:
-    assert layout.global_batch_size == GLOBAL_BATCH
-    cfg = tiny_config(layout)
-    result = measured(name)
-    assert_valid_result(result, cfg)
-    for step, (got, want) in enumerate(zip(result.losses, reference.losses), start=1):
+def assert_parity(name: str, result: BenchmarkResult, reference: BenchmarkResult) -> None:
+    """Every step's loss and the step-1 gradient norm within REL_TOL of one process's."""
+    for step, (got, want) in enumerate(zip(result.losses, reference.losses, strict=True), start=1):
         assert _relative(got, want) < REL_TOL, f"{name}: loss at step {step} is {got}, reference {want}"
     assert _relative(result.grad_norms[0], reference.grad_norms[0]) < REL_TOL, (
         f"{name}: step-1 gradient norm {result.grad_norms[0]}, reference {reference.grad_norms[0]}"
     )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "model", "layout"), CASES, ids=[n for n, _, _ in CASES])
+def test_loss_parity(name: str, model: str, layout: ParallelConfig, measured) -> None:
+    assert layout.global_batch_size == GLOBAL_BATCH
+    cfg = tiny_config(layout, MODELS[model])
+    result = measured(name)
+    assert_valid_result(result, cfg)
+    assert_parity(name, result, reference_of(model))
 
 
 @pytest.mark.distributed

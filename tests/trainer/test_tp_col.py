@@ -1,7 +1,8 @@
 """2D tensor parallelism (trainer/tp2d.py): the column axis tp_col, alone and with every other
 technique, trains the same GPT as one process (loss and gradient-norm parity, test_parity.py's
-tolerance); its collectives are AxoNN's, one all-reduce per layer each way on the right group; its
-mesh follows the placement rule (trainer/topology.py)."""
+tolerance), and the Llama family too (RMSNorm, SwiGLU, GQA, q/k/v bias, a tied head); its
+collectives are AxoNN's, one all-reduce per layer each way on the right group; its mesh follows the
+placement rule (trainer/topology.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tests.trainer.helpers import GLOBAL_BATCH, TINY, assert_valid_result, tiny_config
-from tests.trainer.test_parity import REL_TOL, _relative
+from tests.trainer.helpers import GLOBAL_BATCH, MODELS, TINY, assert_valid_result, tiny_config
+from tests.trainer.test_parity import assert_parity, reference_of
 from trainer import tp2d
-from trainer.benchmark import run
 from trainer.config import BenchmarkResult, GPTConfig, ParallelConfig
 from trainer.launch import run_local
 from trainer.model import GPT
@@ -35,14 +35,16 @@ LAYOUTS = [
     ("col2-replicate2", P(tp_col=2, dp_replicate=2, micro_batch_size=4)),
     ("col4", P(tp_col=4, micro_batch_size=8)),
 ]
-_LAYOUTS = dict(LAYOUTS)
-
-
-@pytest.fixture(scope="module")
-def reference() -> BenchmarkResult:
-    result = run(tiny_config(P(micro_batch_size=GLOBAL_BATCH)))
-    assert result.status == "ok", result.error
-    return result
+# (id, model, layout): the Llama family (tests/trainer/helpers.py MODELS), global batch 8.
+FAMILY_LAYOUTS = [
+    ("llama-2x2", "llama", P(tp=2, tp_col=2, micro_batch_size=8)),  # one KV head per row rank
+    # q/k/v bias; the tied head's two copies on the first and last stage, column-split like the embedding
+    ("qwen-tied-col2-pp2", "qwen-tied", P(tp_col=2, pp=2, micro_batch_size=2, num_microbatches=4)),
+    # the tied head as one Parameter under 2D and FSDP2
+    ("llama-tied-col2-fsdp2", "llama-tied", P(tp_col=2, dp_shard=2, zero_stage=3, micro_batch_size=4)),
+]
+CASES = [(name, "gpt", layout) for name, layout in LAYOUTS] + FAMILY_LAYOUTS
+_CASES = {name: (model, layout) for name, model, layout in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -51,33 +53,31 @@ def measured(tmp_path_factory: pytest.TempPathFactory):
 
     def get(name: str) -> BenchmarkResult:
         if name not in cache:
-            cache[name] = run_local(tiny_config(_LAYOUTS[name]), tmp_path_factory.mktemp(name), timeout_s=300)
+            model, layout = _CASES[name]
+            cfg = tiny_config(layout, MODELS[model])
+            cache[name] = run_local(cfg, tmp_path_factory.mktemp(name), timeout_s=300)
         return cache[name]
 
     return get
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("name", "layout"), LAYOUTS, ids=[n for n, _ in LAYOUTS])
-def test_loss_parity(name: str, layout: ParallelConfig, reference: BenchmarkResult, measured) -> None:
+@pytest.mark.parametrize(("name", "model", "layout"), CASES, ids=[n for n, _, _ in CASES])
+def test_loss_parity(name: str, model: str, layout: ParallelConfig, measured) -> None:
     assert layout.global_batch_size == GLOBAL_BATCH
     result = measured(name)
-    assert_valid_result(result, tiny_config(layout))  # also: a peak memory for every rank
+    assert_valid_result(result, tiny_config(layout, MODELS[model]))  # also: a peak memory for every rank
     assert result.parallel["tp_col"] == layout.tp_col
-    for step, (got, want) in enumerate(zip(result.losses, reference.losses), start=1):
-        assert _relative(got, want) < REL_TOL, f"{name}: loss at step {step} is {got}, reference {want}"
-    assert _relative(result.grad_norms[0], reference.grad_norms[0]) < REL_TOL, (
-        f"{name}: step-1 gradient norm {result.grad_norms[0]}, reference {reference.grad_norms[0]}"
-    )
+    assert_parity(name, result, reference_of(model))
     assert result.placement["tp_inside_node"] and result.placement["axes"]["tensor"]["size"] == (
         layout.tp * layout.tp_col
     )
 
 
 @pytest.mark.distributed
-def test_column_split_holds_less_per_rank(reference: BenchmarkResult, measured) -> None:
+def test_column_split_holds_less_per_rank(measured) -> None:
     """Weights, gradients, Adam state and the block's activations are split 4 ways."""
-    assert measured("col4").peak_memory_bytes < 0.9 * reference.peak_memory_bytes
+    assert measured("col4").peak_memory_bytes < 0.9 * reference_of("gpt").peak_memory_bytes
 
 
 class _Recorder:
@@ -96,31 +96,40 @@ class _Recorder:
         return sorted(calls)
 
 
-def test_block_collectives_are_axonns_schedule() -> None:
+@pytest.mark.parametrize("name", ["gpt", "qwen"])
+def test_block_collectives_are_axonns_schedule(name: str) -> None:
     """One block on rank 1 of a 2x2 grid (torch's fake process group, one process): forward
     all-reduces Y over the column group (q, k, v, MLP-up) or the row group (the transposed
     out-proj and MLP-down) and the norms' statistics over the column group; backward all-reduces
-    dX over the other group, q, k and v's once for the three. Nothing else communicates (no DTensor
-    redistribution)."""
+    dX over the other group, q, k and v's once for the three (and SwiGLU's gate and fc once for
+    the two). Nothing else communicates (no DTensor redistribution). The Llama block (Qwen2's:
+    with a q/k/v bias) communicates the same, k and v at their GQA width."""
+    cfg = MODELS[name]
     layout = P(tp=2, tp_col=2)
     dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
     try:
         dims = ParallelDims.from_config(layout, 4)
-        model = GPT(TINY)
+        model = GPT(cfg)
         parallelize_gpt(model, dims.build_mesh("cpu"), dims, layout, param_dtype=torch.float32)
-        b, t, h = 2, TINY.seq_len, TINY.hidden_size
+        b, t, h = 2, cfg.seq_len, cfg.hidden_size
         x = torch.randn(b, t, h // 2, requires_grad=True)  # this rank's column of the residual stream
         rec = _Recorder()
         row, col = (1, 3), (0, 1)  # rank 1 = (row coordinate 0, column coordinate 1)
         with mock.patch.object(tp2d.dist, "all_reduce", rec), CommDebugMode() as comm:
-            y = model.layers["0"](x)
+            y = model.layers["0"](x, model.rope)
             forward = rec.take()
             y.sum().backward()
             backward = rec.take()
-        stats, hidden, ffn = (2, b, t), (b, t, h // 2), (b, t, TINY.ffn_size // 2)
+        # LayerNorm reduces sum(x) and sum(x^2), RMSNorm sum(x^2); hidden is also q's width h / tp
+        stats = (2, b, t) if cfg.norm == "layernorm" else (b, t)
+        hidden, kv, ffn = (b, t, h // 2), (b, t, cfg.kv_size // 2), (b, t, cfg.ffn_size // 2)
+        up = 2 if cfg.mlp == "swiglu" else 1  # SwiGLU's gate and fc
         # forward: norms; q, k, v and MLP-up over the column group; out-proj and MLP-down over rows
         assert forward == sorted(
-            [(col, stats)] * 2 + [(col, hidden)] * 3 + [(col, ffn)] + [(row, hidden)] * 2
+            [(col, stats)] * 2
+            + [(col, hidden), (col, kv), (col, kv)]
+            + [(col, ffn)] * up
+            + [(row, hidden)] * 2
         )
         # backward: norms; dX of q, k, v (summed: one all-reduce, AxoNN's fused QKV) and of MLP-up
         # over rows; of out-proj and MLP-down over columns
