@@ -18,6 +18,7 @@ from trainer.memcheck import (
     RankMemory,
     Simulation,
     Simulator,
+    _cuda_kernels,
     default_ranks,
     extrapolation_points,
     memcheck,
@@ -205,3 +206,28 @@ def test_tensor_parallelism_without_data_parallelism_steps_foreach_adamw() -> No
     for parallel in (P(tp=2, micro_batch_size=1, num_microbatches=2), P(tp=2, pp=2, num_microbatches=4)):
         report = memcheck(tiny_config(parallel, device="cuda"))
         assert all(r.breakdown["optimizer"] > 0 for r in report.ranks), parallel.describe()
+
+
+def test_a_gpu_trials_rms_norm_keeps_what_cudas_fused_kernel_keeps() -> None:
+    """On CUDA torch's rms_norm runs `_fused_rms_norm`, whose backward keeps the input, the fp32
+    rstd and the weight; the CPU the oracle simulates on runs the composite, which keeps an fp32
+    copy of the input and the normalised input besides. The oracle's GPU mode runs FusedRMSNorm:
+    the composite's values and gradients, the fused kernel's saved tensors."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    g = torch.randn(2, 5, 16)
+    expected = torch.nn.functional.rms_norm(x, [16], w, 1e-5)
+    expected_grads = torch.autograd.grad(expected, (x, w), g)
+    saved: list[torch.Tensor] = []
+    with (
+        _cuda_kernels(),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t),
+    ):
+        out = torch.nn.functional.rms_norm(x, [16], w, 1e-5)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(torch.autograd.grad(out, (x, w), g), expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    assert [(tuple(t.shape), t.dtype) for t in saved] == [((2, 5, 16), torch.float32), ((2, 5, 1), torch.float32),
+                                                          ((16,), torch.float32)]  # fmt: skip
+    assert saved[0] is x and saved[2] is w
