@@ -74,9 +74,8 @@ def activation_bytes_per_token(
     # itself, so q, k and v save a copy each of the first norm's output where FSDP2's bf16
     # modules share one (and SwiGLU's gate and up projections of the second's).
     norms = (3 + _mlp_inputs(m) if res > cb else 2) * cb * h
-    stream = (
-        2 * _norm_input_bytes(m, res, device) * h / shard + norms
-    )  # layer input, residual; the norm outputs
+    # the layer input and the residual after attention (what the norms keep of them); the norm outputs
+    stream = 2 * _norm_input_bytes(m, res, device) * h / shard + norms
     sharded = (4 * h + _mlp_tensors(m) * m.ffn_size) * cb / t  # q, k, v, attention output; the MLP's
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
     stats = 2 * _norm_stats_bytes(m) / shard  # two norms' statistics per token, fp32
@@ -311,7 +310,9 @@ def _forward_backward(
     accumulates = p.pp > 1 or p.zero_stage == 0
     accumulated = 4 * r.params + r.vocab_grad if accumulates else sharded_grads
     n, inflight = p.num_microbatches, _in_flight(p, stage)
-    first_backward = n == 1 or (p.pp > 1 and p.pp_schedule == "gpipe")  # the peak can precede it
+    # Every forward before the first backward (GPipe; 1F1B on a stage with n <= pp - stage; one
+    # micro-batch): the peak can precede any gradient.
+    first_backward = inflight >= n
     grads = 0.0 if first_backward else accumulated
     working = r.root + 2 * r.unit if p.zero_stage == 3 else r.whole  # zero 3 prefetches the next layer
     # FSDP2's gathered weights are in the compute dtype, so are the gradients autograd gives them:
@@ -326,6 +327,8 @@ def _forward_backward(
         moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held * inflight + r.loss))
     if first_backward and n > 1:  # GPipe: the next backward, with the first's gradients
         moments.append((working, accumulated + fresh, held * (inflight - 2) + r.layers + r.flow))
+        if r.head:  # ... and its loss, the later micro-batches' logits still there
+            moments.append((r.whole, accumulated, held * (inflight - 1) + r.loss))
     if p.zero_stage == 3 and p.pp > 1:  # a backward that does not sync leaves its layers
         # gathered until their next forward: all of them at its last layer
         moments.append((r.whole, accumulated + fresh, held * (inflight - 1) + r.layer + r.flow))
