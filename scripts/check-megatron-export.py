@@ -15,6 +15,9 @@ typing_extensions:
 validate_args asks the GPU's architecture (CUDA_DEVICE_MAX_CONNECTIONS rules differ before
 Blackwell); --arch gives it (default 9, Hopper), so the check runs on a machine without a GPU.
 Data, tokenizer and iteration arguments, which an export leaves to the user, are added.
+--json prints, for each export, what Megatron parsed (MODEL_ARGS and the layout) or its refusal:
+tests/tuner/test_export.py compares that with the study's model when MEGATRON_SRC names the
+unpacked wheel (PYTHONPATH above).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import shlex
 import sys
@@ -36,6 +40,16 @@ if not hasattr(typing, "override"):  # Python 3.11: megatron.training uses typin
 # What an export leaves to the user (data, tokenizer, iterations), so that validation can run.
 RUN_ARGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50257",
             "--train-iters", "10", "--lr", "1e-4"]  # fmt: skip
+
+
+# The model as Megatron's arguments describe it after validate_args (tests/tuner/test_export.py).
+MODEL_ARGS = ["num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups",
+              "kv_channels", "ffn_hidden_size", "seq_length", "max_position_embeddings", "normalization",
+              "layernorm_epsilon", "swiglu", "position_embedding_type", "rotary_base", "rotary_percent",
+              "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor",
+              "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
+              "attention_dropout", "hidden_dropout", "tensor_model_parallel_size",
+              "pipeline_model_parallel_size", "data_parallel_size"]  # fmt: skip
 
 
 def split_command(text: str) -> tuple[dict[str, str | None], int, list[str]]:
@@ -92,21 +106,29 @@ def main() -> int:
         "--arch", type=int, default=9, help="GPU major version (8 Ampere, 9 Hopper, 10 Blackwell)"
     )
     parser.add_argument("--flags-out", help="write the parser's flags to this file")
+    parser.add_argument("--json", action="store_true", help="print what Megatron parsed as JSON")
     opts = parser.parse_args()
     if opts.flags_out:
         write_flags(opts.flags_out)
-    failed = 0
+    failed, parsed = 0, {}
     for path in opts.exports:
         try:
             args = validate(Path(path).read_text(), opts.arch)
         except AssertionError as e:
             failed += 1
-            print(f"REFUSED {path}: {e}")
+            parsed[path] = {"error": str(e)}
+            if not opts.json:
+                print(f"REFUSED {path}: {e}")
+            continue
+        parsed[path] = {name: getattr(args, name) for name in MODEL_ARGS}
+        if opts.json:
             continue
         print(f"ok {path}: tp {args.tensor_model_parallel_size} pp {args.pipeline_model_parallel_size} "
               f"vpp {args.virtual_pipeline_model_parallel_size} dp {args.data_parallel_size} "
               f"sp {args.sequence_parallel} fsdp2 {args.use_torch_fsdp2} "
               f"dist-opt {args.use_distributed_optimizer}")  # fmt: skip
+    if opts.json:
+        print(json.dumps(parsed))
     return 1 if failed else 0
 
 

@@ -32,7 +32,7 @@ from trainer.failures import FailureBoard, InvalidLayout, MemoryCapExceeded
 from trainer.metrics import LiveBytesTracker, cpu_name, grad_norm_, peak_tflops_of
 from trainer.model import GPT, cross_entropy_loss, init_param_
 from trainer.parallel_dims import ParallelDims
-from trainer.parallelize import data_parallel_modules, parallelize_gpt
+from trainer.parallelize import data_parallel_modules, not_built_yet, parallelize_gpt
 from trainer.stopping import measurement_stop
 from trainer.topology import placement
 from trainer.trial_dir import FAULT_VAR, STORE_FD_VAR, write_result
@@ -446,7 +446,7 @@ def run(cfg: BenchmarkConfig, out: Path | None = None) -> BenchmarkResult:
         "tokens_per_step": cfg.tokens_per_step,
     }
     board = FailureBoard(out, rank, world_size, base)
-    problems = cfg.parallel.problems(cfg.model)
+    problems = cfg.parallel.problems(cfg.model) + not_built_yet(cfg.model, cfg.parallel)
     if cfg.parallel.world_size != world_size:
         problems.append(f"the layout needs {cfg.parallel.world_size} ranks, launched with {world_size}")
     try:

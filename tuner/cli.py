@@ -11,9 +11,10 @@ import yaml
 
 from trainer.config import MODEL_PRESETS
 from tuner.hardware import CLUSTER_PRESET_NAMES, cluster_preset
+from tuner.models import model_key, model_label
 from tuner.plan import PlanError, parse_pins
 from tuner.plan import plan as run_plan
-from tuner.spec import SpecError, StudySpec, parse_spec
+from tuner.spec import SpecError, StudySpec, parse_spec, resolve_hf_config
 
 app = typer.Typer(
     help="parallel-tuner: find the fastest way to train a GPT on a cluster.", no_args_is_help=True
@@ -55,13 +56,19 @@ def _spec_from_flags(**flags: Any) -> dict[str, Any]:
             _fail(f"--spec {flags['spec']}: {e}")
         if not isinstance(data, dict):
             _fail(f"--spec {flags['spec']}: expected a mapping at the top level")
+        data = _resolved(data, flags["spec"].parent, f"--spec {flags['spec']}")
     shape = {k: flags[k] for k in ("layers", "hidden", "heads", "vocab", "seq") if flags[k] is not None}
-    if flags["model"] is not None or shape:
+    hf_config = flags.get("hf_config")
+    if flags["model"] is not None and hf_config is not None:
+        _fail("--model and --hf-config: give one model")
+    if flags["model"] is not None or hf_config is not None or shape:
         model: dict[str, Any] = {"preset": flags["model"]} if flags["model"] else {}
+        if hf_config is not None:
+            model = {"hf_config": str(hf_config)}
         keys = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "vocab": "vocab_size",
                 "seq": "seq_len"}  # fmt: skip
         model |= {keys[k]: v for k, v in shape.items()}
-        data["model"] = model
+        data = _resolved({**data, "model": model}, Path.cwd(), "--hf-config")
     cluster = data.get("cluster", {})
     cluster = {"preset": cluster} if isinstance(cluster, str) else dict(cluster)
     if flags["cluster"] is not None:
@@ -90,10 +97,23 @@ def _spec_from_flags(**flags: Any) -> dict[str, Any]:
     return data
 
 
+def _resolved(data: dict[str, Any], base_dir: Path, origin: str) -> dict[str, Any]:
+    try:
+        return resolve_hf_config(data, base_dir, origin)
+    except SpecError as e:
+        _fail(str(e))
+
+
 @app.command()
 def plan(
     spec: Annotated[Path | None, typer.Option(help="study spec (YAML); flags override its values")] = None,
     model: Annotated[str | None, typer.Option(help=f"model preset: {sorted(MODEL_PRESETS)}")] = None,
+    hf_config: Annotated[
+        Path | None,
+        typer.Option(
+            "--hf-config", help="a Hugging Face config.json (Llama, Mistral, Qwen2) read as the model"
+        ),
+    ] = None,
     layers: Annotated[int | None, typer.Option(help="num_layers (with --hidden, --heads)")] = None,
     hidden: Annotated[int | None, typer.Option(help="hidden_size")] = None,
     heads: Annotated[int | None, typer.Option(help="num_heads")] = None,
@@ -169,7 +189,7 @@ def _stored_constants(cluster_name: str):
 
 def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
     m, c = study.gpt(), study.cluster
-    typer.echo(f"{study.model.preset or 'model'}: {m.num_params / 1e9:.2f}B parameters, seq {m.seq_len}, global "
+    typer.echo(f"{model_label(model_key(m, study.model.preset))}: {m.num_params / 1e9:.2f}B parameters, seq {m.seq_len}, global "
                f"batch {study.training.global_batch_size}, {study.devices} x {c.name} devices "
                f"({c.peak_tflops:g} TFLOP/s, {c.device_memory_gb:g} GB)")  # fmt: skip
     vocab = result["vocab"]

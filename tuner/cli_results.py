@@ -16,9 +16,10 @@ from rich.table import Table
 
 from tuner.backend import Backend, BackendError, DatabaseBackend, HttpBackend
 from tuner.cli_common import console, fail, sessions
+from tuner.models import model_label
 from tuner.outcome import StudyStatus
 from tuner.payoff import describe as describe_payoff
-from tuner.spec import SpecError, load_spec
+from tuner.spec import SpecError, parse_spec, read_spec_file
 
 Url = Annotated[
     str | None, typer.Option("--url", envvar="TUNER_URL", help="a `tuner serve` API; default: the database")
@@ -65,7 +66,7 @@ def studies(ctx: typer.Context, url: Url = None, token: Token = None, as_json: J
                   "tuning device-h", "vs first guess", "created", "held by", "reason")  # fmt: skip
     for r in rows:
         guess = next((b for b in r.payoff.baselines if b.name == "first_guess"), None) if r.payoff else None
-        table.add_row(str(r.id), escape(r.name), r.status.word, escape(r.model), escape(r.cluster), str(r.gpus), r.sampler,
+        table.add_row(str(r.id), escape(r.name), r.status.word, escape(model_label(r.model)), escape(r.cluster), str(r.gpus), r.sampler,
                       f"{r.progress.finished}/{r.progress.budget}", _num(r.best_tokens_per_s, ",.0f"),
                       _num(r.payoff and r.payoff.tuning_device_hours, ".3g"), f"{guess.speedup:.2f}x" if guess else "",
                       r.created_at.isoformat()[:19], escape(_held(r)), escape(r.reason or ""))  # fmt: skip
@@ -137,7 +138,7 @@ def best(
     for r in rows:
         if r.kind == "predicted":
             c = r.calibration
-            typer.echo(f"PREDICTED (not measured) {r.model} ({r.num_params / 1e6:,.1f}M params) on {r.gpus} x {r.cluster}: "
+            typer.echo(f"PREDICTED (not measured) {model_label(r.model)} ({r.num_params / 1e6:,.1f}M params) on {r.gpus} x {r.cluster}: "
                        f"{r.layout} - {r.predicted_tokens_per_s:,.0f} tokens/s, MFU {r.predicted_mfu:.1%}, "
                        f"{r.predicted_memory_bytes / 2**30:.1f} GiB (vocab padded to {r.vocab_size})")  # fmt: skip
             typer.echo(f"  calibration of {c.cluster}: {c.num_points} measurements (study {c.study_id}), rms log "
@@ -145,7 +146,7 @@ def best(
             typer.echo(f"  confirm: {r.confirm}")
             continue
         mfu = f"MFU {r.mfu:.1%}" if r.mfu is not None else "MFU -"
-        typer.echo(f"{r.model} ({r.num_params / 1e6:,.1f}M params) on {r.gpus} x {r.cluster}: {r.layout} - "
+        typer.echo(f"{model_label(r.model)} ({r.num_params / 1e6:,.1f}M params) on {r.gpus} x {r.cluster}: {r.layout} - "
                    f"{r.tokens_per_s:,.0f} tokens/s, {mfu} (study {r.study_id} {r.study!r}, trial {r.trial_number})")  # fmt: skip
         if r.payoff is not None:
             typer.echo(f"  {describe_payoff(r.payoff)}")
@@ -159,11 +160,12 @@ def submit(
 ) -> None:  # fmt: skip
     """Submit a study for a worker to run: to a server (--url), or straight into the database."""
     try:
-        text, parsed = spec.read_text(), load_spec(spec)
+        data = read_spec_file(spec)
+        parsed = parse_spec(data, str(spec))
     except SpecError as e:
         fail(str(e))
-    except OSError as e:
-        fail(f"{spec}: cannot read: {e.strerror}")
+    # The spec as read here, its model's hf_config replaced by the fields: a server reads no files.
+    text = yaml.safe_dump(data, sort_keys=False)
     b = backend(ctx, url, token)
     try:
         created = b.submit(text, parsed)

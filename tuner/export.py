@@ -1,10 +1,11 @@
 """A study's best layout as a launch config for another stack: a torchtitan config module,
 Megatron-LM `pretrain_gpt.py` arguments under torchrun, or an sbatch script that runs our own trainer.
 
-Only the layout and the model's shape travel: data, tokenizer, optimizer and step counts belong to
-the run, not the layout. Where a stack has no equivalent of a knob the file says so in a comment
-instead of silently changing what was measured; where it cannot run the layout at all, export_layout
-refuses with the reason (UNSUPPORTED). Names a user wrote (study, cluster) appear only as
+Only the layout and the model travel (tuner/export_model.py: the model by family): data,
+tokenizer, optimizer and step counts belong to the run, not the layout. Where a stack has no
+equivalent of a knob the file says so in a comment instead of silently changing what was measured;
+where it cannot run the layout or build the model at all, export_layout refuses with the reason
+(UNSUPPORTED). Names a user wrote (study, cluster) appear only as
 slug(name), so no comment or shell line carries a user's text. Golden files: tests/tuner/golden/;
 the tests parse them with torchtitan's own ConfigManager and check Megatron-LM's flags and
 validate_args rules (docs/exports.md).
@@ -28,7 +29,18 @@ from tuner.dispatch.sbatch import (
     preamble,
     trainer_command,
 )
-from tuner.spec import SlurmSpec, StudySpec, benchmark_config, slug
+from tuner.export_model import (
+    TORCHTITAN_IMPORTS,
+    describe,
+    megatron_model_args,
+    megatron_model_note,
+    megatron_unsupported,
+    torchtitan_builds,
+    torchtitan_model,
+    torchtitan_notes,
+    torchtitan_unsupported,
+)
+from tuner.spec import SlurmSpec, StudySpec, benchmark_config, padded_vocab, slug
 
 if TYPE_CHECKING:
     from tuner.settings import SlurmSettings
@@ -99,9 +111,9 @@ def _header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
         + (f" x tp_col {c.tp_col}" if c.tp_col > 1 else "")
         + f" x pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
         f"{c.dp_shard}, on {nodes} node(s) x {per_node} of cluster {slug(spec.cluster.name)}",
-        f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, ffn {m.ffn_size}, "
-        f"vocab {m.vocab_size}, seq {m.seq_len} (GPT: learned positions, pre-LN, GELU MLP, untied head, "
-        "no linear biases)",
+        f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads"
+        + (f" ({m.kv_heads} KV heads)" if m.kv_heads != m.num_heads else "")
+        + f", ffn {m.ffn_size}, vocab {m.vocab_size}, seq {m.seq_len} ({describe(m)})",
         f"batch: global {c.global_batch_size} = micro-batch {c.micro_batch_size} x {c.num_microbatches} "
         f"micro-batches x dp {c.dp}; precision {spec.training.precision}",
     ]
@@ -117,16 +129,17 @@ def _comments(lines: list[str]) -> list[str]:
 def _torchtitan_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
     """torchtitan derives the stage count from `pipeline_parallel_layers_per_stage` (ceil(layers /
     layers per stage)); beyond its default of 2 stages per rank some counts have no such value."""
+    reasons = torchtitan_unsupported(spec.gpt(), config)
     if config.pp == 1 or config.virtual_stages <= 2:
-        return []
+        return reasons
     layers, stages = spec.gpt().num_layers, config.num_stages
     if math.ceil(layers / _layers_per_stage(layers, stages)) != stages:
-        return [f"no pipeline_parallel_layers_per_stage splits {layers} layers into {stages} stages"]
-    return []
+        reasons.append(f"no pipeline_parallel_layers_per_stage splits {layers} layers into {stages} stages")
+    return reasons
 
 
 def _megatron_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
-    layers, c, reasons = spec.gpt().num_layers, config, []
+    layers, c, reasons = spec.gpt().num_layers, config, megatron_unsupported(spec.gpt())
     if c.pp > 1 and layers % c.num_stages:
         reasons.append(
             f"num_layers ({layers}) is not a multiple of pp ({c.pp}) x virtual_stages ({c.virtual_stages}) "
@@ -190,18 +203,14 @@ def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
     ac_module, ac_expr = TORCHTITAN_AC[c.activation_checkpoint]
     body = [
         *([f"from {ac_module} import {ac_expr.split('.')[0]}"] if ac_module else []),
+        *(TORCHTITAN_IMPORTS if torchtitan_builds(spec.gpt()) else []),
         "from torchtitan.models.llama3.config_registry import llama3_debugmodel",
         "from torchtitan.trainer import Trainer",
-        "",
-        "# The model, data, tokenizer and optimizer: replace with your config function that builds the",
-        "# model above (torchtitan has no GPT with learned positions; llama3 is the nearest family).",
-        "# llama3_debugmodel's tokenizer and data are in torchtitan's source tree only (see the top).",
-        "BASE = llama3_debugmodel",
+        *_torchtitan_model(spec),
         "",
         "",
         f"def {TORCHTITAN_CONFIG_FN}() -> Trainer.Config:",
-        '    """BASE with the measured layout."""',
-        "    config = BASE()",
+        *_torchtitan_config(spec),
         *[f"    config.parallelism.{line}" for line in _torchtitan_parallelism(spec, config)],
         *[f"    config.training.{line}" for line in _torchtitan_training(spec, config)],
         "    config.compile.enable_async_tensor_parallel = False  # measured without async TP",
@@ -209,6 +218,36 @@ def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
         "    return config",
     ]
     return "\n".join([*lines, "", *body]) + "\n"
+
+
+def _torchtitan_model(spec: StudySpec) -> list[str]:
+    """The lines between the imports and the config function: BASE, and for a model torchtitan
+    builds (tuner/export_model.py) the model as a flavor of its llama3."""
+    m = spec.gpt()
+    if not torchtitan_builds(m):
+        why = ("torchtitan has no GPT with learned positions; llama3 is the nearest family" if m.family == "gpt"
+               else "torchtitan has no model with this block; its llama3 is RMSNorm, SwiGLU and RoPE")  # fmt: skip
+        return [
+            "",
+            "# The model, data, tokenizer and optimizer: replace with your config function that builds the",
+            f"# model above ({why}).",
+            "# llama3_debugmodel's tokenizer and data are in torchtitan's source tree only (see the top).",
+            "BASE = llama3_debugmodel",
+        ]
+    return torchtitan_model(m, slug(spec.name))
+
+
+def _torchtitan_config(spec: StudySpec) -> list[str]:
+    """The config function's first lines: BASE, with the study's model where torchtitan builds it."""
+    m = spec.gpt()
+    if not torchtitan_builds(m):
+        return ['    """BASE with the measured layout."""', "    config = BASE()"]
+    return [
+        '    """BASE with the study\'s model and the measured layout."""',
+        "    config = BASE()",
+        "    config.model_spec = model_registry(FLAVOR)",
+        f"    config.loss.loss_fn.global_vocab_size = {m.vocab_size}  # BASE's loss was sized for its own model",
+    ]
 
 
 def _torchtitan_parallelism(spec: StudySpec, config: ParallelConfig) -> list[str]:
@@ -278,7 +317,7 @@ def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
         )
     if spec.training.precision == "fp16":
         notes.append("fp16 study: torchtitan's mixed precision is bfloat16 (the trainer measured bf16 too).")
-    return notes
+    return notes + torchtitan_notes(spec.gpt(), padded_vocab(spec.gpt().vocab_size, c.tp))
 
 
 # --- Megatron-LM ---
@@ -287,7 +326,7 @@ def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
 def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
     """`torchrun ... pretrain_gpt.py` with the layout's arguments, one per line."""
     m, c = spec.gpt(), config
-    fsdp = _megatron_fsdp2(config)
+    fsdp = _megatron_fsdp2(spec, config)
     args = [
         ("--tensor-model-parallel-size", c.tp),
         ("--pipeline-model-parallel-size", c.pp),
@@ -301,16 +340,7 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
     args += [
         ("--micro-batch-size", c.micro_batch_size),
         ("--global-batch-size", c.global_batch_size),
-        ("--num-layers", m.num_layers),
-        ("--hidden-size", m.hidden_size),
-        ("--num-attention-heads", m.num_heads),
-        ("--ffn-hidden-size", m.ffn_size),
-        ("--seq-length", m.seq_len),
-        ("--max-position-embeddings", m.seq_len),
-        ("--untie-embeddings-and-output-weights", None),
-        ("--disable-bias-linear", None),
-        ("--attention-dropout", m.dropout),
-        ("--hidden-dropout", m.dropout),
+        *megatron_model_args(m),
     ]
     if spec.training.precision != "fp32":  # --use-torch-fsdp2 refuses --fp16; bf16 is what was measured
         args.append(("--bf16" if fsdp else f"--{spec.training.precision}", None))
@@ -326,11 +356,11 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
     notes = [
         "add data, tokenizer, optimizer and iteration arguments; Megatron pads the vocabulary "
         f"({m.vocab_size}) to a multiple of --make-vocab-size-divisible-by x tp.",
-        "Megatron's defaults match the rest of the model: learned absolute positions, LayerNorm, GELU.",
+        megatron_model_note(m),
     ]
     torchrun, multi_node = _torchrun(spec, config)
     notes += multi_node
-    env, env_note = _megatron_env(config)
+    env, env_note = _megatron_env(spec, config)
     notes += [*([env_note] if env_note else []), *_megatron_notes(spec, config)]
     lines = _comments(
         [*_header(spec, config, f"Megatron-LM launch (flags of {MEGATRON_SOURCE})"), "", *notes]
@@ -354,17 +384,18 @@ def _microbatch_group(config: ParallelConfig) -> int:
     return config.num_microbatches // rounds
 
 
-def _megatron_fsdp2(config: ParallelConfig) -> bool:
-    """zero_stage 3 runs as --use-torch-fsdp2, which validate_args refuses with pipeline parallelism."""
-    return config.zero_stage == 3 and config.pp == 1
+def _megatron_fsdp2(spec: StudySpec, config: ParallelConfig) -> bool:
+    """zero_stage 3 runs as --use-torch-fsdp2, which validate_args refuses with pipeline parallelism
+    and with a head tied to the embedding."""
+    return config.zero_stage == 3 and config.pp == 1 and not spec.gpt().tie_embeddings
 
 
-def _megatron_env(config: ParallelConfig) -> tuple[str, str]:
+def _megatron_env(spec: StudySpec, config: ParallelConfig) -> tuple[str, str]:
     """(prefix of the torchrun command, why) for CUDA_DEVICE_MAX_CONNECTIONS, as validate_args
     rules: --use-torch-fsdp2 asserts it is unset or > 1; otherwise tensor parallelism (sequence
     parallelism needs tp > 1) asserts it is 1 on GPUs before Blackwell, which on later GPUs is
     allowed and harmless. Context and expert parallelism, its other cases, are never exported."""
-    if _megatron_fsdp2(config):
+    if _megatron_fsdp2(spec, config):
         return "env -u CUDA_DEVICE_MAX_CONNECTIONS ", (
             "CUDA_DEVICE_MAX_CONNECTIONS unset: --use-torch-fsdp2 requires it unset or > 1"
             + (" (with tp > 1 Megatron warns that TP would rather have 1)." if config.tp > 1 else ".")
@@ -380,7 +411,7 @@ def _megatron_env(config: ParallelConfig) -> tuple[str, str]:
 def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
     """What Megatron-LM runs differently from the measured layout."""
     c, notes = config, []
-    if _megatron_fsdp2(config):
+    if _megatron_fsdp2(spec, config):
         notes.append("zero_stage 3 -> --use-torch-fsdp2 (torch FSDP2 instead of Megatron's DDP); it does "
                      "not combine with the distributed optimizer or gradient accumulation fusion.")  # fmt: skip
     elif c.zero_stage:
@@ -392,6 +423,10 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
         notes.append("zero_stage 3 with pp > 1: Megatron's --use-torch-fsdp2 does not combine with "
                      "pipeline parallelism, so this uses the distributed optimizer: parameters are not "
                      "sharded and memory per GPU is higher than measured.")  # fmt: skip
+    elif c.zero_stage == 3 and spec.gpt().tie_embeddings:
+        notes.append("zero_stage 3 with a tied head: Megatron's --use-torch-fsdp2 requires "
+                     "--untie-embeddings-and-output-weights, so this uses the distributed optimizer: "
+                     "parameters are not sharded and memory per GPU is higher than measured.")  # fmt: skip
     if c.dp_replicate > 1 and c.dp_shard > 1:
         notes.append(f"dp_replicate {c.dp_replicate} x dp_shard {c.dp_shard} (HSDP): Megatron shards over "
                      "all dp ranks; --num-distributed-optimizer-instances sets replicas where supported.")  # fmt: skip
@@ -407,7 +442,7 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
         notes.append("selective recompute is the attention core in both (Korthikanti et al. 2022).")
     if spec.training.precision == "fp16":
         notes.append("--bf16: --use-torch-fsdp2 does not support fp16; the trainer measured bf16 too."
-                     if _megatron_fsdp2(config)
+                     if _megatron_fsdp2(spec, config)
                      else "--fp16 uses loss scaling; the trainer measured this layout in bf16.")  # fmt: skip
     return notes
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import shlex
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, computed_field
 from sqlalchemy.orm import Session
 
 from trainer.config import MODEL_PRESETS
 from tuner import store
+from tuner.models import model_family
 from tuner.pricing import Pricing
 from tuner.space import SearchSpace
 from tuner.spec import SpecError, StudySpec, parse_spec
@@ -52,6 +53,12 @@ class PredictedBest(BaseModel):
     template_study: str  # the measured study whose settings the prediction reuses
     confirm: str  # one line that runs a short study of the top predicted layouts
     study_spec: dict[str, Any]  # that short study (`tuner best ... --write-study FILE` writes it)
+
+    @computed_field
+    @property
+    def family(self) -> str:
+        """The model's family (gpt, llama, custom: tuner/models.py), from its key."""
+        return model_family(self.model)
 
 
 def confirm_spec(template: StudySpec, model: str, gpus: int | None, global_batch: int | None) -> StudySpec:

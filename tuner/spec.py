@@ -32,6 +32,7 @@ from trainer.config import (
 )
 from trainer.devices import DEVICES, Device, DeviceKind, Dtype, device_kind, find_device
 from tuner.hardware import cluster_preset
+from tuner.hfconfig import HFConfigError, read_hf_config
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -73,6 +74,17 @@ def model_preset(name: str) -> dict[str, Any]:
     if name not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {name!r}; valid: {sorted(MODEL_PRESETS)}")
     return {"preset": name, **MODEL_PRESETS[name].to_dict()}
+
+
+def default_tp(model: GPTConfig) -> list[int]:
+    """space.tp when the spec leaves it out: 1 to 8 (a node of 8 GPUs), and for a model with
+    grouped-query attention also the powers of two above up to num_heads. The query heads would
+    allow those, the KV heads rule them out (ParallelConfig: "tp must divide num_kv_heads"), and a
+    plan counts them among its rejections with that reason instead of never offering them."""
+    tps = [1, 2, 4, 8]
+    while model.kv_heads < model.num_heads and tps[-1] * 2 <= model.num_heads:
+        tps.append(tps[-1] * 2)
+    return tps
 
 
 def _expand_preset(value: Any, expand) -> Any:
@@ -331,9 +343,28 @@ class StudySpec(_Strict):
     backend: Literal["local", "slurm", "dry-run"] = "local"
     slurm: SlurmSpec = SlurmSpec()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tp(cls, data: Any) -> Any:
+        """space.tp from the model when the spec leaves it out (default_tp)."""
+        space = data.get("space", {}) if isinstance(data, dict) else None
+        if not isinstance(space, dict) or "tp" in space:
+            return data
+        try:
+            model = ModelSpec.model_validate(_expand_preset(data.get("model"), model_preset)).gpt()
+        except ValueError:  # a bad model: its own field reports it
+            return data
+        return {**data, "space": {**space, "tp": default_tp(model)}}
+
     @field_validator("model", mode="before")
     @classmethod
     def _model_preset(cls, v: Any) -> Any:
+        if isinstance(v, dict) and "hf_config" in v:
+            raise ValueError(
+                "hf_config: a path is read where a spec file is read (tuner run/submit/plan, relative to "
+                "the file's folder) and replaced by the model's fields; a spec sent as data (the API) "
+                "must give the fields: the server reads no files"
+            )
         return _expand_preset(v, model_preset)
 
     @field_validator("cluster", mode="before")
@@ -361,11 +392,15 @@ class StudySpec(_Strict):
             if model.kv_heads < model.num_heads
             else (model.num_heads, "num_heads")
         )
+        # The default space (default_tp) reaches past the heads on purpose: those of its values
+        # that do not divide are rejected layout by layout, with the rule, in the plan. Any other
+        # value that does not divide is a mistake in the spec, as is a space with none that does.
         bad = [t for t in self.space.tp if heads % t]
-        if bad:
+        strays = [t for t in bad if t not in default_tp(model)]
+        if strays or len(bad) == len(self.space.tp):
             valid = [t for t in range(1, heads + 1) if heads % t == 0]
             raise ValueError(
-                f"space.tp: {bad} do not divide the model's {what} ({heads}); valid tp values: {valid}"
+                f"space.tp: {strays or bad} do not divide the model's {what} ({heads}); valid tp values: {valid}"
             )
         return self
 
@@ -448,7 +483,29 @@ def parse_spec(data: Any, origin: str = "spec") -> StudySpec:
         raise SpecError(f"{origin}: invalid study spec\n{format_validation_error(e)}") from None
 
 
-def load_spec(path: str | Path) -> StudySpec:
+def resolve_hf_config(data: Any, base_dir: Path, origin: str = "spec") -> Any:
+    """The spec (as data) with `model: {hf_config: path, **overrides}` replaced by the fields read
+    from that config.json (tuner/hfconfig.py; a relative path is relative to `base_dir`, the spec
+    file's folder), the overrides on top as on a preset's. Done where a spec file is read, so that
+    what is stored or sent to a server holds the fields, never a path."""
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or "hf_config" not in model:
+        return data
+    overrides = {k: v for k, v in model.items() if k != "hf_config"}
+    path = model["hf_config"]
+    try:
+        if overrides.get("preset") is not None:
+            raise HFConfigError(f"give hf_config or preset ({overrides['preset']!r}), not both")
+        if not isinstance(path, str) or not path:
+            raise HFConfigError(f"expected the path of a config.json, got {path!r}")
+        fields = read_hf_config(base_dir / Path(path).expanduser())
+    except HFConfigError as e:
+        raise SpecError(f"{origin}: invalid study spec\nmodel.hf_config: {e}") from None
+    return {**data, "model": fields | overrides}
+
+
+def read_spec_file(path: str | Path) -> Any:
+    """A spec file's data, its model's hf_config read (resolve_hf_config)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -456,4 +513,8 @@ def load_spec(path: str | Path) -> StudySpec:
         raise SpecError(f"{path}: cannot read: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: not valid YAML: {e}") from None
-    return parse_spec(data, str(path))
+    return resolve_hf_config(data, path.parent, str(path))
+
+
+def load_spec(path: str | Path) -> StudySpec:
+    return parse_spec(read_spec_file(path), str(path))

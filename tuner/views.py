@@ -10,12 +10,13 @@ import statistics
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, WithJsonSchema, computed_field
 from sqlalchemy.orm import Session
 
 from tuner import store
 from tuner.cache import RevisionCache
 from tuner.db import Study, Trial, aware, utcnow
+from tuner.models import model_family
 from tuner.outcome import FailureKind, StudyStatus, TrialState, words
 from tuner.payoff import Payoff, payoff
 from tuner.predict import CalibrationOut
@@ -110,6 +111,12 @@ class StudySummary(BaseModel):
     best_tokens_per_s: float | None = None
     best_mfu: float | None = None
 
+    @computed_field
+    @property
+    def family(self) -> str:
+        """The model's family (gpt, llama, custom: tuner/models.py), from its key."""
+        return model_family(self.model)
+
 
 class StudyDetail(StudySummary):
     spec: dict[str, Any]
@@ -148,6 +155,12 @@ class BestOut(BaseModel):
     peak_memory_bytes: int | None
     predicted_tokens_per_s: float | None
     payoff: Payoff | None = None  # of the study the row comes from
+
+    @computed_field
+    @property
+    def family(self) -> str:
+        """The model's family (gpt, llama, custom: tuner/models.py), from its key."""
+        return model_family(self.model)
 
 
 # --- builders ------------------------------------------------------------------------------------

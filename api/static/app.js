@@ -2,7 +2,7 @@
 // the server wants one) lives in sessionStorage only and goes out as Authorization: Bearer.
 
 import { bestBySize, chartFrame, purge } from "./charts.js";
-import { api, ApiError, el, fmt, isLive, loadPlotly, setToken, STUDY_STATES, statusBadge, token } from "./lib.js";
+import { api, ApiError, el, fmt, isLive, loadPlotly, modelLabel, setToken, STUDY_STATES, statusBadge, token } from "./lib.js";
 import { showStudy } from "./study.js";
 
 const view = document.getElementById("view");
@@ -120,7 +120,7 @@ function studyRow(s) {
   const link = el("a", { href: `#/study/${s.id}` }, s.name);
   const share = s.progress.budget ? Math.min(1, s.progress.finished / s.progress.budget) : 0;
   return el("tr", { dataset: { id: s.id } },
-    el("td", { class: "num" }, String(s.id)), el("td", {}, link), el("td", {}, s.model), el("td", {}, s.cluster),
+    el("td", { class: "num" }, String(s.id)), el("td", {}, link), el("td", {}, modelLabel(s)), el("td", {}, s.cluster),
     el("td", { class: "num" }, String(s.gpus)), el("td", {}, s.sampler), el("td", {}, statusBadge(s.status)),
     el("td", {}, el("span", { class: "progress" }, el("span", { style: `width:${(100 * share).toFixed(0)}%` })),
       ` ${s.progress.finished} / ${s.progress.budget}`),
@@ -140,7 +140,7 @@ async function showBest(current) {
     el("p", { class: "muted" }, "The fastest measured layout per (model, cluster, GPUs) across all studies."), figure,
     el("div", { class: "table-wrap" }, el("table", { class: "best" }, el("thead", {}, el("tr", {}, ["model", "parameters", "cluster", "GPUs", "tokens/s", "tokens/s per device",
       "TFLOP/s per device", "MFU", "peak memory", "layout", "study"].map((h) => el("th", {}, h)))),
-    el("tbody", {}, rows.map((r) => el("tr", {}, el("td", {}, r.model), el("td", { class: "num" }, fmt.params(r.num_params)),
+    el("tbody", {}, rows.map((r) => el("tr", {}, el("td", {}, modelLabel(r)), el("td", { class: "num" }, fmt.params(r.num_params)),
       el("td", {}, r.cluster), el("td", { class: "num" }, String(r.gpus)), el("td", { class: "num" }, fmt.int(r.tokens_per_s)),
       el("td", { class: "num" }, fmt.int(r.tokens_per_s / r.gpus)), el("td", { class: "num" }, fmt.num(r.tflops_per_device)),
       el("td", { class: "num" }, fmt.pct(r.mfu)), el("td", { class: "num" }, fmt.bytes(r.peak_memory_bytes)),
@@ -167,7 +167,7 @@ function predictionSection() {
     out.append(el("div", { class: "table-wrap" }, el("table", { class: "best predicted" },
       el("thead", {}, el("tr", {}, ["model", "parameters", "cluster", "GPUs", "predicted tokens/s", "predicted MFU", "memory",
         "layout", "calibration", "confirm with"].map((h) => el("th", {}, h)))),
-      el("tbody", {}, predicted.map((r) => el("tr", {}, el("td", {}, `${r.model} (predicted)`),
+      el("tbody", {}, predicted.map((r) => el("tr", {}, el("td", {}, `${modelLabel(r)} (predicted)`),
         el("td", { class: "num" }, fmt.params(r.num_params)), el("td", {}, r.cluster), el("td", { class: "num" }, String(r.gpus)),
         el("td", { class: "num" }, fmt.int(r.predicted_tokens_per_s)), el("td", { class: "num" }, fmt.pct(r.predicted_mfu)),
         el("td", { class: "num" }, fmt.bytes(r.predicted_memory_bytes)), el("td", { class: "mono" }, r.layout),

@@ -103,4 +103,6 @@ export { STUDY_STATES };
 export const isLive = (status) => LIVE_STUDY.includes(status);
 export const isCancellable = (status) => CANCELLABLE_STUDY.includes(status);
 export const statusBadge = (status) => el("span", { class: `badge ${status}` }, status);
+// A model as the listings name it: its key and its family ("llama3.1-8b (llama)", tuner/models.py).
+export const modelLabel = (r) => (r.family ? `${r.model} (${r.family})` : r.model);
 export const fact = (label, value, cls) => el("div", { class: cls }, el("dt", {}, label), el("dd", {}, value));

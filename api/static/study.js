@@ -4,7 +4,7 @@
 // (GET /trials?after=<n> every 2 s: new trials, and the ones still waiting or running).
 
 import * as charts from "./charts.js";
-import { api, el, fact, fmt, isCancellable, isLive, statusBadge, token } from "./lib.js";
+import { api, el, fact, fmt, isCancellable, isLive, modelLabel, statusBadge, token } from "./lib.js";
 import { FINISHED, TrialTable, trialDetail } from "./trials.js";
 import { STUDY } from "./vocabulary.js";
 
@@ -68,7 +68,7 @@ export async function showStudy(current, id, ctx) {
     head.replaceChildren(
       el("h1", {}, study.name, " ", statusBadge(study.status), isLive(study.status) ? el("span", { class: "live" }, "live") : null),
       el("dl", { class: "facts" },
-        fact("model", study.model), fact("cluster", study.cluster), fact("GPUs", String(study.gpus)), fact("sampler", study.sampler),
+        fact("model", modelLabel(study)), fact("cluster", study.cluster), fact("GPUs", String(study.gpus)), fact("sampler", study.sampler),
         fact("progress", `${study.progress.finished} / ${study.progress.budget} trials${counts ? ` (${counts})` : ""}`),
         fact("best tokens/s", fmt.int(study.best_tokens_per_s)), fact("best MFU", fmt.pct(study.best_mfu)),
         fact("best layout", best ? `#${best.number} ${best.layout}` : "–", "wide"),

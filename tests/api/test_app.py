@@ -22,12 +22,13 @@ from tuner import store
 from tuner.db import connect
 from tuner.outcome import FailureKind, Outcome
 from tuner.settings import Settings
-from tuner.spec import parse_spec
+from tuner.spec import parse_spec, read_spec_file
 
 TUNER = shutil.which("tuner", path=str(Path(sys.executable).parent)) or "tuner"
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "hf_configs"
 SPEC = {"name": "api-1", "model": "gpt-tiny", "cluster": "cpu-local", "num_gpus": 2,
         "training": {"global_batch_size": 8, "precision": "fp32"},
         "space": {"tp": [1, 2], "pp": [1], "micro_batch_size": [4, 8], "zero_stage": [0],
@@ -185,6 +186,33 @@ def test_a_space_with_no_valid_layout_is_refused_with_the_reasons(client: TestCl
     assert r.status_code == 422 and r.json()["error"]["code"] == "no_valid_layout"
     assert "does not divide 2 GPUs" in r.json()["error"]["message"]
     assert client.get("/api/studies").json()["total"] == 0  # nothing stored
+
+
+def test_an_hf_config_path_is_refused_the_server_reads_no_files(client: TestClient) -> None:
+    r = client.post("/api/studies", json={**SPEC, "model": {"hf_config": "/etc/passwd"}}, headers=AUTH)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_spec"
+    (problem,) = r.json()["error"]["detail"]
+    assert problem["field"] == "model" and problem["message"].startswith("hf_config: ")
+    assert "the server reads no files" in problem["message"]
+    assert client.get("/api/studies").json()["total"] == 0
+
+
+def test_a_spec_file_with_hf_config_arrives_as_fields_with_its_family(
+    client: TestClient, tmp_path: Path
+) -> None:
+    """What `tuner submit --url` sends (tuner/cli_results.py): the file read where the spec is."""
+    shutil.copy(HF_CONFIGS / "Llama-3.1-8B.json", tmp_path / "config.json")
+    spec = {"name": "llama", "model": {"hf_config": "config.json"}, "cluster": "h100-80gb",
+            "training": {"global_batch_size": 64}}  # fmt: skip
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    body = yaml.safe_dump(read_spec_file(tmp_path / "s.yaml"))
+    r = client.post("/api/studies", content=body, headers={**AUTH, "Content-Type": "application/yaml"})
+    assert r.status_code == 201, r.text
+    (item,) = client.get("/api/studies", params={"model": "llama3.1-8b"}).json()["items"]
+    assert (item["model"], item["family"]) == ("llama3.1-8b", "llama")
+    stored = client.get(f"/api/studies/{item['id']}").json()["spec"]["model"]
+    assert "hf_config" not in stored and stored["num_kv_heads"] == 8 and stored["norm"] == "rmsnorm"
+    assert client.get("/api/studies", params={"model": "gpt-tiny"}).json()["total"] == 0
 
 
 def test_oversize_bodies_are_refused(client: TestClient) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -175,11 +176,21 @@ def test_a_worker_started_while_the_database_is_down_waits_for_it(tmp_path: Path
         env = {**os.environ, "TUNER_DATABASE_URL": pg.url, "TUNER_WORK_DIR": str(tmp_path)}
         worker = subprocess.Popen([TUNER, "worker", "--exit-when-idle", "--poll-s", "0.2"], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        seen = []
         try:
-            time.sleep(3)
-            assert worker.poll() is None  # still waiting, not exited
+            # Start the database only once the worker has found it down and said it retries (its
+            # start-up alone takes seconds on a loaded machine: a fixed sleep raced it).
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not any("retrying" in line for line in seen):
+                if select.select([worker.stdout], [], [], 1.0)[0]:
+                    line = worker.stdout.readline()
+                    if not line:
+                        break
+                    seen.append(line)
+            assert worker.poll() is None, seen  # still waiting, not exited
             pg.start()
             out, _ = worker.communicate(timeout=60)
+            out = "".join(seen) + out
         finally:
             if worker.poll() is None:
                 worker.kill()

@@ -281,7 +281,7 @@ def test_a_size_not_measured_shows_the_calibrated_prediction(
     row = page.locator("table.best.predicted tbody tr")
     row.wait_for()
     text = row.inner_text()
-    assert "gpt-2.7b (predicted)" in text and expected[0]["layout"] in text
+    assert "gpt-2.7b (gpt) (predicted)" in text and expected[0]["layout"] in text  # the model with its family
     assert f"{round(expected[0]['predicted_tokens_per_s']):,}" in text
     assert "45 measurements, rms log error 0.12" in text and "tuner best --model gpt-2.7b" in text
     assert page.locator("table.best:not(.predicted) tbody tr").count() == len(

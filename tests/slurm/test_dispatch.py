@@ -185,11 +185,16 @@ def test_scancel_from_outside_is_a_cancelled_trial(slurm_env: SlurmCluster, tmp_
     assert "outside the tuner" in trial.failure_message
 
 
+@pytest.mark.timeout(1500)  # the trial's own limit below, with room
 def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
     slurm_env: SlurmCluster, tmp_path: Path
 ) -> None:
     # ~20 s of steps on an idle 2-core machine: long enough to be caught running, short enough to retry.
-    spec = _spec("node-down", trial={**BASE["trial"], **FIXED_STEPS, "measure_steps": 3000})
+    # A loaded machine (load 7 on the 2 cores) took over 300 s for the retry's steps: a generous limit,
+    # since a retry cut off by it is a timeout, not what this test is about.
+    spec = _spec(
+        "node-down", trial={**BASE["trial"], **FIXED_STEPS, "measure_steps": 3000, "timeout_s": 1200}
+    )
     downed: list[str] = []
 
     def down_then_resume() -> None:

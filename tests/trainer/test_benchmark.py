@@ -155,3 +155,26 @@ def test_slurm_tasks_per_node_is_parsed_or_refused() -> None:
     assert [tasks_on_node("2(x3),1", n) for n in range(5)] == [2, 2, 2, 1, 0]
     with pytest.raises(ValueError, match="tasks per node"):
         tasks_on_node("2[x3]", 0)
+
+
+def test_what_the_trainer_cannot_run_yet_for_llama_is_invalid_with_the_reason(tmp_path: Path) -> None:
+    """llama-tiny runs without tensor parallelism; with it (not built yet) the trial is refused with
+    its reason before any collective, never a crash or a silently untied head."""
+    import dataclasses
+
+    from trainer.config import MODEL_PRESETS, BenchmarkConfig
+
+    llama = MODEL_PRESETS["llama-tiny"]
+    ok = BenchmarkConfig(model=llama, parallel=P(dp_replicate=2, micro_batch_size=4), warmup_steps=1,
+                         measure_steps=2, device="cpu")  # fmt: skip
+    assert_valid_result(run_local(ok, tmp_path / "dp", timeout_s=300), ok)
+    refused = dataclasses.replace(ok, parallel=TP2)
+    result = run_local(refused, tmp_path / "tp", timeout_s=120)
+    assert (
+        result.status == "invalid"
+        and "tensor parallelism (tp 2, tp_col 1) of the llama block" in result.error
+    )
+    tied = dataclasses.replace(ok, model=dataclasses.replace(llama, tie_embeddings=True),
+                               parallel=P(pp=2, micro_batch_size=4, num_microbatches=2))  # fmt: skip
+    result = run_local(tied, tmp_path / "pp", timeout_s=120)
+    assert result.status == "invalid" and "tied head across pipeline stages" in result.error

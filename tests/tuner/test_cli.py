@@ -174,6 +174,100 @@ def test_plan_reads_a_spec_file_and_reports_bad_keys(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "budjet: Extra inputs are not permitted" in proc.stderr
 
 
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "hf_configs"
+LLAMA_70B = ["plan", "--hf-config", str(HF_CONFIGS / "Llama-3.1-70B.json"), "--cluster", "h100-80gb",
+             "--gpus", "512", "--global-batch", "1024"]  # fmt: skip
+LLAMA_405B = ["plan", "--model", "llama3.1-405b", "--cluster", "h100-80gb", "--gpus", "1024",
+              "--global-batch", "2048"]  # fmt: skip
+
+
+@pytest.mark.parametrize("args", [LLAMA_70B, LLAMA_405B], ids=["70b-hf-config", "405b-preset"])
+def test_plan_of_a_gqa_model_rejects_tp_past_its_kv_heads(args: list[str]) -> None:
+    """Issue 26: Llama 3.1's 8 KV heads cap tp at 8. The default space offers tp up to the query
+    heads (tuner.spec.default_tp), so the rejections count the layouts the rule removes."""
+    proc = tuner(*args, "--json", "--top", "100000", "--include-unfit")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert len(doc["candidates"]) == doc["num_valid"] > 0
+    assert {c["config"]["tp"] for c in doc["candidates"]} == {1, 2, 4, 8}
+    assert doc["rejected"]["tp must divide num_kv_heads"] > 0
+    text = tuner(*args, "--top", "3").stdout
+    assert "(llama):" in text.splitlines()[0]
+    kv_line = next(line for line in text.splitlines() if line.endswith("tp must divide num_kv_heads"))
+    assert int(kv_line.split()[0]) == doc["rejected"]["tp must divide num_kv_heads"]
+
+
+def test_plan_of_an_hf_config_is_the_preset_it_names() -> None:
+    from_file = json.loads(tuner(*LLAMA_70B, "--json", "--top", "5").stdout)
+    preset = json.loads(
+        tuner(*LLAMA_70B[:1], "--model", "llama3.1-70b", *LLAMA_70B[3:], "--json", "--top", "5").stdout
+    )
+    assert from_file == preset
+    assert tuner(*LLAMA_70B, "--top", "1").stdout.startswith(
+        "llama3.1-70b (llama): 70.55B parameters, seq 8192"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--hf-config", str(HF_CONFIGS / "Mistral-7B-v0.1.json")], "model.hf_config: "),
+        (["--hf-config", str(HF_CONFIGS / "Mistral-7B-v0.1.json")], "sliding_window 4096 is not supported"),
+        (["--hf-config", str(HF_CONFIGS / "Mixtral-8x7B-v0.1.json")], "mixture of experts"),
+        (["--hf-config", "no/such/config.json"], "cannot read"),
+        (["--hf-config", str(HF_CONFIGS / "Llama-3.1-8B.json"), "--model", "llama3.1-8b"], "give one model"),
+    ],
+)
+def test_plan_refuses_an_hf_config_it_cannot_read(args: list[str], message: str) -> None:
+    proc = tuner("plan", *args, "--cluster", "h100-80gb", "--gpus", "8", "--global-batch", "64")
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_plan_spec_reads_hf_config_relative_to_the_spec(tmp_path: Path) -> None:
+    (tmp_path / "llama").mkdir()
+    shutil.copy(HF_CONFIGS / "Llama-3.1-8B.json", tmp_path / "llama" / "config.json")
+    (tmp_path / "s.yaml").write_text("model: {hf_config: llama/config.json, num_layers: 16}\n"
+                                     "cluster: h100-80gb\ntraining: {global_batch_size: 64}\n")  # fmt: skip
+    proc = tuner("plan", "--spec", str(tmp_path / "s.yaml"), "--top", "1", cwd=HF_CONFIGS)  # cwd elsewhere
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("llama-L16-h4096-a32-kv8 (llama): ")
+
+
+def test_studies_and_best_name_the_model_with_its_family(tmp_path: Path) -> None:
+    """A study of a config.json submitted from its file: listed under the preset it is, with its
+    family; a GPT study beside it keeps its plain key."""
+    from tests.records import finish, record_trial
+    from trainer.config import ParallelConfig
+    from tuner import store
+    from tuner.db import connect
+    from tuner.outcome import Outcome
+
+    env = {**os.environ, "TUNER_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}", "COLUMNS": "300"}
+    shutil.copy(HF_CONFIGS / "Llama-3.1-8B.json", tmp_path / "config.json")
+    (tmp_path / "llama.yaml").write_text("name: llama\nmodel: {hf_config: config.json}\ncluster: h100-80gb\n"
+                                         "training: {global_batch_size: 64}\n")  # fmt: skip
+    (tmp_path / "gpt.yaml").write_text("name: gpt\nmodel: {num_layers: 4, hidden_size: 64, num_heads: 4}\n"
+                                       "cluster: h100-80gb\ntraining: {global_batch_size: 64}\n")  # fmt: skip
+    for name in ("llama", "gpt"):
+        proc = subprocess.run([TUNER, "submit", str(tmp_path / f"{name}.yaml")], capture_output=True, text=True,
+                              env=env, timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    listed = subprocess.run([TUNER, "studies"], capture_output=True, text=True, env=env, timeout=60).stdout
+    assert "llama3.1-8b (llama)" in listed and "L4-h64-a4 (gpt)" in listed
+    with connect(env["TUNER_DATABASE_URL"]).begin() as s:
+        study = store.get_study(s, "llama")
+        record_trial(
+            s, study, ParallelConfig(tp=8, micro_batch_size=8), Outcome(ok=True, tokens_per_s=9e4, mfu=0.4)
+        )
+        finish(s, study.id)
+    best = subprocess.run([TUNER, "best"], capture_output=True, text=True, env=env, timeout=60).stdout
+    assert best.startswith("llama3.1-8b (llama) (8,030.3M params) on 8 x h100-80gb: tp8"), best
+    (row,) = json.loads(
+        subprocess.run([TUNER, "best", "--json"], capture_output=True, text=True, env=env).stdout
+    )
+    assert (row["model"], row["family"]) == ("llama3.1-8b", "llama")
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.config import BenchmarkConfig, ParallelConfig
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig
 from trainer.pipeline import stage_layer_ranges
 from tuner.dispatch.sbatch import ROOT, SiteSettings
 from tuner.export import FORMATS, MEGATRON_SOURCE, TORCHTITAN_CONFIG_FN, TORCHTITAN_VERSION, export_layout
@@ -106,7 +106,29 @@ CASES = {
         ),
         SITE,
     ),
-}
+    # Llama 3.1 8B on 16 x H100: tp4 (2 KV heads per rank) x pp2 1F1B x dp_shard 2, ZeRO-2, selective AC, SP.
+    "llama8b_h100": (
+        _spec("llama3.1-8b", {"preset": "h100-80gb", "num_nodes": 2}, 16, 16, "bf16"),
+        ParallelConfig(tp=4, pp=2, dp_shard=2, micro_batch_size=1, num_microbatches=8, zero_stage=2,
+                       activation_checkpoint="selective", sequence_parallel=True),
+        SITE,
+    ),
+    # Qwen2.5-7B (q/k/v bias, base 1e6, eps 1e-6) on one DGX A100: tp4 (one KV head per rank) x dp_shard 2
+    # ZeRO-3 without pipeline (Megatron's torch-FSDP2 path), full AC.
+    "qwen7b_a100": (
+        _spec("qwen2.5-7b", "a100-80gb", 8, 8, "bf16"),
+        ParallelConfig(tp=4, dp_shard=2, micro_batch_size=1, num_microbatches=4, zero_stage=3,
+                       activation_checkpoint="full"),
+        SITE,
+    ),
+    # The CPU Llama (2 KV heads for 4 query heads) on 4 local "devices": tp2 x dp_replicate 2.
+    "llama_tiny_cpu": (
+        _spec("llama-tiny", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0, "cores_per_node": 4},
+              4, 8, "fp32", space={"tp": [1, 2]}),
+        ParallelConfig(tp=2, dp_replicate=2, micro_batch_size=2, num_microbatches=2),
+        None,
+    ),
+}  # fmt: skip
 
 
 def _export(fmt: str, case: str) -> str:
@@ -152,22 +174,69 @@ def test_export_matches_golden_file(fmt: str, case: str) -> None:
 
 # --- torchtitan: every golden file through torchtitan's own ConfigManager ---
 
+# The other Llama-family presets beyond the golden cases, each in a layout it fits: tied heads (Llama
+# 3.2), 70B and 405B over pipelines, and the small CPU shape.
+MORE_LLAMA = {
+    "llama1b_tied": (_spec("llama3.2-1b", "h100-80gb", 8, 8, "bf16"),
+                     ParallelConfig(tp=2, dp_shard=4, num_microbatches=2, zero_stage=3)),
+    "llama3b_tied": (_spec("llama3.2-3b", "h100-80gb", 8, 8, "bf16", space={"tp": [1, 2, 4, 8]}),
+                     ParallelConfig(tp=8, num_microbatches=8, sequence_parallel=True)),
+    "llama70b": (_spec("llama3.1-70b", {"preset": "h100-80gb", "num_nodes": 8}, 64, 32, "bf16"),
+                 ParallelConfig(tp=8, pp=4, dp_shard=2, num_microbatches=16, zero_stage=2,
+                                activation_checkpoint="full", sequence_parallel=True)),
+    "llama405b": (_spec("llama3.1-405b", {"preset": "h100-80gb", "num_nodes": 18}, 144, 36, "bf16"),
+                  ParallelConfig(tp=8, pp=9, dp_shard=2, num_microbatches=18, zero_stage=2,
+                                 activation_checkpoint="full", sequence_parallel=True)),
+    "llama_small": (_spec("llama-small", {"preset": "cpu-local", "gpus_per_node": 2}, 2, 4, "fp32",
+                          space={"tp": [1, 2]}),
+                    ParallelConfig(dp_shard=2, num_microbatches=2, zero_stage=3)),
+}  # fmt: skip
 # Layouts beyond the golden cases: more than 2 virtual stages per rank (pipeline_parallel_layers_per_stage)
-# and an uneven layer split.
+# and an uneven layer split; and the Llama presets.
 MORE_TORCHTITAN = {
     "virtual3": (_spec({"preset": "gpt-tiny", "num_layers": 12}, "h100-80gb", 4, 8, "bf16"),
                  ParallelConfig(pp=2, dp_shard=2, zero_stage=2, num_microbatches=4,
                                 pp_schedule="interleaved_1f1b", virtual_stages=3)),
     "uneven": (_spec({"preset": "gpt-tiny", "num_layers": 5}, "h100-80gb", 8, 8, "bf16"),
                ParallelConfig(pp=2, dp_replicate=4, num_microbatches=2)),
+    **MORE_LLAMA,
 }  # fmt: skip
+
+
+# torchtitan's own llama3 flavors (models/llama3/__init__.py) -> (the preset of the same model, the case
+# that exports it).
+TORCHTITAN_FLAVORS = {"1B": ("llama3.2-1b", "llama1b_tied"), "3B": ("llama3.2-3b", "llama3b_tied"),
+                      "8B": ("llama3.1-8b", "llama8b_h100"), "70B": ("llama3.1-70b", "llama70b"),
+                      "405B": ("llama3.1-405b", "llama405b")}  # fmt: skip
+
+
+def _torchtitan_flavor(flavor: str, m: GPTConfig) -> str:
+    """A config module that selects torchtitan's own llama3 `flavor`, at the preset's sequence length."""
+    return (
+        "from torchtitan.models.llama3 import model_registry\n"
+        "from torchtitan.models.llama3.config_registry import llama3_debugmodel\n\n\n"
+        "def tuned_layout():\n"
+        "    config = llama3_debugmodel()\n"
+        f'    config.model_spec = model_registry("{flavor}")\n'
+        f"    config.loss.loss_fn.global_vocab_size = {m.vocab_size}\n"
+        f"    config.training.seq_len = {m.seq_len}\n"
+        "    return config\n"
+    )
+
+
+def _tied_with_pipeline(text: str) -> str:
+    """A tied-head export edited to pp 2 (with CUDA graphs off, which pp needs), which the export
+    itself refuses: to show torchtitan's own refusal."""
+    one = "    config.parallelism.pipeline_parallel_degree = 1\n"
+    assert one in text
+    return text.replace(one, one.replace("1", "2") + "    config.training.disable_cuda_graphs = True\n")
 
 
 @pytest.fixture(scope="module")
 def torchtitan_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """{name: what torchtitan parsed} for every golden torchtitan export, the MORE_TORCHTITAN
-    layouts, and `no_cuda_graphs_rule`: the pipeline golden without its disable_cuda_graphs line.
-    One process (tests/tuner/torchtitan_parse.py) keeps torchtitan's imports out of this one."""
+    layouts, `no_cuda_graphs_rule`: the pipeline golden without its disable_cuda_graphs line, and
+    `tied_pipeline_rule`: a tied head with pp 2 (_tied_with_pipeline). One process (tests/tuner/torchtitan_parse.py) keeps torchtitan's imports out of this one."""
     folder = tmp_path_factory.mktemp("torchtitan")
     modules = {}
     for case, (spec, *_) in CASES.items():
@@ -177,6 +246,9 @@ def torchtitan_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
     pipelined = modules["gpt13b_h100"][0]
     modules["no_cuda_graphs_rule"] = ("".join(line for line in pipelined.splitlines(keepends=True)
                                               if "disable_cuda_graphs" not in line), 24)  # fmt: skip
+    modules["tied_pipeline_rule"] = (_tied_with_pipeline(modules["llama1b_tied"][0]), 16)
+    for flavor, (preset, _) in TORCHTITAN_FLAVORS.items():
+        modules[f"flavor_{flavor}"] = (_torchtitan_flavor(flavor, MODEL_PRESETS[preset]), 1)
     for name, (text, _) in modules.items():
         (folder / f"titan_{name}.py").write_text(text)
     argv = [f"titan_{name}:{layers}" for name, (_, layers) in modules.items()]
@@ -247,6 +319,80 @@ def test_torchtitan_refuses_pipeline_parallelism_with_cuda_graphs(torchtitan_par
     assert "CUDA graphs do not support pipeline parallelism" in error
 
 
+@pytest.mark.parametrize("case", TORCHTITAN_CASES)
+def test_torchtitan_builds_the_studys_model(case: str, torchtitan_parsed: dict) -> None:
+    """A Llama-family study's export selects a flavor of torchtitan's llama3 with the study's shape,
+    and the model torchtitan builds from it (on the meta device, after its own checks of the model
+    against the layout) has the parameters GPTConfig counts. A GPT study's export keeps the base's
+    model (torchtitan has no GPT): the layout only."""
+    spec, _ = TORCHTITAN_CASES[case]
+    m, model = spec.gpt(), torchtitan_parsed[case]["model"]
+    if m.family != "llama":
+        assert (model["name"], model["flavor"]) == ("llama3", "debugmodel")
+        return
+    assert (model["name"], model["flavor"]) == ("llama3", slug(spec.name))
+    rope = {"theta": m.rope_theta, "scaling": "none", "max_seq_len": m.seq_len}
+    if m.rope_scaling_factor is not None:
+        rope |= {"scaling": "llama", "scaling_factor": m.rope_scaling_factor, "low_freq_factor": m.rope_low_freq_factor,
+                 "high_freq_factor": m.rope_high_freq_factor,
+                 "original_max_position_embeddings": m.rope_original_max_positions}  # fmt: skip
+    assert {k: model["rope"][k] for k in rope} == rope
+    assert {k: model[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size",
+                                  "loss_vocab_size", "tied", "norm_eps", "qkv_bias")} == {
+        "dim": m.hidden_size, "n_layers": m.num_layers, "n_heads": m.num_heads, "n_kv_heads": m.kv_heads,
+        "hidden_dim": [m.ffn_size], "vocab_size": m.vocab_size, "loss_vocab_size": m.vocab_size,
+        "tied": m.tie_embeddings, "norm_eps": [m.norm_eps], "qkv_bias": [m.qkv_bias]}  # fmt: skip
+    assert model["num_params"] == m.num_params
+
+
+@pytest.mark.parametrize("flavor", TORCHTITAN_FLAVORS)
+def test_the_llama_3_exports_are_torchtitans_own_flavors(flavor: str, torchtitan_parsed: dict) -> None:
+    """The export of a Llama 3.x preset is the model of torchtitan's flavor of that name, field for
+    field and parameter for parameter, except RoPE's context (the flavors' 131072, which torchtitan
+    cuts to the training length; the export writes the study's) and, for 1B and 3B, the RoPE scaling
+    factor: torchtitan's flavors leave it at its default 8, Llama 3.2's config.json has 32."""
+    preset, case = TORCHTITAN_FLAVORS[flavor]
+    ours, theirs = torchtitan_parsed[case]["model"], torchtitan_parsed[f"flavor_{flavor}"]["model"]
+    assert (theirs["flavor"], theirs["rope"]["max_seq_len"], ours["rope"]["max_seq_len"]) == (
+        flavor,
+        131072,
+        8192,
+    )
+    differ = {k for k in ours if ours[k] != theirs[k]} | {f"rope.{k}" for k in ours["rope"]
+                                                          if ours["rope"][k] != theirs["rope"][k]}  # fmt: skip
+    factor = {"rope.scaling_factor"} if MODEL_PRESETS[preset].rope_scaling_factor != 8.0 else set()
+    assert differ == {"flavor", "rope", "rope.max_seq_len"} | factor
+    assert theirs["rope"]["scaling_factor"] == 8.0
+
+
+def test_the_llama_presets_are_all_exported_to_torchtitan() -> None:
+    exported = {TORCHTITAN_CASES[case][0].model.preset for case in TORCHTITAN_CASES}
+    assert {name for name, m in MODEL_PRESETS.items() if m.family == "llama"} <= exported
+
+
+def test_torchtitan_refuses_a_tied_head_with_pipeline_parallelism(torchtitan_parsed: dict) -> None:
+    """torchtitan's Decoder refuses weight tying with pp > 1, so the export refuses the layout
+    (our trainer runs it: sbatch)."""
+    assert (
+        torchtitan_parsed["tied_pipeline_rule"]["error"]
+        == "Weight tying is not supported with Pipeline Parallel."
+    )
+    spec, _ = MORE_LLAMA["llama1b_tied"]
+    layout = ParallelConfig(tp=2, pp=2, dp_replicate=2, num_microbatches=4)
+    assert export_layout("sbatch", spec, layout)
+    with pytest.raises(ValueError, match=r"torchtitan: .*a head tied to the token embedding with pp 2: "
+                                         "torchtitan refuses weight tying with pipeline parallelism"):  # fmt: skip
+        export_layout("torchtitan", spec, layout)
+
+
+def test_torchtitan_refuses_dropout_in_a_llama() -> None:
+    spec = _spec({"preset": "llama-tiny", "dropout": 0.1}, "h100-80gb", 2, 2, "bf16", space={"tp": [1, 2]})
+    config = ParallelConfig(dp_replicate=2)
+    assert "--attention-dropout 0.1" in export_layout("megatron", spec, config)
+    with pytest.raises(ValueError, match=r"torchtitan: .*dropout 0.1: torchtitan's Llama 3 has no dropout"):
+        export_layout("torchtitan", spec, config)
+
+
 def test_torchtitan_refuses_a_stage_count_it_cannot_derive() -> None:
     spec = _spec({"preset": "gpt-tiny", "num_layers": 9}, "h100-80gb", 2, 2, "bf16")
     config = ParallelConfig(pp=2, num_microbatches=2, pp_schedule="interleaved_1f1b", virtual_stages=3)
@@ -267,12 +413,117 @@ def _megatron_flags() -> tuple[str, set[str]]:
     return header, set(flags)
 
 
-@pytest.mark.parametrize("case", CASES)
+# Every golden case and the other Llama presets (MORE_LLAMA).
+MEGATRON_CASES = {**{case: CASES[case][:2] for case in CASES}, **MORE_LLAMA}
+
+
+def _megatron_export(case: str) -> str:
+    if case in CASES:
+        return (GOLDEN / f"export_megatron_{case}.txt").read_text()
+    return export_layout("megatron", *MEGATRON_CASES[case])
+
+
+@pytest.mark.parametrize("case", MEGATRON_CASES)
 def test_megatron_export_uses_only_flags_of_megatrons_parser(case: str) -> None:
     header, known = _megatron_flags()
     assert header.startswith(f"# {MEGATRON_SOURCE.split(',')[0]}:")
-    _, flags = _megatron_args((GOLDEN / f"export_megatron_{case}.txt").read_text())
+    _, flags = _megatron_args(_megatron_export(case))
     assert set(flags) <= known, set(flags) - known
+
+
+def _megatron_expected(m: GPTConfig) -> dict:
+    """The study's model in the names of Megatron-LM's arguments (after validate_args)."""
+    rope = m.positions == "rope"
+    return {
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_heads,
+        "num_query_groups": m.kv_heads, "kv_channels": m.head_dim, "ffn_hidden_size": m.ffn_size,
+        "seq_length": m.seq_len, "normalization": "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm",
+        "layernorm_epsilon": m.norm_eps, "swiglu": m.mlp == "swiglu",
+        "position_embedding_type": "rope" if rope else "learned_absolute",
+        "rotary_base": int(m.rope_theta) if rope else 10000, "use_rope_scaling": m.rope_scaling_factor is not None,
+        "rope_scaling_factor": m.rope_scaling_factor or 8.0,
+        "untie_embeddings_and_output_weights": not m.tie_embeddings, "add_bias_linear": False,
+        "add_qkv_bias": m.qkv_bias, "attention_dropout": m.dropout, "hidden_dropout": m.dropout,
+    }  # fmt: skip
+
+
+def _megatron_model(flags: dict[str, str | None]) -> dict:
+    """The model the flags describe, Megatron's parser's defaults filling the rest (megatron-core
+    0.19.2, megatron/training/arguments.py and TransformerConfig: learned absolute positions, LayerNorm
+    eps 1e-5, GELU, multi-head attention (no --group-query-attention: one query group per head),
+    kv channels hidden / heads, a tied head, linear biases, rotary base 10000, scaling factor 8)."""
+    heads, hidden = int(flags["--num-attention-heads"]), int(flags["--hidden-size"])
+    return {
+        "num_layers": int(flags["--num-layers"]), "hidden_size": hidden, "num_attention_heads": heads,
+        "num_query_groups": int(flags["--num-query-groups"]) if "--group-query-attention" in flags else heads,
+        "kv_channels": int(flags.get("--kv-channels") or hidden // heads),
+        "ffn_hidden_size": int(flags["--ffn-hidden-size"]), "seq_length": int(flags["--seq-length"]),
+        "normalization": flags.get("--normalization", "LayerNorm"),
+        "layernorm_epsilon": float(flags.get("--norm-epsilon") or 1e-5), "swiglu": "--swiglu" in flags,
+        "position_embedding_type": flags.get("--position-embedding-type", "learned_absolute"),
+        "rotary_base": int(flags.get("--rotary-base") or 10000), "use_rope_scaling": "--use-rope-scaling" in flags,
+        "rope_scaling_factor": float(flags.get("--rope-scaling-factor") or 8.0),
+        "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights" in flags,
+        "add_bias_linear": "--disable-bias-linear" not in flags,
+        "add_qkv_bias": "--add-qkv-bias" in flags or "--disable-bias-linear" not in flags,
+        "attention_dropout": float(flags["--attention-dropout"]), "hidden_dropout": float(flags["--hidden-dropout"]),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MEGATRON_CASES)
+def test_megatron_flags_describe_the_studys_model(case: str) -> None:
+    """GQA as query groups, the FFN width, SwiGLU, RMSNorm and its eps, RoPE's base and Llama 3.1
+    scaling, the head untied or not, q/k/v bias: what the flags say, over Megatron's defaults, is the
+    study's model (a GPT study's flags are the ones it had)."""
+    spec, _ = MEGATRON_CASES[case]
+    assert _megatron_model(_megatron_args(_megatron_export(case))[1]) == _megatron_expected(spec.gpt())
+
+
+MEGATRON_WHEEL = "megatron-core==0.19.2"  # the first release with megatron/training; it needs Python 3.12
+
+
+@pytest.fixture(scope="session")
+def megatron_src(tmp_path_factory) -> str:
+    """megatron-core 0.19.2 unpacked (MEGATRON_SRC, or downloaded from PyPI into the test's temp dir):
+    no package for Python 3.11 ships megatron/training, so the wheel for 3.12 is unpacked, not
+    installed (scripts/check-megatron-export.py). 2.4 MB; CI reaches PyPI."""
+    if os.environ.get("MEGATRON_SRC"):
+        return os.environ["MEGATRON_SRC"]
+    import zipfile
+
+    where = tmp_path_factory.mktemp("megatron")
+    run = subprocess.run([sys.executable, "-m", "pip", "download", MEGATRON_WHEEL, "--no-deps", "--python-version",
+                          "3.12", "--only-binary=:all:", "--quiet", "-d", str(where)], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    wheels = list(where.glob("megatron_core-*.whl"))
+    assert run.returncode == 0 and wheels, f"cannot download {MEGATRON_WHEEL} from PyPI: {run.stderr[-2000:]}"
+    with zipfile.ZipFile(wheels[0]) as z:
+        z.extractall(where / "src")
+    return str(where / "src")
+
+
+def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path, megatron_src: str) -> None:
+    """Megatron-LM's parse_args + validate_args accept every export (MEGATRON_CASES) and describe the
+    study's model and layout with their arguments (megatron-core 0.19.2's megatron/training)."""
+    paths = {}
+    for case in MEGATRON_CASES:
+        paths[case] = tmp_path / f"{case}.txt"
+        paths[case].write_text(_megatron_export(case))
+    script = ROOT / "scripts" / "check-megatron-export.py"
+    run = subprocess.run([sys.executable, str(script), "--json", *map(str, paths.values())], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": megatron_src})  # fmt: skip
+    parsed = json.loads(run.stdout.splitlines()[-1]) if run.stdout else {}
+    assert run.returncode == 0 and parsed, (run.stderr[-3000:], parsed)
+    for case, (spec, config) in MEGATRON_CASES.items():
+        args = parsed[str(paths[case])]
+        if not args["group_query_attention"]:  # TransformerConfig: one group per head
+            args["num_query_groups"] = args["num_attention_heads"]
+        expected = _megatron_expected(spec.gpt())
+        assert {k: args[k] for k in expected} == expected, case
+        assert (args["max_position_embeddings"], args["rotary_percent"], args["rotary_interleaved"]) == (
+            spec.seq_len, 1.0, False)  # fmt: skip
+        assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"],
+                args["data_parallel_size"]) == (config.tp, config.pp, config.dp)  # fmt: skip
 
 
 def _connections(launcher: list[str]) -> str | None:
@@ -284,11 +535,11 @@ def _connections(launcher: list[str]) -> str | None:
     return next((word.removeprefix(prefix) for word in launcher if word.startswith(prefix)), None)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", MEGATRON_CASES)
 def test_megatron_export_passes_validate_args_rules(case: str) -> None:
     """The rules of Megatron's validate_args (megatron-core 0.19.2, megatron/training/arguments.py)
     that these layouts meet; scripts/check-megatron-export.py runs the real one (docs/exports.md)."""
-    launcher, flags = _megatron_args((GOLDEN / f"export_megatron_{case}.txt").read_text())
+    launcher, flags = _megatron_args(_megatron_export(case))
     connections = _connections(launcher)
     tp, pp = int(flags["--tensor-model-parallel-size"]), int(flags["--pipeline-model-parallel-size"])
     if "--use-torch-fsdp2" in flags:
@@ -466,6 +717,50 @@ def test_megatron_refuses_fewer_microbatches_than_pp(megatron_schedules: dict) -
         ValueError, match=r"megatron: .*num_microbatches \(3\) < pp \(4\): Megatron-LM's interleaved"
     ):
         export_layout("megatron", spec, config)
+
+
+def test_megatron_refuses_rope_it_cannot_express() -> None:
+    """Megatron's Llama 3.1 RoPE scaling takes only the factor (the frequency factors and the
+    original context are fixed at Llama 3.1's 1, 4 and 8192), and its rotary base is an integer;
+    torchtitan's RoPE config takes every field."""
+    scaled = {"preset": "llama-tiny", "rope_scaling_factor": 8.0, "rope_low_freq_factor": 2.0,
+              "rope_original_max_positions": 4096}  # fmt: skip
+    for model, reasons in (
+        (scaled, r"rope_low_freq_factor 2: Megatron-LM's Llama 3.1 RoPE scaling fixes it at 1 .*; "
+                 r"rope_original_max_positions 4096: .* fixes it at 8192"),
+        ({"preset": "llama-tiny", "rope_theta": 10000.5}, r"rope_theta 10000.5: Megatron-LM's --rotary-base is an integer"),
+    ):  # fmt: skip
+        spec = _spec(model, "h100-80gb", 2, 2, "bf16", space={"tp": [1, 2]})
+        assert export_layout("torchtitan", spec, ParallelConfig(dp_replicate=2))
+        with pytest.raises(ValueError, match=r"megatron: cannot express layout .*: " + reasons):
+            export_layout("megatron", spec, ParallelConfig(dp_replicate=2))
+
+
+def test_a_custom_block_exports_flag_by_flag_to_megatron_and_as_a_layout_to_torchtitan() -> None:
+    """A mix of the families' parts (here GPT with RMSNorm) is neither GPT nor Llama: Megatron-LM
+    writes each part as a flag; torchtitan has no such model, so its export keeps the base's model,
+    as for GPT, and says so."""
+    spec = _spec({"preset": "gpt-tiny", "norm": "rmsnorm"}, "h100-80gb", 2, 2, "bf16")
+    megatron = export_layout("megatron", spec, ParallelConfig(dp_replicate=2))
+    assert _megatron_model(_megatron_args(megatron)[1]) == _megatron_expected(spec.gpt())
+    assert "--normalization RMSNorm" in megatron and "--swiglu" not in megatron and "rope" not in megatron
+    titan = export_layout("torchtitan", spec, ParallelConfig(dp_replicate=2))
+    assert (
+        "(custom: learned positions, pre-RMSNorm eps 1e-05, GELU MLP, untied head, no linear biases)" in titan
+    )
+    assert "torchtitan has no model with this block" in titan and "model_registry" not in titan
+    for fmt in FORMATS:
+        assert "(GPT: " not in export_layout(fmt, spec, ParallelConfig(dp_replicate=2))
+
+
+def test_megatron_keeps_fsdp2_for_untied_heads_only() -> None:
+    """validate_args refuses --use-torch-fsdp2 with a tied head: ZeRO-3 of Llama 3.2 runs on the
+    distributed optimizer, with a note (test_megatron_export_passes_validate_args_rules: the rest)."""
+    _, flags = _megatron_args(_megatron_export("llama1b_tied"))
+    assert "--use-distributed-optimizer" in flags and "--use-torch-fsdp2" not in flags
+    assert "--untie-embeddings-and-output-weights" not in flags
+    assert "zero_stage 3 with a tied head" in _megatron_export("llama1b_tied")
+    assert "--use-torch-fsdp2" in _megatron_args(_megatron_export("qwen7b_a100"))[1]
 
 
 def test_megatron_refuses_an_uneven_layer_split() -> None:

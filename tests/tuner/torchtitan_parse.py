@@ -8,8 +8,9 @@ For each MODULE (a file DIR/MODULE.py) one JSON object: the version of torchtita
 `error` (what torchtitan refused) or the parsed `parallelism`, `training` and `compile` sections,
 the activation checkpointing policy, the tokenizer and dataset paths it reads (and whether the
 tokenizer is found from DIR), the gradient accumulation steps as the trainer derives them,
-and with pp > 1 the layers of each pipeline stage as torchtitan's pipeline splits a model of
-NUM_LAYERS layers.
+with pp > 1 the layers of each pipeline stage as torchtitan's pipeline splits a model of
+NUM_LAYERS layers, and the `model` (model_facts): the model the config selects, checked against
+the layout as torchtitan's trainer checks it and built on the meta device.
 """
 
 from __future__ import annotations
@@ -41,6 +42,43 @@ def stage_layers(parallelism, num_layers: int) -> list[list[int]]:
     return [
         [int(m.group(1)) for name in part if (m := re.fullmatch(r"layers\.(\d+)", name))] for part in parts
     ]
+
+
+def model_facts(config) -> dict:
+    """The model of the config's model_spec: its name and flavor, its shape as the config holds it,
+    the vocabulary the loss is sized for, and the parameters of the model built on the meta device
+    (tied weights once); or `error`, torchtitan's refusal of this model in this layout
+    (update_from_config, which the trainer runs before it builds the model)."""
+    import torch
+
+    spec, model = config.model_spec, config.model_spec.model
+    layers = model.layers
+    attention = layers[0].attention
+    rope = attention.rope  # before update_from_config sets max_seq_len to the training seq_len
+    facts = {
+        "name": spec.name,
+        "flavor": spec.flavor,
+        "dim": model.dim,
+        "vocab_size": model.vocab_size,
+        "loss_vocab_size": config.loss.loss_fn.global_vocab_size,
+        "n_layers": len(layers),
+        "n_heads": attention.n_heads,
+        "n_kv_heads": attention.n_kv_heads or attention.n_heads,
+        "hidden_dim": sorted({layer.feed_forward.w1.out_features for layer in layers}),
+        "tied": model.enable_weight_tying,
+        "norm_eps": sorted({model.norm.eps} | {n.eps for layer in layers for n in (layer.attention_norm, layer.ffn_norm)}),
+        "qkv_bias": sorted({layer.attention.qkv_linear.wqkv.bias for layer in layers}),
+        "rope": {name: getattr(rope, name) for name in ("theta", "scaling", "scaling_factor", "low_freq_factor",
+                                                        "high_freq_factor", "original_max_position_embeddings",
+                                                        "max_seq_len")},
+    }  # fmt: skip
+    try:
+        model.update_from_config(config=config)
+    except (ValueError, NotImplementedError) as e:
+        return {"error": str(e)}
+    with torch.device("meta"):
+        facts["num_params"] = sum(p.numel() for p in model.build().parameters())
+    return facts
 
 
 def parse(module: str, config_fn: str, num_layers: int) -> dict:
@@ -80,6 +118,9 @@ def parse(module: str, config_fn: str, num_layers: int) -> dict:
             out["stage_layers"] = stage_layers(par, num_layers)
         except ValueError as e:  # torchtitan's pipeline cannot split this model so
             return {"error": str(e)}
+    out["model"] = model_facts(config)
+    if "error" in out["model"]:
+        return out["model"]
     return out
 
 

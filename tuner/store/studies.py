@@ -25,6 +25,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from tuner.db import Study, Trial, aware, utcnow
+from tuner.models import model_key
 from tuner.outcome import ACTIVE_TRIAL, StudyStatus, allowed_from
 from tuner.spec import StudySpec
 from tuner.store.trials import cancel_waiting
@@ -42,7 +43,7 @@ def create_study(session: Session, spec: StudySpec) -> Study:
     m = spec.gpt()
     study = Study(
         name=spec.name, spec=spec.model_dump(mode="json"), status=StudyStatus.PENDING, sampler=spec.sampler,
-        model_key=spec.model.preset or f"L{m.num_layers}-h{m.hidden_size}-a{m.num_heads}",
+        model_key=model_key(m, spec.model.preset),
         num_params=m.num_params, cluster_key=spec.cluster.name, num_gpus=spec.devices,
     )  # fmt: skip
     session.add(study)

@@ -1,0 +1,239 @@
+"""The study's model in the terms of each stack that tuner/export.py writes for: the comment that
+names its block, torchtitan's Llama 3 model config, Megatron-LM's model flags, and what a stack
+cannot build.
+
+By family (GPTConfig.family, trainer/config.py):
+- gpt (learned positions, LayerNorm, GELU): Megatron-LM's defaults. torchtitan has no such model,
+  so its export carries the layout only and names the model in a comment.
+- llama (Llama 3.x, Qwen2: RoPE, RMSNorm, SwiGLU, GQA): Megatron-LM with its Llama flags
+  (--swiglu, --normalization RMSNorm, --position-embedding-type rope, ...). torchtitan as a flavor
+  of its own llama3 model (`Llama3Model`), registered by the exported module and written as
+  torchtitan writes its 8B flavor. Tied heads are torchtitan's `enable_weight_tying` (its Llama 3.2
+  flavors use it); Qwen2's q/k/v bias is the bias of torchtitan's fused `wqkv` Linear, which its
+  sharding (colwise: the bias sharded with the rows) and checkpoint hooks already handle.
+- custom (another mix): Megatron-LM flag by flag; torchtitan the layout only, as for gpt.
+tests/tuner/test_export.py builds torchtitan's model on the meta device and compares its
+parameters with GPTConfig.num_params, and checks Megatron's parse of the flags (docs/exports.md).
+"""
+
+from __future__ import annotations
+
+from trainer.config import GPTConfig, ParallelConfig
+
+# torchtitan's RMSNorm.Config default eps and Megatron-LM's --norm-epsilon default.
+DEFAULT_NORM_EPS = 1e-5
+# Megatron-LM's Llama 3.1 RoPE scaling (--use-rope-scaling) takes the factor as a flag
+# (--rope-scaling-factor) and fixes the rest (megatron/core/models/common/embeddings/
+# rotary_pos_embedding.py: RotaryEmbedding._apply_scaling): low/high frequency factors, original context.
+MEGATRON_ROPE_SCALING_FIXED = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                               "rope_original_max_positions": 8192}  # fmt: skip
+TORCHTITAN_MODEL_FN = "study_model"
+
+
+def describe(m: GPTConfig) -> str:
+    """The block in words, for the header of every export: 'GPT: learned positions, pre-LN, GELU MLP,
+    untied head, no linear biases' for GPT-2/3."""
+    if m.positions == "learned":
+        positions = "learned positions"
+    else:
+        positions = f"RoPE base {_number(m.rope_theta)}"
+        if m.rope_scaling_factor is not None:
+            positions += (f" with Llama 3.1 scaling x{m.rope_scaling_factor:g} (frequency factors "
+                          f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original context "
+                          f"{m.rope_original_max_positions})")  # fmt: skip
+    norm = "pre-LN" if m.norm == "layernorm" else "pre-RMSNorm"
+    if m.norm != "layernorm" or m.norm_eps != DEFAULT_NORM_EPS:
+        norm += f" eps {m.norm_eps:g}"
+    mlp = "SwiGLU MLP" if m.mlp == "swiglu" else "GELU MLP"
+    head = "head tied to the token embedding" if m.tie_embeddings else "untied head"
+    biases = "biases on q, k and v only" if m.qkv_bias else "no linear biases"
+    return f"{_label(m)}: {positions}, {norm}, {mlp}, {head}, {biases}"
+
+
+def _number(x: float) -> str:
+    """500000.0 -> '500000' (not '5e+05'), 0.5 -> '0.5'."""
+    return str(int(x)) if x == int(x) else repr(x)
+
+
+def _label(m: GPTConfig) -> str:
+    return {"gpt": "GPT", "llama": "Llama"}.get(m.family, "custom")
+
+
+# --- torchtitan 0.3.0: a flavor of its llama3 model ---
+
+
+def torchtitan_builds(m: GPTConfig) -> bool:
+    """Whether torchtitan's Llama 3 model is this block (else the export carries the layout only)."""
+    return m.family == "llama"
+
+
+def torchtitan_unsupported(m: GPTConfig, config: ParallelConfig) -> list[str]:
+    """Why torchtitan's Llama 3 cannot train this model in this layout (a Llama-family model only)."""
+    if not torchtitan_builds(m):
+        return []
+    reasons = []
+    if m.dropout:
+        reasons.append(f"dropout {m.dropout:g}: torchtitan's Llama 3 has no dropout")
+    if m.tie_embeddings and config.pp > 1:
+        # Decoder.Config.update_from_config (models/common/decoder.py) raises NotImplementedError.
+        reasons.append(f"a head tied to the token embedding with pp {config.pp}: torchtitan refuses "
+                       "weight tying with pipeline parallelism")  # fmt: skip
+    return reasons
+
+
+TORCHTITAN_IMPORTS = [
+    "from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm",
+    "from torchtitan.models.llama3 import Llama3Model, llama3_configs, model_registry",
+]
+
+
+def _torchtitan_helpers(m: GPTConfig) -> list[str]:
+    return [
+        "# torchtitan's own helpers for its llama3 flavors (models/llama3/__init__.py): layers and inits",
+        "from torchtitan.models.llama3 import (",
+        f"    {'_EMBEDDING_SKIP_INIT' if m.tie_embeddings else '_EMBEDDING_INIT'},",
+        "    _NORM_INIT,",
+        "    _build_llama3_layers,",
+        "    _output_linear_init,",
+        ")",
+    ]
+
+
+def torchtitan_model(m: GPTConfig, flavor: str) -> list[str]:
+    """The lines after the imports (TORCHTITAN_IMPORTS): the base config (BASE), a function that returns the model's `Llama3Model.Config`, written as torchtitan 0.3.0 writes
+    its 8B flavor (models/llama3/__init__.py: _8b), and the line that registers it as `flavor` of
+    torchtitan's llama3 model. The FFN width is the final one: torchtitan's FeedForward takes it as
+    is (its flavors compute theirs with compute_ffn_hidden_dim; 8B: 4096, multiple_of 1024,
+    ffn_dim_multiplier 1.3 -> 14336). RoPE's max_seq_len is the study's sequence length."""
+    embed_init = "_EMBEDDING_SKIP_INIT" if m.tie_embeddings else "_EMBEDDING_INIT"
+    if m.rope_scaling_factor is None:
+        scaling = ['scaling="none",']
+    else:
+        scaling = ['scaling="llama",  # Llama 3.1 (Hugging Face rope_type "llama3")',
+                   f"scaling_factor={m.rope_scaling_factor!r},",
+                   f"low_freq_factor={m.rope_low_freq_factor!r},",
+                   f"high_freq_factor={m.rope_high_freq_factor!r},",
+                   f"original_max_position_embeddings={m.rope_original_max_positions},"]  # fmt: skip
+    per_layer = [f"layer.attention_norm.eps = layer.ffn_norm.eps = {m.norm_eps!r}"]
+    if m.qkv_bias:
+        per_layer.append("layer.attention.qkv_linear.wqkv.bias = True  # Qwen2: a bias on q, k and v")
+    return [
+        "",
+        *_torchtitan_helpers(m),
+        "",
+        "# Data, tokenizer and optimizer: llama3_debugmodel's, whose tokenizer and data are in torchtitan's",
+        "# source tree only (see the top) and whose tokenizer is its debug model's (2048 tokens), not this",
+        f"# model's ({m.vocab_size}): for a real run, your config function with the model's tokenizer.",
+        "BASE = llama3_debugmodel",
+        f'FLAVOR = "{flavor}"',
+        "",
+        "",
+        f'def {TORCHTITAN_MODEL_FN}(attn_backend: str = "flex", tp_gemm_backend: str = "default") -> Llama3Model.Config:',
+        '    """The study\'s model as a flavor of torchtitan\'s llama3 model."""',
+        f"    dim, n_heads, vocab_size = {m.hidden_size}, {m.num_heads}, {m.vocab_size}",
+        "    model = Llama3Model.Config(",
+        "        dim=dim,",
+        "        vocab_size=vocab_size,",
+        f"        enable_weight_tying={m.tie_embeddings},",
+        f"        tok_embeddings=Embedding.Config(num_embeddings=vocab_size, embedding_dim=dim, param_init={embed_init}),",
+        f"        norm=RMSNorm.Config(normalized_shape=dim, eps={m.norm_eps!r}, param_init=_NORM_INIT),",
+        "        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_output_linear_init(dim)),",
+        "        layers=_build_llama3_layers(",
+        "            fuse_qkv=True,",
+        f"            n_layers={m.num_layers},",
+        "            dim=dim,",
+        "            n_heads=n_heads,",
+        f"            n_kv_heads={m.kv_heads},",
+        f"            hidden_dim={m.ffn_size},  # the SwiGLU width, as is",
+        "            rope=ComplexRoPE.Config(",
+        "                dim=dim // n_heads,",
+        f"                max_seq_len={m.seq_len},",
+        f"                theta={m.rope_theta!r},",
+        *[f"                {line}" for line in scaling],
+        "            ),",
+        "            attn_backend=attn_backend,",
+        "            tp_gemm_backend=tp_gemm_backend,",
+        "        ),",
+        "    )",
+        "    for layer in model.layers:  # torchtitan's layer helper leaves these at their defaults",
+        *[f"        {line}" for line in per_layer],
+        "    return model",
+        "",
+        "",
+        f"llama3_configs[FLAVOR] = {TORCHTITAN_MODEL_FN}  # a flavor of torchtitan's llama3: model_registry(FLAVOR)",
+    ]
+
+
+def torchtitan_notes(m: GPTConfig, trained_vocab: int) -> list[str]:
+    """What torchtitan's model does differently from the one measured (`trained_vocab`: the
+    vocabulary our trainer built for the layout's tp)."""
+    if not torchtitan_builds(m):
+        return []
+    notes = [
+        "RoPE: torchtitan rotates adjacent pairs of each head (Meta's Llama), our trainer the two halves "
+        "(Hugging Face's): the same model up to a fixed order of q and k rows."
+    ]
+    if trained_vocab != m.vocab_size:
+        notes.append(f"vocabulary: torchtitan builds the tokenizer's {m.vocab_size}; our trainer padded it "
+                     f"to {trained_vocab} for tensor parallelism (Megatron-LM's rule).")  # fmt: skip
+    return notes
+
+
+# --- Megatron-LM ---
+
+
+def megatron_unsupported(m: GPTConfig) -> list[str]:
+    reasons = []
+    if m.positions == "rope" and m.rope_theta != int(m.rope_theta):
+        reasons.append(f"rope_theta {m.rope_theta:g}: Megatron-LM's --rotary-base is an integer")
+    if m.rope_scaling_factor is not None:
+        for field, fixed in MEGATRON_ROPE_SCALING_FIXED.items():
+            if getattr(m, field) != fixed:
+                reasons.append(f"{field} {getattr(m, field):g}: Megatron-LM's Llama 3.1 RoPE scaling "
+                               f"fixes it at {fixed:g} (only the factor is a flag)")  # fmt: skip
+    return reasons
+
+
+def megatron_model_args(m: GPTConfig) -> list[tuple[str, object]]:
+    """The model's flags, from --num-layers to the dropouts: Megatron's defaults are GPT's block
+    (learned absolute positions, LayerNorm eps 1e-5, GELU, multi-head attention, a head tied to the
+    embedding, biases), so a GPT-2/3 model needs only its shape, --untie... and --disable-bias-linear.
+    --kv-channels is left out: Megatron's default is hidden / heads, which is ours."""
+    args: list[tuple[str, object]] = [
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_heads),
+    ]
+    if m.kv_heads != m.num_heads:  # Megatron's query groups are the KV heads
+        args += [("--group-query-attention", None), ("--num-query-groups", m.kv_heads)]
+    args += [
+        ("--ffn-hidden-size", m.ffn_size),
+        ("--seq-length", m.seq_len),
+        ("--max-position-embeddings", m.seq_len),
+    ]
+    if m.norm == "rmsnorm":
+        args.append(("--normalization", "RMSNorm"))
+    if m.norm != "layernorm" or m.norm_eps != DEFAULT_NORM_EPS:
+        args.append(("--norm-epsilon", f"{m.norm_eps:g}"))
+    if m.mlp == "swiglu":
+        args.append(("--swiglu", None))
+    if m.positions == "rope":
+        args += [("--position-embedding-type", "rope"), ("--rotary-base", int(m.rope_theta))]
+        if m.rope_scaling_factor is not None:
+            args += [("--use-rope-scaling", None), ("--rope-scaling-factor", f"{m.rope_scaling_factor:g}")]
+    if not m.tie_embeddings:
+        args.append(("--untie-embeddings-and-output-weights", None))
+    args.append(("--disable-bias-linear", None))
+    if m.qkv_bias:
+        args.append(("--add-qkv-bias", None))
+    args += [("--attention-dropout", m.dropout), ("--hidden-dropout", m.dropout)]
+    return args
+
+
+def megatron_model_note(m: GPTConfig) -> str:
+    if m.family == "gpt":
+        return "Megatron's defaults match the rest of the model: learned absolute positions, LayerNorm, GELU."
+    note = f"the {_label(m)} block is in the flags below (Megatron's defaults are GPT's)"
+    if m.positions == "rope":
+        note += "; Megatron's RoPE rotates the two halves of each head, as our trainer does"
+    return note + "."
