@@ -31,6 +31,7 @@ from tuner.collectives import (
     tp_1d_collectives,
     wait_s,
 )
+from tuner.devicelevels import MEMORY_TRAFFIC
 from tuner.memmodel import _layer_params, layer_matmul_params, memory
 from tuner.perfconstants import ModelConstants, default_constants
 from tuner.spec import ClusterSpec, padded_model
@@ -142,19 +143,33 @@ def _compute_efficiency(m: GPTConfig, p: ParallelConfig, c: ModelConstants) -> f
     return c.compute_efficiency * size / (size + c.compute_half_size)
 
 
+# Bytes per value of q and k that rotary positions move in a step, counted from trainer/model.py's
+# apply_rope on a bf16 input: forward 58 (two fp32 copies, the negated half, the concatenation,
+# two products and their sum, the cast back), backward 52 (the products' gradients, the halves
+# put back together, two casts and their sum). GQA's repeat of k and v to every query head moves
+# 8 bytes per value of h + kv_size (a kv-wide read and an h-wide write each way, for k and v).
+ROPE_BYTES_PER_VALUE = 58 + 52
+GQA_REPEAT_BYTES_PER_VALUE = 8
+
+
 def _elementwise_units(m: GPTConfig) -> tuple[float, float]:
     """A layer's memory-bound traffic per token in Korthikanti's units (16-bit bytes x h, table
     2: what the layer stores), (replicated over tp, sharded over tp). GPT's block: 10 (the two
     norms' inputs and outputs 8, the dropout masks after attention and the MLP 2: the tables the
     constants were chosen on trained with dropout) and 24 (q, k, v and the attention output 8,
     GELU's input and output 2 x 2 ffn/h = 16). Llama's: no dropout (8); RMSNorm moves what
-    LayerNorm moves (one statistic less, in the same pass); RoPE reads and writes q and k
-    (2 (h + kv_size)/h, nothing stored: its other factor is the cos/sin buffer); SwiGLU's gate
-    and up outputs, SiLU's output and the product (4 x 2 ffn/h)."""
+    LayerNorm moves (one statistic less, in the same pass); SwiGLU's gate and up outputs, SiLU's
+    output and the product (4 x 2 ffn/h). RoPE and GQA's repeat store nothing of their own (RoPE's
+    other factor is the cos/sin buffer, the repeated k and v are SDPA's inputs, counted in the 8)
+    but move bytes: theirs per step, in stored bytes at MEMORY_TRAFFIC moved per stored byte over
+    3 passes (13.4 (h + kv_size)/h for RoPE; Llama 3.1 8B: 16.8, 1.2 for the repeat)."""
+    h, kv = m.hidden_size, m.kv_size
     replicated = 8.0 if m.family == "llama" else 10.0
-    rope = 2 * (m.hidden_size + m.kv_size) / m.hidden_size if m.positions == "rope" else 0.0
-    mlp = (8 if m.mlp == "swiglu" else 4) * m.ffn_size / m.hidden_size
-    return replicated, 8 + rope + mlp
+    moved = ROPE_BYTES_PER_VALUE * (h + kv) if m.positions == "rope" else 0.0
+    if kv < h:
+        moved += GQA_REPEAT_BYTES_PER_VALUE * (h + kv)
+    mlp = (8 if m.mlp == "swiglu" else 4) * m.ffn_size / h
+    return replicated, 8 + moved / (3 * MEMORY_TRAFFIC * h) + mlp
 
 
 def _elementwise_flops(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants) -> float:

@@ -389,14 +389,20 @@ def test_a_tied_head_computes_as_much_as_an_untied_one() -> None:
 
 def test_the_llama_block_moves_its_own_elementwise_bytes() -> None:
     """Korthikanti's units (16-bit bytes x h per token): GPT's block 10 + 24/t as calibrated;
-    Llama 3.1 8B's 8 (no dropout masks) + (8 + RoPE on q and k 2 (4096 + 1024)/4096 = 2.5 +
-    SwiGLU's four ffn-wide tensors 8 x 14336/4096 = 28)/t."""
+    Llama 3.1 8B's 8 (no dropout masks) + (8 + SwiGLU's four ffn-wide tensors 8 x 14336/4096 =
+    28 + what RoPE and GQA's repeat move per step, 110 and 8 bytes per value of q and k (4096 +
+    1024), as stored bytes: / (3 passes x 2.73 bytes moved per stored byte))/t."""
     assert perfmodel._elementwise_units(MODEL_PRESETS["gpt-1.3b"]) == (10.0, 24.0)
-    assert perfmodel._elementwise_units(LLAMA_8B) == (8.0, 38.5)
-    # the same per-token work as a GPT block of the same units would do
+    moved = (110 + 8) * (4096 + 1024) / (3 * MEMORY_TRAFFIC * 4096)
+    assert moved == pytest.approx(18.04, abs=0.01)
+    assert perfmodel._elementwise_units(LLAMA_8B) == pytest.approx((8.0, 8 + 28 + moved), rel=1e-12)
+    # multi-head attention repeats nothing
+    mha = dataclasses.replace(LLAMA_8B, num_kv_heads=None)
+    assert perfmodel._elementwise_units(mha)[1] == pytest.approx(8 + 28 + 110 * 2 / (3 * MEMORY_TRAFFIC))
+    # priced as a GPT block of the same units would be
     p, c = ParallelConfig(tp=2, micro_batch_size=1), ModelConstants()
     stored = perfmodel._elementwise_flops(LLAMA_8B, p, "bf16", c) / c.elementwise_flops_per_byte / 3
-    assert stored == 8192 * 4096 * (8 + 38.5 / 2)
+    assert stored == pytest.approx(8192 * 4096 * (8 + (8 + 28 + moved) / 2), rel=1e-12)
 
 
 def test_gqa_shrinks_only_the_k_and_v_projections() -> None:
