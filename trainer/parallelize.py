@@ -103,9 +103,11 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
             "mlp.proj": RowwiseParallel(output_layouts=seq),
         }
         if sequence_parallel:
-            gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            # The attention's second input, the rotary table (or None), is left as it is.
+            gather = PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None))
+            gather_mlp = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
             layer_plan |= {"attn_norm": SequenceParallel(), "attn": gather,
-                           "mlp_norm": SequenceParallel(), "mlp": gather}  # fmt: skip
+                           "mlp_norm": SequenceParallel(), "mlp": gather_mlp}  # fmt: skip
         parallelize_module(block, tp_mesh, layer_plan)
 
 
