@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.trainer.helpers import TINY, tiny_config
-from trainer.config import ParallelConfig
+from trainer.config import MODEL_PRESETS, ParallelConfig
 from trainer.launch import run_local
 from trainer.memcheck import (
     CATEGORIES,
@@ -76,6 +76,42 @@ def test_the_oracle_equals_a_real_cpu_runs_peak_on_every_rank(
     report = memcheck(cfg, ranks=range(parallel.world_size))
     assert [r.peak_bytes for r in report.ranks] == real.peak_memory_bytes_per_rank
     assert report.peak_bytes == real.peak_memory_bytes
+
+
+# The Llama block (RMSNorm, SwiGLU, rotary positions, GQA) on real ranks: what the trainer runs of
+# it today (no tensor parallelism yet, issue 26 item 3): a pipeline with FSDP2 and full recompute,
+# replicated DP with selective recompute.
+LLAMA_RUN_LAYOUTS = [
+    pytest.param(
+        P(
+            pp=2,
+            dp_shard=2,
+            zero_stage=3,
+            activation_checkpoint="full",
+            micro_batch_size=2,
+            num_microbatches=4,
+        ),
+        id="llama-pp2-zero3-full-ac",
+    ),
+    pytest.param(
+        P(dp_replicate=2, activation_checkpoint="selective", micro_batch_size=2, num_microbatches=2),
+        id="llama-dp2-selective",
+    ),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", LLAMA_RUN_LAYOUTS)
+def test_the_oracle_equals_a_real_cpu_run_of_the_llama_block(
+    parallel: ParallelConfig, tmp_path: Path
+) -> None:
+    cfg = dataclasses.replace(
+        tiny_config(parallel, warmup_steps=2, measure_steps=1), model=MODEL_PRESETS["llama-tiny"]
+    )
+    real = run_local(cfg, tmp_path, timeout_s=300)
+    assert real.status == "ok", real.error
+    report = memcheck(cfg, ranks=range(parallel.world_size))
+    assert [r.peak_bytes for r in report.ranks] == real.peak_memory_bytes_per_rank
 
 
 def test_the_breakdown_sums_to_the_peak_of_each_phase() -> None:
