@@ -119,11 +119,12 @@ def _norm_stats_bytes(m: GPTConfig) -> int:
     return 8 if m.norm == "layernorm" else 4
 
 
-def _norm_2d_bytes(res: int) -> int:
-    """Bytes per column-split value a 2D layer norm keeps: its fp32 input (a copy unless the input
-    is fp32, then the layer input or the residual after attention), the centred fp32 input, the
-    normalised output and the norm's output in the input's dtype."""
-    return 4 + 4 + 2 * res
+def _norm_2d_bytes(m: GPTConfig, res: int) -> int:
+    """Bytes per column-split value a 2D norm keeps (trainer/tp2d.py writes it in torch ops): its
+    fp32 input (a copy unless the input is fp32, then the layer input or the residual after
+    attention), LayerNorm's centred fp32 input, the normalised output and the norm's output in the
+    input's dtype."""
+    return 4 + (4 if m.norm == "layernorm" else 0) + 2 * res
 
 
 def _activation_bytes_per_token_2d(
@@ -132,10 +133,11 @@ def _activation_bytes_per_token_2d(
     h, a, t, s, k = m.hidden_size, m.num_heads, p.tp, m.seq_len, p.tp_col
     if p.activation_checkpoint == "full":
         return res * h / k
-    norms = 2 * _norm_2d_bytes(res) * h / k
+    norms = 2 * _norm_2d_bytes(m, res) * h / k
     sharded = (4 * h + _mlp_tensors(m) * m.ffn_size) * cb / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
-    stats = 2 * 4 * 4  # per norm: mean, rstd, and the two all-reduced sums, fp32
+    # per norm, fp32: LayerNorm's mean, rstd and two all-reduced sums; RMSNorm's rstd and sum of squares
+    stats = 2 * 4 * (4 if m.norm == "layernorm" else 2)
     scores = 0.0 if c.flash_attention else 5 * a * s / t * cb / 2
     return norms + sharded + lse + stats + scores
 
@@ -291,7 +293,7 @@ def _rank(
         # 2D: the embedding looks up its local block, its gradient is local too
         vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
         # ... and with a pipeline the stage's output, its logits, in the stage's forward cache
-        head=(final_norm if k == 1 else tokens * (8 + _norm_2d_bytes(residual)) * h / k)
+        head=(final_norm if k == 1 else tokens * (8 + _norm_2d_bytes(m, residual)) * h / k)
         + (4 + (cb if p.pp > 1 else 0)) * logits if last else 0.0,
         flow=_flow_bytes(m, p, cb, residual, tokens) + recompute, loss=loss,
         buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens + rope,
