@@ -232,7 +232,8 @@ def tensor_2d(
     def ar(values_per_token: float, n: int, link: Link, dtype_bytes: int = act_bytes) -> Comm:
         return allreduce(tokens * values_per_token * dtype_bytes, n, link, c, rpc)
 
-    norm = ar(2, k, col, 4)  # a layer norm's one stacked all-reduce of (sum x, sum x^2), each way
+    # a norm's one all-reduce each way: LayerNorm's stacked (sum x, sum x^2), RMSNorm's sum x^2
+    norm = ar(2 if m.norm == "layernorm" else 1, k, col, 4)
     up = 2 if m.mlp == "swiglu" else 1  # linear layers reading the MLP's input
     qkv = ar(h / t, k, col) + 2 * ar(m.kv_size / t, k, col)  # 3 ar(h/t) to the bit when kv = h
     fwd = qkv + ar(f / t, k, col) * up + 2 * ar(h / k, t, row) + 2 * norm
