@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from trainer.config import GPTConfig, ParallelConfig
 from tuner.collectives import (
     Comm,
+    allreduce,
     call_overhead_s,
     group_link,
     ranks_per_core,
@@ -332,6 +333,12 @@ def _rank_step(
         msg = tokens_mb * h * act_bytes / (t if p.sequence_parallel else p.tp_col)
         # forward activation + backward gradient per micro-batch per chunk, on the critical path
         p2p = send_s(msg, group_link(cluster, pp, tc * d), c) * (2 * (mb * v + pp - 1))
+        if m.tie_embeddings:  # the two copies' fp32 gradients summed between the first and the last
+            # stage once a step, this rank's shard (trainer/pipeline.py TiedEmbeddings; Megatron's
+            # embedding group), blocking before clipping
+            shard = tc * (p.dp_shard if p.zero_stage else 1)
+            ends = group_link(cluster, 2, (pp - 1) * tc * d)
+            p2p = p2p + allreduce(m.vocab_size * h / shard * 4, 2, ends, c, rpc)
 
     # Data parallelism: gradients all-reduced once per step; ZeRO/FSDP splits it into
     # reduce-scatter + all-gather (same bytes, ZeRO sec. 7); ZeRO-3 gathers parameters for

@@ -378,13 +378,23 @@ def test_llama_3_1_8b_per_token_against_its_published_shape() -> None:
 
 def test_a_tied_head_computes_as_much_as_an_untied_one() -> None:
     """Tying stores the head's weight once; its V x h matmul still runs per token on the last
-    stage, so the step time and the model FLOPs do not depend on it."""
+    stage, so the compute and the model FLOPs do not depend on it. Across pipeline stages the two
+    copies' gradients are summed once a step (trainer/pipeline.py TiedEmbeddings): an all-reduce
+    of this rank's fp32 shard of V x h between the first and the last stage."""
+    from tuner.collectives import allreduce, group_link
+
     tied = MODEL_PRESETS["llama3.2-1b"]
     untied = dataclasses.replace(tied, tie_embeddings=False)
+    cluster = a100(1)
     p = ParallelConfig(pp=2, dp_shard=4, zero_stage=2, micro_batch_size=1, num_microbatches=8)
-    a, b = estimate(tied, p, a100(1)), estimate(untied, p, a100(1))
-    assert a.terms.compute_s == b.terms.compute_s and a.tflops_per_device == b.tflops_per_device
+    a, b = estimate(tied, p, cluster), estimate(untied, p, cluster)
+    assert a.terms.compute_s == b.terms.compute_s
     assert tied.flops_per_token == untied.flops_per_token
+    ends = group_link(cluster, 2, 4)  # pp ranks 0 and 1, 4 data-parallel ranks apart
+    summed = allreduce(128256 * 2048 / 4 * 4, 2, ends, default_constants(cluster))
+    assert a.pp_p2p_s - b.pp_p2p_s == pytest.approx(summed.total, rel=1e-12)
+    one_stage = ParallelConfig(dp_shard=8, zero_stage=2, micro_batch_size=1, num_microbatches=8)
+    assert estimate(tied, one_stage, cluster).step_time_s == estimate(untied, one_stage, cluster).step_time_s
 
 
 def test_the_llama_block_moves_its_own_elementwise_bytes() -> None:
