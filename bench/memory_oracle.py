@@ -1,7 +1,9 @@
 """The analytic memory model (tuner/memmodel.py) against the memory oracle (trainer/memcheck.py):
-22B, 175B and 1T on 1024-3072 A100-80GB GPUs, in Korthikanti/Narayanan-style layouts.
+22B, 175B and 1T on 1024-3072 A100-80GB GPUs, in Korthikanti/Narayanan-style layouts (the large
+suite); Llama 3.1 8B, 70B and 405B on 16-2048 H100-80GB GPUs (`--suite llama`).
 
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --json
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --suite llama --json
 
 For every layout the oracle builds the trainer at full size on fake tensors ("cuda" mode: bf16
 mixed precision, AdamW's foreach step, every step's peak) for the first and the last pipeline rank,
@@ -42,7 +44,9 @@ from tuner.perfconstants import ModelConstants  # noqa: E402
 from tuner.spec import ClusterSpec, padded_model  # noqa: E402
 
 RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle.jsonl"
+LLAMA_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_llama.jsonl"
 CLUSTER = "a100-80gb"
+LLAMA_CLUSTER = "h100-80gb"
 
 # (tp, pp, schedule, virtual stages, micro-batch, checkpointing, sequence parallel, zero stage):
 # tp 8 within a node with SP and selective recompute is Korthikanti's recipe, pp as deep as the
@@ -82,6 +86,53 @@ GLOBAL_BATCHES = {
     "gpt-22b": (1024, 2048, 4096),
     "gpt-175b": (1536, 3072, 6144),
     "gpt-1t": (3072, 6144, 12288),
+}
+
+# The Llama suite, at Llama 3's 8192-token context on H100-80GB. 8B as torchtitan trains it
+# (FSDP2, no tp: torchtitan/models/llama3/train_configs/llama3_8b.toml) and around it tp within a
+# node, a pipeline, replicated DP (which does not fit); 70B with tp 8 and FSDP or a pipeline
+# (llama3_70b.toml: tp 8, full recompute); 405B as Llama 3 trained it (Llama Team 2024, table 4:
+# tp 8, pp 16, interleaved, FSDP) and deeper, shallower and tp-free pipelines. Each with tp 1 too:
+# FSDP alone or with a pipeline. Global batches in sequences: 1M-4M tokens (8B), 2M-8M (70B),
+# Llama 3's 8M and 16M (405B).
+LLAMA_SHAPES: dict[str, list[tuple]] = {
+    "llama3.1-8b": [
+        (1, 1, "1f1b", 1, 1, "none", False, 3),
+        (1, 1, "1f1b", 1, 1, "selective", False, 2),
+        (1, 1, "1f1b", 1, 2, "full", False, 3),
+        (1, 1, "1f1b", 1, 1, "none", False, 0),
+        (1, 2, "1f1b", 1, 1, "selective", False, 2),
+        (1, 4, "interleaved_1f1b", 2, 1, "none", False, 0),
+        (1, 2, "gpipe", 1, 1, "full", False, 3),
+        (2, 1, "1f1b", 1, 1, "none", True, 3),
+        (4, 1, "1f1b", 1, 2, "selective", True, 2),
+        (8, 1, "1f1b", 1, 1, "none", True, 0),
+        (2, 2, "gpipe", 1, 1, "full", False, 3),
+    ],
+    "llama3.1-70b": [
+        (1, 1, "1f1b", 1, 1, "full", False, 3),
+        (1, 4, "1f1b", 1, 1, "selective", False, 3),
+        (1, 8, "1f1b", 1, 1, "full", False, 2),
+        (8, 1, "1f1b", 1, 1, "full", True, 3),
+        (8, 2, "1f1b", 1, 1, "none", True, 2),
+        (8, 4, "1f1b", 1, 1, "selective", True, 0),
+        (4, 4, "interleaved_1f1b", 2, 1, "selective", True, 2),
+    ],
+    "llama3.1-405b": [
+        (1, 16, "1f1b", 1, 1, "full", False, 3),
+        (1, 32, "1f1b", 1, 1, "selective", False, 3),
+        (8, 16, "interleaved_1f1b", 2, 1, "none", True, 2),
+        (8, 16, "1f1b", 1, 1, "selective", True, 2),
+        (8, 8, "1f1b", 1, 1, "full", True, 3),
+        (8, 32, "1f1b", 1, 1, "none", True, 0),
+        (4, 16, "1f1b", 1, 1, "full", True, 3),
+    ],
+}
+LLAMA_GPUS = {"llama3.1-8b": (16, 64), "llama3.1-70b": (64, 256), "llama3.1-405b": (1024, 2048)}
+LLAMA_GLOBAL_BATCHES = {"llama3.1-8b": (128, 512), "llama3.1-70b": (256, 1024), "llama3.1-405b": (1024, 2048)}
+SUITES = {  # name: (shapes, GPU counts, global batches, cluster, records)
+    "large": (SHAPES, GPUS, GLOBAL_BATCHES, CLUSTER, RECORDS),
+    "llama": (LLAMA_SHAPES, LLAMA_GPUS, LLAMA_GLOBAL_BATCHES, LLAMA_CLUSTER, LLAMA_RECORDS),
 }
 
 # The small suite: a model whose activations and parameters both weigh (8 layers, h 128, s 256),
@@ -126,8 +177,9 @@ def layouts(suite: str = "large") -> list[tuple[str, GPTConfig, ParallelConfig, 
             ("small", SMALL, ParallelConfig(**k), device) for device in ("cuda", "cpu") for k in SMALL_LAYOUTS
         ]
     out = []
-    for name, shapes in SHAPES.items():
-        for shape, gpus, gbs in itertools.product(shapes, GPUS[name], GLOBAL_BATCHES[name]):
+    all_shapes, all_gpus, batches = SUITES[suite][:3]
+    for name, shapes in all_shapes.items():
+        for shape, gpus, gbs in itertools.product(shapes, all_gpus[name], batches[name]):
             tp, pp, schedule, v, mbs, ac, sp, zero = shape
             dp = gpus // (tp * pp)
             if gpus % (tp * pp) or gbs % (dp * mbs):
@@ -149,7 +201,8 @@ def compare(rows: list[dict[str, Any]], c: ModelConstants, cluster: ClusterSpec)
     errors, disagree, missed = [], [], []
     for row in rows:
         model, p = GPTConfig.from_dict(row["model"]), ParallelConfig.from_dict(row["parallel"])
-        mem = memory(model, p, "bf16" if row["device"] == "cuda" else "fp32", c)
+        gpu = row["device"] == "cuda"
+        mem = memory(model, p, "bf16" if gpu else "fp32", c, "gpu" if gpu else "cpu")
         predicted = (mem["memory_bytes"] - c.workspace_bytes) / c.memory_scale
         oracle = row["oracle_bytes"]
         row["analytic_bytes"] = round(predicted)
@@ -241,20 +294,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
-        "--suite", choices=("large", "small"), default="large", help="which layouts (default large)"
+        "--suite", choices=("large", "llama", "small"), default="large", help="which layouts (default large)"
     )
-    parser.add_argument("--records", type=Path, default=RECORDS, help="recorded simulations (JSON lines)")
+    parser.add_argument(
+        "--records",
+        type=Path,
+        help=f"recorded simulations (JSON lines; default {RECORDS.name}, llama: {LLAMA_RECORDS.name})",
+    )
     parser.add_argument("--no-simulate", action="store_true", help="use the recorded simulations only")
-    parser.add_argument("--models", default=",".join(SHAPES), help="large suite: comma-separated subset")
+    parser.add_argument("--models", help="large and llama suites: comma-separated subset (default all)")
+    parser.add_argument("--max-tp", type=int, help="only layouts with tp at most this")
     parser.add_argument("--rows", type=Path, help="also write every layout's row here (JSON)")
     args = parser.parse_args(argv)
-    todo = [x for x in layouts(args.suite) if args.suite == "small" or x[0] in args.models.split(",")]
+    shapes, _, _, cluster, records = SUITES.get(args.suite, SUITES["large"])
+    models = args.models.split(",") if args.models else list(shapes)
+    todo = [
+        x for x in layouts(args.suite)
+        if (args.suite == "small" or x[0] in models) and (args.max_tp is None or x[2].tp <= args.max_tp)
+    ]  # fmt: skip
     started = time.perf_counter()
-    rows = run_oracle(todo, args.records, simulate=not args.no_simulate)
+    rows = run_oracle(todo, args.records or records, simulate=not args.no_simulate)
     if not rows:
         print("no layout has a recorded simulation; run without --no-simulate", file=sys.stderr)
         return 1
-    summary = compare(rows, ModelConstants(), ClusterSpec(**cluster_preset(CLUSTER)))
+    summary = compare(rows, ModelConstants(), ClusterSpec(**cluster_preset(cluster)))
     cold = [r["wall_s"] for r in rows if r["simulated_s"] > 0]  # simulated now, not recorded before
     names = dict.fromkeys(r["name"] for r in rows)
     summary |= {
@@ -265,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "simulated_now": len(cold),
         "wall_s": time.perf_counter() - started,
-        "cluster": CLUSTER,
+        "cluster": cluster,
     }  # fmt: skip
     if args.rows:
         args.rows.write_text(json.dumps(rows, indent=1))

@@ -221,7 +221,9 @@ def tensor_2d(
     of attention-out, MLP-up, MLP-down and the head run while the layer computes its weight
     gradient (trainer/tp2d.py), so they hide behind up to the stage's weight-gradient time
     (`dw_mb`); the forward ones, q/k/v's shared one and the norms' block. Plain all-reduces on
-    local tensors: no framework cost per call on CPU ranks, only gloo's."""
+    local tensors: no framework cost per call on CPU ranks, only gloo's. The Llama block (not in
+    trainer/tp2d.py yet) is priced the same way: k and v's Y are kv_size/t wide (GQA), SwiGLU's
+    gate reduces its ffn/t Y as MLP-up does, and its dX is summed with up's as q/k/v's are."""
     t, k, h, f = p.tp, p.tp_col, m.hidden_size, m.ffn_size
     tokens = p.micro_batch_size * m.seq_len
     col, row = group_link(cluster, k, 1), group_link(cluster, t, k)
@@ -230,8 +232,11 @@ def tensor_2d(
     def ar(values_per_token: float, n: int, link: Link, dtype_bytes: int = act_bytes) -> Comm:
         return allreduce(tokens * values_per_token * dtype_bytes, n, link, c, rpc)
 
-    norm = ar(2, k, col, 4)  # a layer norm's one stacked all-reduce of (sum x, sum x^2), each way
-    fwd = 3 * ar(h / t, k, col) + ar(f / t, k, col) + 2 * ar(h / k, t, row) + 2 * norm
+    # a norm's one all-reduce each way: LayerNorm's stacked (sum x, sum x^2), RMSNorm's sum x^2
+    norm = ar(2 if m.norm == "layernorm" else 1, k, col, 4)
+    up = 2 if m.mlp == "swiglu" else 1  # linear layers reading the MLP's input
+    qkv = ar(h / t, k, col) + 2 * ar(m.kv_size / t, k, col)  # 3 ar(h/t) to the bit when kv = h
+    fwd = qkv + ar(f / t, k, col) * up + 2 * ar(h / k, t, row) + 2 * norm
     bwd_blocking = ar(h / k, t, row) + 2 * norm  # q/k/v's summed dX
     bwd_overlapped = ar(h / k, t, row) + ar(h / t, k, col) + ar(f / t, k, col)
     repeats = 2 if p.activation_checkpoint == "full" else 1

@@ -20,16 +20,19 @@ from typing import TYPE_CHECKING
 from trainer.config import GPTConfig, ParallelConfig
 
 if TYPE_CHECKING:
+    from trainer.devices import DeviceKind
     from tuner.perfconstants import ModelConstants
 
 PARTS = ("weights", "grads", "optimizer", "activations")
 
 
 def activation_bytes_per_token(
-    m: GPTConfig, p: ParallelConfig, cb: int, c: ModelConstants, residual: int | None = None
-) -> float:
+    m: GPTConfig, p: ParallelConfig, cb: int, c: ModelConstants, residual: int | None = None,
+    device: DeviceKind = "gpu",
+) -> float:  # fmt: skip
     """Bytes one layer stores per token of one micro-batch, as the trainer's block saves them;
-    cb: the compute dtype's bytes, residual: the residual stream's (fp32 under autocast).
+    cb: the compute dtype's bytes, residual: the residual stream's (fp32 under autocast); device:
+    where the kernels run (RMSNorm keeps other tensors on CPU than on CUDA, below).
 
     Without recompute (Korthikanti table 2 has 10 + 24/t 16-bit bytes x h): the layer input, the
     residual after attention and both norm outputs, replicated (8h in 16 bit); with sequence
@@ -49,7 +52,17 @@ def activation_bytes_per_token(
     only (the same 24h/t on every column rank). Its layer norm is written out in torch ops, which
     keep the fp32 input (the layer input itself when it is fp32), the centred input in fp32, the
     normalised output and the norm's output (the next linear's input), and per token its mean
-    and rstd and the stacked sums."""
+    and rstd and the stacked sums.
+
+    The Llama block (docs/perfmodel.md, "Activations of the Llama block"): RMSNorm keeps what
+    LayerNorm keeps on CUDA (its input and the fp32 rstd: `_fused_rms_norm`), on CPU torch's
+    composite an fp32 copy of its input and the fp32 normalised input (8h a norm). Rotary
+    positions keep nothing (their products' other factor is the cos/sin buffer); GQA's k and v are
+    repeated to every query head before SDPA, which keeps the repeated ones, so q, k, v and the
+    output are 4h/t as with multi-head attention. The SwiGLU MLP keeps the gate's output (SiLU's
+    input), SiLU's output, the up projection's output and their product (the down projection's
+    input): 4 ffn/t where GELU keeps 2. Under autocast the gate and up projections each cast the
+    second norm's output, as q, k and v cast the first's."""
     h, a, t, s = m.hidden_size, m.num_heads, p.tp, m.seq_len
     res = residual or cb
     if p.tp_col > 1:
@@ -59,21 +72,59 @@ def activation_bytes_per_token(
         return res * h / shard
     # Under autocast (an fp32 residual: no FSDP2 mixed precision) each linear casts its input
     # itself, so q, k and v save a copy each of the first norm's output where FSDP2's bf16
-    # modules share one: two more.
-    norms = (4 if res > cb else 2) * cb * h
-    stream = 2 * res * h / shard + norms  # layer input, residual; the norm outputs
-    sharded = 12 * cb * h / t
+    # modules share one (and SwiGLU's gate and up projections of the second's).
+    norms = (3 + _mlp_inputs(m) if res > cb else 2) * cb * h
+    # the layer input and the residual after attention (what the norms keep of them); the norm outputs
+    stream = 2 * _norm_input_bytes(m, res, device) * h / shard + norms
+    sharded = (4 * h + _mlp_tensors(m) * m.ffn_size) * cb / t  # q, k, v, attention output; the MLP's
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
-    stats = 2 * 8 / shard  # two norms' mean and rstd, fp32
+    stats = 2 * _norm_stats_bytes(m) / shard  # two norms' statistics per token, fp32
     scores = 0.0 if c.flash_attention else 5 * a * s / t * cb / 2  # Korthikanti's 5as/h x h, 16 bit
     return stream + sharded + lse + stats + scores
 
 
-def _norm_2d_bytes(res: int) -> int:
-    """Bytes per column-split value a 2D layer norm keeps: its fp32 input (a copy unless the input
-    is fp32, then the layer input or the residual after attention), the centred fp32 input, the
-    normalised output and the norm's output in the input's dtype."""
-    return 4 + 4 + 2 * res
+def _mlp_inputs(m: GPTConfig) -> int:
+    """Linear layers that read the second norm's output: SwiGLU's gate and up, GELU's fc."""
+    return 2 if m.mlp == "swiglu" else 1
+
+
+def _mlp_tensors(m: GPTConfig) -> int:
+    """ffn-wide tensors the MLP keeps for backward: GELU's input and output; SwiGLU's gate output
+    (SiLU's input), SiLU's output, the up projection's output and their product."""
+    return 4 if m.mlp == "swiglu" else 2
+
+
+def _flow_bytes(m: GPTConfig, p: ParallelConfig, cb: int, res: int, tokens: int) -> float:
+    """Gradients flowing in a layer's backward beyond what it keeps, for `tokens`: two of the
+    residual stream's, and the MLP's: GELU's output's gradient (4h/t; its input's, which GELU's
+    backward writes, takes the place of the down projection's input, freed by then); SwiGLU's
+    product's gradient and the two it gives (SiLU's output's, up's), less the product freed:
+    2 ffn/t in the compute dtype (found with the oracle at SwiGLU's backward: the four kept,
+    less one, plus three)."""
+    h, t, k = m.hidden_size, p.tp, p.tp_col
+    if m.mlp == "swiglu":
+        return tokens * (2 * h / k * res + 2 * m.ffn_size / t * cb)
+    return tokens * (2 * h / k + 4 * h / t) * res
+
+
+def _norm_input_bytes(m: GPTConfig, res: int, device: DeviceKind) -> int:
+    """Bytes per value a norm keeps of its input: the input itself (LayerNorm; RMSNorm on CUDA,
+    `_fused_rms_norm`), or on CPU RMSNorm's composite: an fp32 copy of it (the fp32 input itself)
+    and the fp32 normalised input."""
+    return 4 + 4 if m.norm == "rmsnorm" and device == "cpu" else res
+
+
+def _norm_stats_bytes(m: GPTConfig) -> int:
+    """A norm's fp32 statistics per token: LayerNorm's mean and rstd, RMSNorm's rstd."""
+    return 8 if m.norm == "layernorm" else 4
+
+
+def _norm_2d_bytes(m: GPTConfig, res: int) -> int:
+    """Bytes per column-split value a 2D norm keeps (trainer/tp2d.py writes it in torch ops): its
+    fp32 input (a copy unless the input is fp32, then the layer input or the residual after
+    attention), LayerNorm's centred fp32 input, the normalised output and the norm's output in the
+    input's dtype."""
+    return 4 + (4 if m.norm == "layernorm" else 0) + 2 * res
 
 
 def _activation_bytes_per_token_2d(
@@ -82,20 +133,35 @@ def _activation_bytes_per_token_2d(
     h, a, t, s, k = m.hidden_size, m.num_heads, p.tp, m.seq_len, p.tp_col
     if p.activation_checkpoint == "full":
         return res * h / k
-    norms = 2 * _norm_2d_bytes(res) * h / k
-    sharded = 12 * cb * h / t
+    norms = 2 * _norm_2d_bytes(m, res) * h / k
+    sharded = (4 * h + _mlp_tensors(m) * m.ffn_size) * cb / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
-    stats = 2 * 4 * 4  # per norm: mean, rstd, and the two all-reduced sums, fp32
+    # per norm, fp32: LayerNorm's mean, rstd and two all-reduced sums; RMSNorm's rstd and sum of squares
+    stats = 2 * 4 * (4 if m.norm == "layernorm" else 2)
     scores = 0.0 if c.flash_attention else 5 * a * s / t * cb / 2
     return norms + sharded + lse + stats + scores
 
 
+def layer_matmul_params(m: GPTConfig) -> int:
+    """One layer's matmul weights: q and out h x h, k and v h x kv_size (GQA: fewer KV heads),
+    the MLP's two (GELU) or three (SwiGLU) h x ffn."""
+    h = m.hidden_size
+    return 2 * h * h + 2 * h * m.kv_size + (3 if m.mlp == "swiglu" else 2) * h * m.ffn_size
+
+
 def _layer_params(m: GPTConfig, tp: int, tp_col: int = 1) -> float:
-    """One layer's parameters on a rank: the four h x h and two h x ffn weights over tp x tp_col,
-    the two norms' weight and bias (replicated over tp, split over tp_col)."""
-    return (4 * m.hidden_size**2 + 2 * m.hidden_size * m.ffn_size) / (
-        tp * tp_col
-    ) + 4 * m.hidden_size / tp_col
+    """One layer's parameters on a rank: its matmul weights over tp x tp_col, the two norms'
+    weight (and LayerNorm's bias; replicated over tp, split over tp_col), q/k/v's bias (Qwen2;
+    column-parallel, over tp)."""
+    params = layer_matmul_params(m) / (tp * tp_col) + 2 * _norm_params(m) / tp_col
+    if m.qkv_bias:
+        params += (m.hidden_size + 2 * m.kv_size) / tp
+    return params
+
+
+def _norm_params(m: GPTConfig) -> int:
+    """One norm's parameters: LayerNorm's weight and bias, RMSNorm's weight."""
+    return 2 * m.hidden_size if m.norm == "layernorm" else m.hidden_size
 
 
 def model_state_bytes(
@@ -114,13 +180,18 @@ def model_state_bytes(
     )
 
 
-def memory(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants) -> dict[str, float]:
+def memory(
+    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, device: DeviceKind = "gpu"
+) -> dict[str, float]:
     """Bytes on the fullest device: the first or the last pipeline rank in its fullest phase,
     times memory_scale, plus workspace_bytes; split into weights (fp32 master and compute-dtype
     working copies), gradients, optimizer state (with AdamW's temporary) and activations (with
-    pipeline buffers, logits and the batch)."""
+    pipeline buffers, logits, the batch and the rotary buffer). `device`: the ranks' kind
+    (ClusterSpec.device_kind), whose kernels keep what they keep."""
     phases = [
-        parts for stage in sorted({0, p.pp - 1}) for parts in phase_bytes(m, p, precision, c, stage).values()
+        parts
+        for stage in sorted({0, p.pp - 1})
+        for parts in phase_bytes(m, p, precision, c, stage, device).values()
     ]
     worst = max(phases, key=lambda parts: sum(parts.values()))
     return {
@@ -151,12 +222,12 @@ class _Rank:
 
 
 def phase_bytes(
-    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int
+    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int, device: DeviceKind = "gpu"
 ) -> dict[str, dict[str, float]]:
     """Tensor bytes of the rank at pipeline coordinate `stage` at the peak of each phase of a step
     (trainer/memcheck.py's PHASES: forward and backward; the optimizer step) as
     {phase: {PARTS: bytes}}."""
-    r = _rank(m, p, precision, c, stage)
+    r = _rank(m, p, precision, c, stage, device)
     master, adam, grads = 4 * r.params / r.d, 8 * r.params / r.d, 4 * r.params / r.d
     weights, grads_fb, acts = _forward_backward(p, r, stage, grads)
     fb = {"weights": master + weights, "grads": grads_fb, "optimizer": adam,
@@ -171,22 +242,32 @@ def phase_bytes(
     return {"forward_backward": fb, "optimizer": step}
 
 
-def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int) -> _Rank:
+def _rank(
+    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int, device: DeviceKind
+) -> _Rank:
     low = precision != "fp32"
     cb = 2 if low else 4  # compute dtype: activations, FSDP2's gathered parameters
     residual = 4 if low and p.dp == 1 else cb  # autocast (no FSDP2) leaves the residual adds in fp32
     s, b, h, v, n, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.vocab_size, p.num_microbatches, p.tp
     first, last = stage == 0, stage == p.pp - 1
     k = p.tp_col  # 2D: every weight over tp x tp_col, the residual stream over tp_col
-    embed = (v * h / t + s * h) / k if first else 0.0
-    head = (v * h / t + 2 * h) / k if last else 0.0
+    # The token embedding (and learned positions) on the first stage, the final norm and the head
+    # on the last. A tied head is the embedding's weight: one with the two on one stage, a copy
+    # on each with a pipeline (trainer/pipeline.py splits a deep copy).
+    embed = (v * h / t + (s * h if m.positions == "learned" else 0)) / k if first else 0.0
+    head_weight = 0.0 if m.tie_embeddings and first else v * h / t
+    head = (head_weight + _norm_params(m)) / k if last else 0.0
     params = _stage_layers(m.num_layers, p, stage) * _layer_params(m, t, k) + embed + head
     tokens, shard = s * b, t if p.sequence_parallel else k
     boundary = tokens * h / shard * residual  # what one stage sends the next per micro-batch
     chunks = range(stage, p.num_stages, p.pp)
     receiving = sum(i > 0 for i in chunks)  # chunks with a previous stage (receive activations)
     sending = sum(i < p.num_stages - 1 for i in chunks)  # ... with a next (receive gradients)
-    layer = activation_bytes_per_token(m, p, cb, c, residual) * tokens
+    layer = activation_bytes_per_token(m, p, cb, c, residual, device) * tokens
+    if m.positions == "rope" and p.dp > 1 and low:
+        # FSDP2's and replicate's mixed precision casts every block's floating inputs, the cos/sin
+        # buffer too: each layer keeps its bf16 copy (rotary's multiplications save it).
+        layer += 2 * s * m.head_dim * cb
     # A received input is its receive buffer; a stage's output is kept for its backward (held by
     # its send when interleaved, counted in `sent`).
     own = sending * boundary if p.virtual_stages == 1 else 0.0
@@ -195,10 +276,15 @@ def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, st
     recompute = 0.0
     if p.activation_checkpoint == "full":  # recomputing a layer brings its activations back
         plain = ParallelConfig(**{**p.to_dict(), "activation_checkpoint": "none"})
-        recompute = activation_bytes_per_token(m, plain, cb, c, residual) * tokens
+        recompute = activation_bytes_per_token(m, plain, cb, c, residual, device) * tokens
     # Transient: the fp32 copy of the bf16 logits (forward), or the log-softmax's gradient and the
     # logits' (backward; loss_parallel computes the second in place).
     loss = max(4 + (cb if cb < 4 else 0), 8 if t == 1 else 4) * logits
+    # The final norm keeps its input and output (the head's input); RMSNorm's CPU composite more.
+    final_norm = tokens * h * (1 / shard + 1) * residual
+    final_norm += tokens * h * (_norm_input_bytes(m, residual, device) - residual) / shard
+    # Rotary positions: every stage module holds the cos/sin buffer, (2, s, head_dim) in fp32.
+    rope = 2 * s * m.head_dim * 4 * p.virtual_stages if m.positions == "rope" else 0
     return _Rank(
         params=params, d=p.dp_shard if p.zero_stage else 1, cb=cb,
         # FSDP2's copies, or autocast's weight cache (which 2D's local views of the weights bypass)
@@ -207,10 +293,10 @@ def _rank(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, st
         # 2D: the embedding looks up its local block, its gradient is local too
         vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
         # ... and with a pipeline the stage's output, its logits, in the stage's forward cache
-        head=(tokens * h * (1 / shard + 1) * residual if k == 1 else tokens * (8 + _norm_2d_bytes(residual)) * h / k)
+        head=(final_norm if k == 1 else tokens * (8 + _norm_2d_bytes(m, residual)) * h / k)
         + (4 + (cb if p.pp > 1 else 0)) * logits if last else 0.0,
-        flow=tokens * (2 * h / k + 4 * h / t) * residual + recompute, loss=loss,
-        buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens,
+        flow=_flow_bytes(m, p, cb, residual, tokens) + recompute, loss=loss,
+        buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens + rope,
         sent=n * boundary * (receiving + sending) if p.virtual_stages > 1 else 0.0,
     )  # fmt: skip
 
@@ -226,7 +312,9 @@ def _forward_backward(
     accumulates = p.pp > 1 or p.zero_stage == 0
     accumulated = 4 * r.params + r.vocab_grad if accumulates else sharded_grads
     n, inflight = p.num_microbatches, _in_flight(p, stage)
-    first_backward = n == 1 or (p.pp > 1 and p.pp_schedule == "gpipe")  # the peak can precede it
+    # Every forward before the first backward (GPipe; 1F1B on a stage with n <= pp - stage; one
+    # micro-batch): the peak can precede any gradient.
+    first_backward = inflight >= n
     grads = 0.0 if first_backward else accumulated
     working = r.root + 2 * r.unit if p.zero_stage == 3 else r.whole  # zero 3 prefetches the next layer
     # FSDP2's gathered weights are in the compute dtype, so are the gradients autograd gives them:
@@ -241,6 +329,8 @@ def _forward_backward(
         moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held * inflight + r.loss))
     if first_backward and n > 1:  # GPipe: the next backward, with the first's gradients
         moments.append((working, accumulated + fresh, held * (inflight - 2) + r.layers + r.flow))
+        if r.head:  # ... and its loss, the later micro-batches' logits still there
+            moments.append((r.whole, accumulated, held * (inflight - 1) + r.loss))
     if p.zero_stage == 3 and p.pp > 1:  # a backward that does not sync leaves its layers
         # gathered until their next forward: all of them at its last layer
         moments.append((r.whole, accumulated + fresh, held * (inflight - 1) + r.layer + r.flow))

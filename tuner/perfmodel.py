@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from trainer.config import GPTConfig, ParallelConfig
 from tuner.collectives import (
     Comm,
+    allreduce,
     call_overhead_s,
     group_link,
     ranks_per_core,
@@ -31,7 +32,8 @@ from tuner.collectives import (
     tp_1d_collectives,
     wait_s,
 )
-from tuner.memmodel import _layer_params, memory
+from tuner.devicelevels import MEMORY_TRAFFIC
+from tuner.memmodel import _layer_params, layer_matmul_params, memory
 from tuner.perfconstants import ModelConstants, default_constants
 from tuner.spec import ClusterSpec, padded_model
 
@@ -125,8 +127,9 @@ class Estimate:
 
 
 def _gemm_fwd_flops_per_token(m: GPTConfig) -> float:
-    """2 FLOPs per weight per token (PaLM appendix B: 6N over forward and backward)."""
-    return 2 * (4 * m.hidden_size**2 + 2 * m.hidden_size * m.ffn_size)
+    """2 FLOPs per weight per token (PaLM appendix B: 6N over forward and backward) of a layer's
+    matmuls: q and out h x h, k and v h x kv_size (GQA), SwiGLU's three h x ffn or GELU's two."""
+    return 2 * layer_matmul_params(m)
 
 
 def _attention_fwd_flops_per_token(m: GPTConfig) -> float:
@@ -141,18 +144,56 @@ def _compute_efficiency(m: GPTConfig, p: ParallelConfig, c: ModelConstants) -> f
     return c.compute_efficiency * size / (size + c.compute_half_size)
 
 
+# Bytes per value of q and k that rotary positions move in a step, counted from trainer/model.py's
+# apply_rope on a bf16 input: forward 58 (two fp32 copies, the negated half, the concatenation,
+# two products and their sum, the cast back), backward 52 (the products' gradients, the halves
+# put back together, two casts and their sum). GQA's repeat of k and v to every query head moves
+# 8 bytes per value of h + kv_size (a kv-wide read and an h-wide write each way, for k and v).
+ROPE_BYTES_PER_VALUE = 58 + 52
+GQA_REPEAT_BYTES_PER_VALUE = 8
+
+
+def _elementwise_units(m: GPTConfig) -> tuple[float, float]:
+    """A layer's memory-bound traffic per token in Korthikanti's units (16-bit bytes x h, table
+    2: what the layer stores), (replicated over tp, sharded over tp). GPT's block: 10 (the two
+    norms' inputs and outputs 8, the dropout masks after attention and the MLP 2: the tables the
+    constants were chosen on trained with dropout) and 24 (q, k, v and the attention output 8,
+    GELU's input and output 2 x 2 ffn/h = 16). Llama's: no dropout (8); RMSNorm moves what
+    LayerNorm moves (one statistic less, in the same pass); SwiGLU's gate and up outputs, SiLU's
+    output and the product (4 x 2 ffn/h). RoPE and GQA's repeat store nothing of their own (RoPE's
+    other factor is the cos/sin buffer, the repeated k and v are SDPA's inputs, counted in the 8)
+    but move bytes: theirs per step, in stored bytes at MEMORY_TRAFFIC moved per stored byte over
+    3 passes (13.4 (h + kv_size)/h for RoPE; Llama 3.1 8B: 16.8, 1.2 for the repeat)."""
+    h, kv = m.hidden_size, m.kv_size
+    replicated = 8.0 if m.family == "llama" else 10.0
+    moved = ROPE_BYTES_PER_VALUE * (h + kv) if m.positions == "rope" else 0.0
+    if kv < h:
+        moved += GQA_REPEAT_BYTES_PER_VALUE * (h + kv)
+    mlp = (8 if m.mlp == "swiglu" else 4) * m.ffn_size / h
+    return replicated, 8 + moved / (3 * MEMORY_TRAFFIC * h) + mlp
+
+
 def _elementwise_flops(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants) -> float:
-    """Peak-FLOP equivalent of the memory-bound work of one layer for one micro-batch: layer norms,
-    GeLU, dropout, residual adds and, without flash attention, the softmax over the s x s scores.
-    Its traffic is of the order of the activations the layer stores (Korthikanti table 2,
-    16-bit: sbh (10 + 24/t + 5as/(ht)), with sequence parallelism sbh/t (34 + 5as/h)), moved in
-    forward, twice in backward, and again by recompute."""
+    """Peak-FLOP equivalent of the memory-bound work of one layer for one micro-batch: norms,
+    the MLP's activation, rotary positions, dropout, residual adds and, without flash attention,
+    the softmax over the s x s scores. Its traffic is of the order of the activations the layer
+    stores (Korthikanti table 2, 16-bit, GPT's block: sbh (10 + 24/t + 5as/(ht)), with sequence
+    parallelism sbh/t (34 + 5as/h); other blocks: _elementwise_units), moved in forward, twice in
+    backward, and again by recompute."""
     s, b, h, a, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp
     scores = 0.0 if c.flash_attention else 5 * a * s / h
+    replicated, sharded = _elementwise_units(m)
+    stored = replicated + sharded
     # 2D tensor parallelism: the residual stream (the 10) is split over the column group, the
     # heads and the MLP's ffn (the 24) over the row group only, repeated on every column rank.
-    per_token = h / t * (34 + scores) if p.sequence_parallel else h * (10 / p.tp_col + (24 + scores) / t)
-    passes = {"none": 3.0, "selective": 3.0 + scores / (34 + scores), "full": 4.0}[p.activation_checkpoint]
+    per_token = (
+        h / t * (stored + scores)
+        if p.sequence_parallel
+        else h * (replicated / p.tp_col + (sharded + scores) / t)
+    )
+    passes = {"none": 3.0, "selective": 3.0 + scores / (stored + scores), "full": 4.0}[
+        p.activation_checkpoint
+    ]
     act_bytes = 1 if precision != "fp32" else 2  # table 2 counts 16-bit values as 2 bytes
     return s * b * per_token * act_bytes * passes * c.elementwise_flops_per_byte
 
@@ -292,6 +333,12 @@ def _rank_step(
         msg = tokens_mb * h * act_bytes / (t if p.sequence_parallel else p.tp_col)
         # forward activation + backward gradient per micro-batch per chunk, on the critical path
         p2p = send_s(msg, group_link(cluster, pp, tc * d), c) * (2 * (mb * v + pp - 1))
+        if m.tie_embeddings:  # the two copies' fp32 gradients summed between the first and the last
+            # stage once a step, this rank's shard (trainer/pipeline.py TiedEmbeddings; Megatron's
+            # embedding group), blocking before clipping
+            shard = tc * (p.dp_shard if p.zero_stage else 1)
+            ends = group_link(cluster, 2, (pp - 1) * tc * d)
+            p2p = p2p + allreduce(m.vocab_size * h / shard * 4, 2, ends, c, rpc)
 
     # Data parallelism: gradients all-reduced once per step; ZeRO/FSDP splits it into
     # reduce-scatter + all-gather (same bytes, ZeRO sec. 7); ZeRO-3 gathers parameters for
@@ -386,7 +433,7 @@ def estimate(
     (the dtype trials run in: tuner.pricing.Pricing passes StudySpec.trial_dtype)."""
     c = constants or default_constants(cluster)
     m = padded_model(m, p.tp)  # the vocabulary the layout builds (Megatron's padding)
-    mem = memory(m, p, precision, c)
+    mem = memory(m, p, precision, c, cluster.device_kind)
     mb = p.num_microbatches
     layers = math.ceil(m.num_layers / (p.pp * p.virtual_stages)) * p.virtual_stages
     peak_tflops = cluster.peak_tflops_for("fp32" if precision == "fp32" else "bf16")

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from tests.trainer.helpers import TINY, tiny_config
-from trainer.config import ParallelConfig
+from trainer.config import MODEL_PRESETS, ParallelConfig
 from trainer.launch import run_local
 from trainer.memcheck import (
     CATEGORIES,
     RankMemory,
     Simulation,
     Simulator,
+    _cuda_kernels,
     default_ranks,
     extrapolation_points,
     memcheck,
@@ -75,6 +76,42 @@ def test_the_oracle_equals_a_real_cpu_runs_peak_on_every_rank(
     report = memcheck(cfg, ranks=range(parallel.world_size))
     assert [r.peak_bytes for r in report.ranks] == real.peak_memory_bytes_per_rank
     assert report.peak_bytes == real.peak_memory_bytes
+
+
+# The Llama block (RMSNorm, SwiGLU, rotary positions, GQA) on real ranks: what the trainer runs of
+# it today (no tensor parallelism yet, issue 26 item 3): a pipeline with FSDP2 and full recompute,
+# replicated DP with selective recompute.
+LLAMA_RUN_LAYOUTS = [
+    pytest.param(
+        P(
+            pp=2,
+            dp_shard=2,
+            zero_stage=3,
+            activation_checkpoint="full",
+            micro_batch_size=2,
+            num_microbatches=4,
+        ),
+        id="llama-pp2-zero3-full-ac",
+    ),
+    pytest.param(
+        P(dp_replicate=2, activation_checkpoint="selective", micro_batch_size=2, num_microbatches=2),
+        id="llama-dp2-selective",
+    ),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", LLAMA_RUN_LAYOUTS)
+def test_the_oracle_equals_a_real_cpu_run_of_the_llama_block(
+    parallel: ParallelConfig, tmp_path: Path
+) -> None:
+    cfg = dataclasses.replace(
+        tiny_config(parallel, warmup_steps=2, measure_steps=1), model=MODEL_PRESETS["llama-tiny"]
+    )
+    real = run_local(cfg, tmp_path, timeout_s=300)
+    assert real.status == "ok", real.error
+    report = memcheck(cfg, ranks=range(parallel.world_size))
+    assert [r.peak_bytes for r in report.ranks] == real.peak_memory_bytes_per_rank
 
 
 def test_the_breakdown_sums_to_the_peak_of_each_phase() -> None:
@@ -205,3 +242,28 @@ def test_tensor_parallelism_without_data_parallelism_steps_foreach_adamw() -> No
     for parallel in (P(tp=2, micro_batch_size=1, num_microbatches=2), P(tp=2, pp=2, num_microbatches=4)):
         report = memcheck(tiny_config(parallel, device="cuda"))
         assert all(r.breakdown["optimizer"] > 0 for r in report.ranks), parallel.describe()
+
+
+def test_a_gpu_trials_rms_norm_keeps_what_cudas_fused_kernel_keeps() -> None:
+    """On CUDA torch's rms_norm runs `_fused_rms_norm`, whose backward keeps the input, the fp32
+    rstd and the weight; the CPU the oracle simulates on runs the composite, which keeps an fp32
+    copy of the input and the normalised input besides. The oracle's GPU mode runs FusedRMSNorm:
+    the composite's values and gradients, the fused kernel's saved tensors."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    g = torch.randn(2, 5, 16)
+    expected = torch.nn.functional.rms_norm(x, [16], w, 1e-5)
+    expected_grads = torch.autograd.grad(expected, (x, w), g)
+    saved: list[torch.Tensor] = []
+    with (
+        _cuda_kernels(),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t),
+    ):
+        out = torch.nn.functional.rms_norm(x, [16], w, 1e-5)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(torch.autograd.grad(out, (x, w), g), expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    assert [(tuple(t.shape), t.dtype) for t in saved] == [((2, 5, 16), torch.float32), ((2, 5, 1), torch.float32),
+                                                          ((16,), torch.float32)]  # fmt: skip
+    assert saved[0] is x and saved[2] is w

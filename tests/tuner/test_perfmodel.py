@@ -330,3 +330,95 @@ def test_fp32_on_a_gpu_moves_twice_the_bytes_not_at_the_fp32_peak() -> None:
     cost = {d: perfmodel._compute(model, p, d, c, a100(1).peak_tflops_for(d) * 1e12, a100(1).peak_tflops * 1e12)
             for d in ("bf16", "fp32")}  # fmt: skip
     assert cost["fp32"].layer_own_s == pytest.approx(2 * cost["bf16"].layer_own_s)
+
+
+# --- issue 26: the Llama family (GQA, SwiGLU, RoPE, RMSNorm, tied embeddings) -------------------
+
+LLAMA_8B = MODEL_PRESETS["llama3.1-8b"]
+
+
+def _training_flops_per_token(m: GPTConfig) -> float:
+    """What the step-time model charges per token on one rank without recompute: every layer's
+    forward, backward (2x) and the head's, priced like the GEMMs (no device's flash efficiency)."""
+    p = ParallelConfig(micro_batch_size=1)
+    cost = perfmodel._compute(m, p, "bf16", ModelConstants(), 1.0, 1.0)
+    return (m.num_layers * cost.layer_flops + 3 * cost.head_fwd) / m.seq_len
+
+
+@pytest.mark.parametrize("name", ["llama3.1-8b", "llama3.2-1b", "qwen2.5-7b", "gpt-1.3b"])
+def test_a_step_computes_6n_plus_12lhs_per_token(name: str) -> None:
+    """PaLM appendix B, the config's flops_per_token: 6 FLOPs per matmul weight (GQA's narrower k
+    and v, SwiGLU's three MLP matrices, the head whether or not tied) and 12 L h s for the
+    attention scores (every query head scores). The norms' weights and q/k/v's bias are not
+    matmuls: the config counts them among N, the step's GEMMs do not."""
+    m = MODEL_PRESETS[name]
+    h, kv, f, layers = m.hidden_size, m.kv_size, m.ffn_size, m.num_layers
+    mlp = 3 if m.mlp == "swiglu" else 2
+    weights = layers * (2 * h * h + 2 * h * kv + mlp * h * f) + m.vocab_size * h
+    assert _training_flops_per_token(m) == 6 * weights + 12 * layers * h * m.seq_len
+    # the config's N less the matmul weights: two norms (and a bias) per layer, the final norm
+    not_matmuls = m.num_nonembed_params - weights
+    assert m.flops_per_token - _training_flops_per_token(m) == 6 * not_matmuls
+    assert (
+        not_matmuls == layers * (m.num_layer_params - (weights - m.vocab_size * h) // layers) + m._norm_params
+    )
+    assert _training_flops_per_token(m) == pytest.approx(m.flops_per_token, rel=2e-4)
+
+
+def test_llama_3_1_8b_per_token_against_its_published_shape() -> None:
+    """Llama 3.1 8B: h 4096, 32 query and 8 KV heads of 128 (kv_size 1024), ffn 14336, 32 layers,
+    vocabulary 128256 (a multiple of 128: no padding at tp 1), sequence 8192: 6 x 7.50e9 matmul
+    weights (the layers' 32 x 218.1M = 6.98e9 plus the head's 0.525e9) + 12 x 32 x 4096 x 8192 =
+    5.79e10 FLOPs per token."""
+    layer = 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert layer == 218_103_808
+    expected = 6 * (32 * layer + 128256 * 4096) + 12 * 32 * 4096 * 8192
+    assert _training_flops_per_token(LLAMA_8B) == expected == 57_912_852_480
+
+
+def test_a_tied_head_computes_as_much_as_an_untied_one() -> None:
+    """Tying stores the head's weight once; its V x h matmul still runs per token on the last
+    stage, so the compute and the model FLOPs do not depend on it. Across pipeline stages the two
+    copies' gradients are summed once a step (trainer/pipeline.py TiedEmbeddings): an all-reduce
+    of this rank's fp32 shard of V x h between the first and the last stage."""
+    from tuner.collectives import allreduce, group_link
+
+    tied = MODEL_PRESETS["llama3.2-1b"]
+    untied = dataclasses.replace(tied, tie_embeddings=False)
+    cluster = a100(1)
+    p = ParallelConfig(pp=2, dp_shard=4, zero_stage=2, micro_batch_size=1, num_microbatches=8)
+    a, b = estimate(tied, p, cluster), estimate(untied, p, cluster)
+    assert a.terms.compute_s == b.terms.compute_s
+    assert tied.flops_per_token == untied.flops_per_token
+    ends = group_link(cluster, 2, 4)  # pp ranks 0 and 1, 4 data-parallel ranks apart
+    summed = allreduce(128256 * 2048 / 4 * 4, 2, ends, default_constants(cluster))
+    assert a.pp_p2p_s - b.pp_p2p_s == pytest.approx(summed.total, rel=1e-12)
+    one_stage = ParallelConfig(dp_shard=8, zero_stage=2, micro_batch_size=1, num_microbatches=8)
+    assert estimate(tied, one_stage, cluster).step_time_s == estimate(untied, one_stage, cluster).step_time_s
+
+
+def test_the_llama_block_moves_its_own_elementwise_bytes() -> None:
+    """Korthikanti's units (16-bit bytes x h per token): GPT's block 10 + 24/t as calibrated;
+    Llama 3.1 8B's 8 (no dropout masks) + (8 + SwiGLU's four ffn-wide tensors 8 x 14336/4096 =
+    28 + what RoPE and GQA's repeat move per step, 110 and 8 bytes per value of q and k (4096 +
+    1024), as stored bytes: / (3 passes x 2.73 bytes moved per stored byte))/t."""
+    assert perfmodel._elementwise_units(MODEL_PRESETS["gpt-1.3b"]) == (10.0, 24.0)
+    moved = (110 + 8) * (4096 + 1024) / (3 * MEMORY_TRAFFIC * 4096)
+    assert moved == pytest.approx(18.04, abs=0.01)
+    assert perfmodel._elementwise_units(LLAMA_8B) == pytest.approx((8.0, 8 + 28 + moved), rel=1e-12)
+    # multi-head attention repeats nothing
+    mha = dataclasses.replace(LLAMA_8B, num_kv_heads=None)
+    assert perfmodel._elementwise_units(mha)[1] == pytest.approx(8 + 28 + 110 * 2 / (3 * MEMORY_TRAFFIC))
+    # priced as a GPT block of the same units would be
+    p, c = ParallelConfig(tp=2, micro_batch_size=1), ModelConstants()
+    stored = perfmodel._elementwise_flops(LLAMA_8B, p, "bf16", c) / c.elementwise_flops_per_byte / 3
+    assert stored == pytest.approx(8192 * 4096 * (8 + (8 + 28 + moved) / 2), rel=1e-12)
+
+
+def test_gqa_shrinks_only_the_k_and_v_projections() -> None:
+    """A layer's forward GEMMs: GQA's 8 KV heads of 32 make k and v a quarter of q; attention
+    scores are those of all 32 query heads."""
+    mha = dataclasses.replace(LLAMA_8B, num_kv_heads=None)
+    saved = perfmodel._gemm_fwd_flops_per_token(mha) - perfmodel._gemm_fwd_flops_per_token(LLAMA_8B)
+    assert saved == 2 * 2 * 4096 * (4096 - 1024)
+    assert perfmodel._attention_fwd_flops_per_token(mha) == perfmodel._attention_fwd_flops_per_token(LLAMA_8B)
