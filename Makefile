@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 demo: setup
 	$(BIN)/tuner demo
-	$(BIN)/tuner best --model gpt-tiny
+	$(BIN)/tuner best --model llama-tiny
 
 # The layering rules (pyproject.toml's import-linter contracts) fail CI as a lint error does.
 test: setup system-deps

@@ -117,8 +117,9 @@ def alloc_run(
 
 
 def demo(ctx: typer.Context) -> None:
-    """The tiny CPU study (studies/tiny-cpu.yaml) end to end with the model sampler."""
-    status = _run(STUDIES_DIR / "tiny-cpu.yaml", f"tiny-cpu-{dt.datetime.now():%Y%m%d-%H%M%S}", ctx.obj)
+    """The tiny Llama CPU study (studies/tiny-llama-cpu.yaml) end to end with the model sampler."""
+    name = f"tiny-llama-cpu-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    status = _run(STUDIES_DIR / "tiny-llama-cpu.yaml", name, ctx.obj)
     raise typer.Exit(0 if status is StudyStatus.COMPLETE else 1)
 
 

@@ -33,85 +33,48 @@ P = ParallelConfig
 # replicated DP, full and selective checkpointing, gradient accumulation. (Not pp2 + zero 3 without
 # recompute: there a real run's peak sometimes holds one more FSDP all-gather buffer, as gloo's
 # thread finishes the previous all-gather late: +33,792 B on one rank in one of two runs.)
-REAL_RUN_LAYOUTS = [
-    pytest.param(P(tp=2, sequence_parallel=True, micro_batch_size=2, num_microbatches=2), id="tp2-sp"),
-    pytest.param(
-        P(
-            pp=2,
-            dp_shard=2,
-            zero_stage=3,
-            activation_checkpoint="full",
-            micro_batch_size=2,
-            num_microbatches=4,
-        ),
-        id="pp2-zero3-full-ac",
+LAYOUTS = {
+    "tp2-sp": P(tp=2, sequence_parallel=True, micro_batch_size=2, num_microbatches=2),
+    "pp2-zero3-full-ac": P(
+        pp=2, dp_shard=2, zero_stage=3, activation_checkpoint="full", micro_batch_size=2, num_microbatches=4
     ),
-    pytest.param(
-        P(
-            tp=2,
-            pp=2,
-            sequence_parallel=True,
-            activation_checkpoint="selective",
-            micro_batch_size=1,
-            num_microbatches=4,
-            pp_schedule="interleaved_1f1b",
-            virtual_stages=2,
-        ),
-        id="tp2-pp2-interleaved-sp",
+    "tp2-pp2-interleaved-sp": P(
+        tp=2,
+        pp=2,
+        sequence_parallel=True,
+        activation_checkpoint="selective",
+        micro_batch_size=1,
+        num_microbatches=4,
+        pp_schedule="interleaved_1f1b",
+        virtual_stages=2,
     ),
-    pytest.param(P(tp=2, dp_replicate=2, micro_batch_size=2, num_microbatches=2), id="tp2-dp2-replicated"),
+    "tp2-dp2-replicated": P(tp=2, dp_replicate=2, micro_batch_size=2, num_microbatches=2),
     # 2D tensor parallelism: the column-split stream crosses the pipeline boundary (b, s, h/tp_col)
-    pytest.param(P(tp_col=2, pp=2, micro_batch_size=1, num_microbatches=4), id="col2-pp2"),
+    "col2-pp2": P(tp_col=2, pp=2, micro_batch_size=1, num_microbatches=4),
+    "dp2-selective": P(
+        dp_replicate=2, activation_checkpoint="selective", micro_batch_size=2, num_microbatches=2
+    ),
+}
+# GPT's block on every layout but the last; the Llama block (RMSNorm, SwiGLU, rotary positions,
+# GQA with one KV head per tp rank) on a 1D and a 2D tensor-parallel plan, a pipeline with FSDP2
+# and full recompute, and replicated DP with selective recompute.
+REAL_RUNS = [pytest.param("gpt-tiny", LAYOUTS[name], id=name) for name in list(LAYOUTS)[:-1]] + [
+    pytest.param("llama-tiny", LAYOUTS[name], id=f"llama-{name}")
+    for name in ("tp2-sp", "pp2-zero3-full-ac", "col2-pp2", "dp2-selective")
 ]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", REAL_RUN_LAYOUTS)
+@pytest.mark.parametrize(("model", "parallel"), REAL_RUNS)
 def test_the_oracle_equals_a_real_cpu_runs_peak_on_every_rank(
-    parallel: ParallelConfig, tmp_path: Path
+    model: str, parallel: ParallelConfig, tmp_path: Path
 ) -> None:
-    cfg = tiny_config(parallel, warmup_steps=2, measure_steps=1)
+    cfg = tiny_config(parallel, model=MODEL_PRESETS[model], warmup_steps=2, measure_steps=1)
     real = run_local(cfg, tmp_path, timeout_s=300)
     assert real.status == "ok", real.error
     report = memcheck(cfg, ranks=range(parallel.world_size))
     assert [r.peak_bytes for r in report.ranks] == real.peak_memory_bytes_per_rank
     assert report.peak_bytes == real.peak_memory_bytes
-
-
-# The Llama block (RMSNorm, SwiGLU, rotary positions, GQA) on real ranks: what the trainer runs of
-# it today (no tensor parallelism yet, issue 26 item 3): a pipeline with FSDP2 and full recompute,
-# replicated DP with selective recompute.
-LLAMA_RUN_LAYOUTS = [
-    pytest.param(
-        P(
-            pp=2,
-            dp_shard=2,
-            zero_stage=3,
-            activation_checkpoint="full",
-            micro_batch_size=2,
-            num_microbatches=4,
-        ),
-        id="llama-pp2-zero3-full-ac",
-    ),
-    pytest.param(
-        P(dp_replicate=2, activation_checkpoint="selective", micro_batch_size=2, num_microbatches=2),
-        id="llama-dp2-selective",
-    ),
-]
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("parallel", LLAMA_RUN_LAYOUTS)
-def test_the_oracle_equals_a_real_cpu_run_of_the_llama_block(
-    parallel: ParallelConfig, tmp_path: Path
-) -> None:
-    cfg = dataclasses.replace(
-        tiny_config(parallel, warmup_steps=2, measure_steps=1), model=MODEL_PRESETS["llama-tiny"]
-    )
-    real = run_local(cfg, tmp_path, timeout_s=300)
-    assert real.status == "ok", real.error
-    report = memcheck(cfg, ranks=range(parallel.world_size))
-    assert [r.peak_bytes for r in report.ranks] == real.peak_memory_bytes_per_rank
 
 
 def test_the_breakdown_sums_to_the_peak_of_each_phase() -> None:

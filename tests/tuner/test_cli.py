@@ -47,7 +47,12 @@ def test_demo_runs_the_tiny_study_and_best_returns_it(tmp_path: Path) -> None:
     assert ": complete" in proc.stdout and "best layout:" in proc.stdout
     best = subprocess.run([TUNER, "best", "--json"], capture_output=True, text=True, timeout=60, env=env)
     (row,) = json.loads(best.stdout)
-    assert row["model"] == "gpt-tiny" and row["tokens_per_s"] > 0 and row["gpus"] == 2
+    assert (
+        row["model"] == "llama-tiny"
+        and row["family"] == "llama"
+        and row["tokens_per_s"] > 0
+        and row["gpus"] == 2
+    )
     trials = json.loads(subprocess.run([TUNER, "trials", row["study"], "--json"], capture_output=True, text=True,
                                        timeout=60, env=env).stdout)  # fmt: skip
     assert max(t["tokens_per_s"] or 0 for t in trials) == row["tokens_per_s"]
