@@ -50,25 +50,28 @@ class Run:
     global_batch: int
     layout: ParallelConfig
     published: float  # TPS/GPU
+    memory_gib: float  # published peak memory (GiB, the fullest GPU)
     stack: str  # what the published figure ran with
 
 
 def _fsdp(dp: int, mbs: int, ac: str, tp: int = 1, pp: int = 1, microbatches: int = 1,
           schedule: str = "1f1b", virtual: int = 1) -> ParallelConfig:  # fmt: skip
+    # torchtitan's tensor parallel plan always shards the norms' and the residual's sequence (SP).
     return ParallelConfig(tp=tp, pp=pp, dp_shard=dp, zero_stage=3, micro_batch_size=mbs, num_microbatches=microbatches,
-                          activation_checkpoint=ac, pp_schedule=schedule, virtual_stages=virtual)  # fmt: skip
+                          activation_checkpoint=ac, sequence_parallel=tp > 1, pp_schedule=schedule,
+                          virtual_stages=virtual)  # fmt: skip
 
 
 RUNS = (
-    Run("1", "llama3.1-8b", 8, 16, _fsdp(8, 2, "selective"), 5762, "bf16 eager"),
-    Run("1", "llama3.1-8b", 8, 16, _fsdp(8, 2, "selective"), 6667, "bf16 + compile"),
-    Run("3", "llama3.1-8b", 128, 256, _fsdp(128, 2, "selective"), 5605, "bf16 eager"),
-    Run("3", "llama3.1-8b", 128, 256, _fsdp(128, 2, "selective"), 6514, "bf16 + compile"),
-    Run("4", "llama3.1-70b", 256, 512, _fsdp(32, 16, "full", tp=8), 829, "compile + Float8"),
-    Run("5", "llama3.1-405b", 512, 256, _fsdp(8, 1, "full", tp=8, pp=8, microbatches=32), 100,
+    Run("1", "llama3.1-8b", 8, 16, _fsdp(8, 2, "selective"), 5762, 82.4, "bf16 eager"),
+    Run("1", "llama3.1-8b", 8, 16, _fsdp(8, 2, "selective"), 6667, 77.0, "bf16 + compile"),
+    Run("3", "llama3.1-8b", 128, 256, _fsdp(128, 2, "selective"), 5605, 67.0, "bf16 eager"),
+    Run("3", "llama3.1-8b", 128, 256, _fsdp(128, 2, "selective"), 6514, 62.0, "bf16 + compile"),
+    Run("4", "llama3.1-70b", 256, 512, _fsdp(32, 16, "full", tp=8), 829, 71.9, "compile + Float8"),
+    Run("5", "llama3.1-405b", 512, 256, _fsdp(8, 1, "full", tp=8, pp=8, microbatches=32), 100, 82.5,
         "compile + Float8 + async TP, 1F1B"),
     Run("5", "llama3.1-405b", 512, 256, _fsdp(8, 1, "full", tp=8, pp=8, microbatches=32, schedule="interleaved_1f1b",
-                                           virtual=2), 128, "compile + Float8 + async TP, interleaved 1F1B"),
+                                           virtual=2), 128, 72.7, "compile + Float8 + async TP, interleaved 1F1B"),
 )  # fmt: skip
 
 
@@ -85,9 +88,9 @@ def study(run: Run) -> StudySpec:
 def main() -> None:
     print(
         "| table | model | GPUs | layout | published TPS/GPU (stack) | predicted TPS/GPU | predicted / published |"
-        " predicted MFU | fits | planner's pick | its predicted TPS/GPU |"
+        " predicted MFU | published memory GiB | predicted GiB | fits | planner's pick | its predicted TPS/GPU |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in RUNS:
         spec = study(run)
         pricing = Pricing.for_study(spec)
@@ -100,7 +103,8 @@ def main() -> None:
         pick = f"{best[0].describe()}" if best else "none fits"
         pick_tps = f"{best[1].tokens_per_s / run.gpus:,.0f}" if best else ""
         print(f"| {run.table} | {run.preset} | {run.gpus} | {run.layout.describe()} | {run.published:,.0f} ({run.stack}) "
-              f"| {tps:,.0f} | {tps / run.published:.2f} | {est.mfu:.1%} | {'yes' if est.fits else 'no'} "
+              f"| {tps:,.0f} | {tps / run.published:.2f} | {est.mfu:.1%} | {run.memory_gib:.1f} | {est.memory_bytes / 2**30:.1f} "
+              f"| {'yes' if est.fits else 'no'} "
               f"| {pick} | {pick_tps} |")  # fmt: skip
 
 
