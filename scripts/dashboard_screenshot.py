@@ -1,12 +1,12 @@
 """The README's dashboard screenshot (docs/dashboard-study.png) from a real study: `tuner demo`
-(gpt-tiny on this machine's CPU cores: studies/tiny-cpu.yaml) into a temporary SQLite database,
+(llama-tiny on this machine's CPU cores: studies/tiny-llama-cpu.yaml) into a temporary SQLite database,
 `tuner serve --no-worker` over it, and the study page in headless Chromium (Playwright driving
 Debian's /usr/bin/chromium, as the dashboard tests do).
 
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python scripts/dashboard_screenshot.py
 
 The demo runs 12 real trials (a few minutes on 2 cores: hence the lock, which keeps it off other
-measurements). `--database URL` photographs the newest gpt-tiny study of an existing database instead.
+measurements). `--database URL` photographs the newest llama-tiny study of an existing database instead.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def free_port() -> int:
 
 
 def screenshot(base: str, out: Path, width: int, height: int) -> str:
-    """The newest gpt-tiny study's page, its charts drawn, saved to `out`; returns what the picture
+    """The newest llama-tiny study's page, its charts drawn, saved to `out`; returns what the picture
     shows, in one line (for the README's caption)."""
-    studies = httpx.get(f"{base}/api/studies", params={"model": "gpt-tiny", "limit": 1}).json()["items"]
+    studies = httpx.get(f"{base}/api/studies", params={"model": "llama-tiny", "limit": 1}).json()["items"]
     if not studies:
-        raise SystemExit("no gpt-tiny study in the database")
+        raise SystemExit("no llama-tiny study in the database")
     study = studies[0]
     with sync_playwright() as p:
         browser = p.chromium.launch(
@@ -70,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard-study.png")
     parser.add_argument(
-        "--database", help="photograph this database's newest gpt-tiny study instead of running the demo"
+        "--database", help="photograph this database's newest llama-tiny study instead of running the demo"
     )
     parser.add_argument("--width", type=int, default=1280)
     parser.add_argument("--height", type=int, default=1100)
