@@ -144,17 +144,22 @@ class GPTConfig:
         return self.kv_heads * self.head_dim
 
     @property
-    def num_layer_params(self) -> int:
-        h, kv = self.hidden_size, self.kv_size
-        attn = 2 * h * h + 2 * h * kv  # q and out h x h; k and v h x kv
-        if self.qkv_bias:
-            attn += h + 2 * kv
-        mlp = (3 if self.mlp == "swiglu" else 2) * h * self.ffn_size
-        return attn + mlp + 2 * self._norm_params
+    def num_layer_matmul_params(self) -> int:
+        """One layer's matmul weights: q and out h x h, k and v h x kv_size (GQA: fewer KV heads),
+        the MLP's two (GELU) or three (SwiGLU) h x ffn."""
+        h = self.hidden_size
+        return 2 * h * h + 2 * h * self.kv_size + (3 if self.mlp == "swiglu" else 2) * h * self.ffn_size
 
     @property
-    def _norm_params(self) -> int:
-        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size  # weight (+ bias)
+    def num_layer_params(self) -> int:
+        """One layer's parameters: its matmul weights, q/k/v's bias (Qwen2) and its two norms."""
+        bias = self.hidden_size + 2 * self.kv_size if self.qkv_bias else 0
+        return self.num_layer_matmul_params + bias + 2 * self.norm_params
+
+    @property
+    def norm_params(self) -> int:
+        """One norm's parameters: LayerNorm's weight and bias, RMSNorm's weight."""
+        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
     @property
     def num_embedding_params(self) -> int:
@@ -170,14 +175,12 @@ class GPTConfig:
         """Layers, final norm and the head's matmul: the head is a real matmul per token whether
         or not it is tied, so it counts (torchtitan counts an untied head; we count a tied one too,
         so that MFU does not depend on where the weight is stored)."""
-        return (
-            self.num_layers * self.num_layer_params + self._norm_params + self.vocab_size * self.hidden_size
-        )
+        return self.num_layers * self.num_layer_params + self.norm_params + self.vocab_size * self.hidden_size
 
     @property
     def num_params(self) -> int:
         """Parameters stored (a tied head once)."""
-        layers = self.num_layers * self.num_layer_params + self._norm_params
+        layers = self.num_layers * self.num_layer_params + self.norm_params
         return layers + self.num_head_params + self.num_embedding_params
 
     @property

@@ -142,26 +142,14 @@ def _activation_bytes_per_token_2d(
     return norms + sharded + lse + stats + scores
 
 
-def layer_matmul_params(m: GPTConfig) -> int:
-    """One layer's matmul weights: q and out h x h, k and v h x kv_size (GQA: fewer KV heads),
-    the MLP's two (GELU) or three (SwiGLU) h x ffn."""
-    h = m.hidden_size
-    return 2 * h * h + 2 * h * m.kv_size + (3 if m.mlp == "swiglu" else 2) * h * m.ffn_size
-
-
 def _layer_params(m: GPTConfig, tp: int, tp_col: int = 1) -> float:
     """One layer's parameters on a rank: its matmul weights over tp x tp_col, the two norms'
     weight (and LayerNorm's bias; replicated over tp, split over tp_col), q/k/v's bias (Qwen2;
     column-parallel, over tp)."""
-    params = layer_matmul_params(m) / (tp * tp_col) + 2 * _norm_params(m) / tp_col
+    params = m.num_layer_matmul_params / (tp * tp_col) + 2 * m.norm_params / tp_col
     if m.qkv_bias:
         params += (m.hidden_size + 2 * m.kv_size) / tp
     return params
-
-
-def _norm_params(m: GPTConfig) -> int:
-    """One norm's parameters: LayerNorm's weight and bias, RMSNorm's weight."""
-    return 2 * m.hidden_size if m.norm == "layernorm" else m.hidden_size
 
 
 def model_state_bytes(
@@ -256,7 +244,7 @@ def _rank(
     # on each with a pipeline (trainer/pipeline.py splits a deep copy).
     embed = (v * h / t + (s * h if m.positions == "learned" else 0)) / k if first else 0.0
     head_weight = 0.0 if m.tie_embeddings and first else v * h / t
-    head = (head_weight + _norm_params(m)) / k if last else 0.0
+    head = (head_weight + m.norm_params) / k if last else 0.0
     params = _stage_layers(m.num_layers, p, stage) * _layer_params(m, t, k) + embed + head
     tokens, shard = s * b, t if p.sequence_parallel else k
     boundary = tokens * h / shard * residual  # what one stage sends the next per micro-batch

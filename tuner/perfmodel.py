@@ -33,7 +33,7 @@ from tuner.collectives import (
     wait_s,
 )
 from tuner.devicelevels import MEMORY_TRAFFIC
-from tuner.memmodel import _layer_params, layer_matmul_params, memory
+from tuner.memmodel import _layer_params, memory
 from tuner.perfconstants import ModelConstants, default_constants
 from tuner.spec import ClusterSpec, padded_model
 
@@ -129,7 +129,7 @@ class Estimate:
 def _gemm_fwd_flops_per_token(m: GPTConfig) -> float:
     """2 FLOPs per weight per token (PaLM appendix B: 6N over forward and backward) of a layer's
     matmuls: q and out h x h, k and v h x kv_size (GQA), SwiGLU's three h x ffn or GELU's two."""
-    return 2 * layer_matmul_params(m)
+    return 2 * m.num_layer_matmul_params
 
 
 def _attention_fwd_flops_per_token(m: GPTConfig) -> float:

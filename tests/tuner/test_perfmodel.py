@@ -360,7 +360,7 @@ def test_a_step_computes_6n_plus_12lhs_per_token(name: str) -> None:
     not_matmuls = m.num_nonembed_params - weights
     assert m.flops_per_token - _training_flops_per_token(m) == 6 * not_matmuls
     assert (
-        not_matmuls == layers * (m.num_layer_params - (weights - m.vocab_size * h) // layers) + m._norm_params
+        not_matmuls == layers * (m.num_layer_params - (weights - m.vocab_size * h) // layers) + m.norm_params
     )
     assert _training_flops_per_token(m) == pytest.approx(m.flops_per_token, rel=2e-4)
 
