@@ -39,6 +39,14 @@ def axis_strides(p: ParallelConfig) -> dict[str, int]:
     return strides
 
 
+def expert_groups(p: ParallelConfig) -> dict[str, tuple[int, int]]:
+    """(size, stride) of the expert-parallel group ("ep": ep neighbouring ranks, the innermost of
+    each pipeline stage's dp x tp block) and of the expert data-parallel group ("edp": the
+    dp x tp / ep ranks holding the same experts, ep apart). The trainer's sparse mesh is
+    arange(world).reshape(pp, edp, ep) (trainer/parallel_dims.py), torchtitan's folding."""
+    return {"ep": (p.ep, 1), "edp": (p.edp, p.ep)}
+
+
 def members_per_node(size: int, stride: int, ranks_per_node: int) -> int:
     """How many members of one group (`size` ranks `stride` apart, starting on a node's first
     rank) share its busiest node."""

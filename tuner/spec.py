@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -22,10 +23,13 @@ from pydantic import (
 )
 
 from trainer.config import (
+    ATTENTIONS,
     MLP_KINDS,
     MODEL_PRESETS,
     NORMS,
     POSITIONS,
+    QK_NORMS,
+    ROUTER_SCORES,
     BenchmarkConfig,
     GPTConfig,
     ParallelConfig,
@@ -129,6 +133,26 @@ class ModelSpec(_Strict):
     rope_original_max_positions: PositiveInt = 8192
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    attention_head_dim: PositiveInt | None = None
+    qk_norm: Literal[QK_NORMS] = "none"  # type: ignore[valid-type]
+    attention: Literal[ATTENTIONS] = "mha"  # type: ignore[valid-type]
+    q_lora_rank: NonNegativeInt = 0
+    kv_lora_rank: NonNegativeInt = 0
+    qk_nope_head_dim: NonNegativeInt = 0
+    qk_rope_head_dim: NonNegativeInt = 0
+    v_head_dim: NonNegativeInt = 0
+    num_experts: NonNegativeInt = 0  # 0: dense; else a mixture of experts (trainer/config.py)
+    moe_top_k: NonNegativeInt = 0
+    moe_ffn_hidden_size: PositiveInt | None = None
+    moe_shared_ffn_hidden_size: NonNegativeInt = 0
+    moe_dense_layers: NonNegativeInt = 0
+    moe_router_score: Literal[ROUTER_SCORES] = "softmax"  # type: ignore[valid-type]
+    moe_norm_topk: bool = True
+    moe_route_scale: PositiveFloat = 1.0
+    moe_groups: PositiveInt = 1
+    moe_topk_groups: PositiveInt = 1
+    moe_aux_loss_coef: NonNegativeFloat = 0.0
+    moe_bias_update_rate: NonNegativeFloat = 0.0
 
     @model_validator(mode="after")
     def _a_model(self) -> ModelSpec:

@@ -130,3 +130,65 @@ def test_flops_per_token_is_palm_formula() -> None:
     assert m.flops_per_token == 6 * n + 12 * 96 * 12288 * 2048
     # GPT-3 175B: ~6 * 175e9 = 1.05 TFLOP per token, plus attention.
     assert 1.0e12 < m.flops_per_token < 1.2e12
+
+
+MOE = MODEL_PRESETS["moe-tiny"]
+
+
+@pytest.mark.parametrize(
+    ("layout", "rule"),
+    [
+        (ParallelConfig(ep=2), "ep must divide dp x tp"),
+        (ParallelConfig(ep=3, dp_shard=3, zero_stage=2), "ep must divide num_experts"),
+        (ParallelConfig(tp=2, ep=2), "a mixture of experts with tp > 1 needs sequence_parallel"),
+        (ParallelConfig(tp=2, tp_col=2), "a mixture of experts needs tp_col 1"),
+    ],
+)
+def test_moe_layouts_say_why(layout: ParallelConfig, rule: str) -> None:
+    assert rule in [r for r, _ in layout.violations(MOE)]
+
+
+def test_moe_layouts_fold_ep_into_data_and_tensor_parallelism() -> None:
+    for layout in [
+        ParallelConfig(dp_shard=2, zero_stage=3, ep=2),
+        ParallelConfig(dp_replicate=2, ep=2),
+        ParallelConfig(tp=2, sequence_parallel=True, dp_shard=2, zero_stage=2, ep=4),
+        ParallelConfig(pp=2, dp_shard=2, zero_stage=2, ep=2, num_microbatches=2),
+    ]:
+        assert layout.problems(MOE) == [], layout
+    assert ParallelConfig(tp=2, sequence_parallel=True, dp_shard=2, zero_stage=2, ep=4).edp == 1
+    assert ParallelConfig(tp=2, sequence_parallel=True, dp_shard=4, zero_stage=2, ep=2).edp == 4
+    assert ParallelConfig(dp_shard=2, zero_stage=2, ep=2).problems(TINY) == ["ep (2) > 1 needs a model with experts"]
+
+
+def test_moe_fields_are_validated_with_their_names() -> None:
+    with pytest.raises(ValueError, match="need num_experts > 0"):
+        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, moe_top_k=2)
+    with pytest.raises(ValueError, match=r"moe_top_k <= num_experts \(got 9\)"):
+        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, num_experts=8, moe_top_k=9)
+    with pytest.raises(ValueError, match="moe_groups"):
+        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, num_experts=8, moe_top_k=2, moe_groups=3)
+    with pytest.raises(ValueError, match="moe_dense_layers"):
+        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, num_experts=8, moe_top_k=2, moe_dense_layers=2)
+    with pytest.raises(ValueError, match="attention 'mla' only"):
+        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, kv_lora_rank=16)
+
+
+def test_a_dense_model_keeps_its_keys_and_a_moe_round_trips() -> None:
+    """The fields added for experts and other attentions stay out of a dense model's dict (stored
+    keys and golden scripts unchanged); a mixture of experts' dict has them and reads back."""
+    dense = BenchmarkConfig(model=MODEL_PRESETS["llama-tiny"]).to_dict()
+    assert not {"num_experts", "attention", "qk_norm"} & set(dense["model"])
+    assert "ep" not in dense["parallel"] and "moe_routing" not in dense
+    cfg = BenchmarkConfig(model=MODEL_PRESETS["moe-tiny-ds"], parallel=ParallelConfig(dp_shard=2, zero_stage=2, ep=2))
+    data = cfg.to_dict()
+    assert data["parallel"]["ep"] == 2 and data["model"]["moe_shared_ffn_hidden_size"] == 64
+    assert BenchmarkConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_moe_flops_count_the_active_experts() -> None:
+    """Top-k of the routed experts per token: Mixtral's 12.9B of 46.7B."""
+    m = MODEL_PRESETS["mixtral-8x7b"]
+    dense_equivalent = 6 * (m.num_nonembed_params - 6 * m.expert_params * m.num_layers)
+    assert m.flops_per_token == dense_equivalent + 12 * m.num_layers * m.hidden_size * m.seq_len
+    assert round(m.num_active_params / 1e9, 1) == 12.9 and round(m.num_params / 1e9, 1) == 46.7
