@@ -165,35 +165,60 @@ class GPTConfig:
         if self.attention == "mla":
             for name in mla[1:]:
                 if getattr(self, name) < 1:
-                    raise ValueError(f"GPTConfig.{name} must be >= 1 with attention 'mla', got {getattr(self, name)}")
+                    raise ValueError(
+                        f"GPTConfig.{name} must be >= 1 with attention 'mla', got {getattr(self, name)}"
+                    )
             if self.q_lora_rank < 0 or self.qk_rope_head_dim % 2:
-                raise ValueError("GPTConfig: attention 'mla' needs q_lora_rank >= 0 and an even qk_rope_head_dim")
+                raise ValueError(
+                    "GPTConfig: attention 'mla' needs q_lora_rank >= 0 and an even qk_rope_head_dim"
+                )
             if self.positions != "rope" or self.qkv_bias or self.qk_norm != "none" or self.attention_head_dim:
-                raise ValueError("GPTConfig: attention 'mla' needs positions 'rope', no qkv_bias, no qk_norm, "
-                                 "no attention_head_dim (its widths are qk_nope/qk_rope/v_head_dim)")
+                raise ValueError(
+                    "GPTConfig: attention 'mla' needs positions 'rope', no qkv_bias, no qk_norm, "
+                    "no attention_head_dim (its widths are qk_nope/qk_rope/v_head_dim)"
+                )
         elif any(getattr(self, name) for name in mla):
-            raise ValueError(f"GPTConfig: {[n for n in mla if getattr(self, n)]} are for attention 'mla' only")
+            raise ValueError(
+                f"GPTConfig: {[n for n in mla if getattr(self, n)]} are for attention 'mla' only"
+            )
 
     def _check_moe(self) -> None:
         if self.num_experts == 0:
-            moe = {n: getattr(self, n) for n in ("moe_top_k", "moe_ffn_hidden_size", "moe_shared_ffn_hidden_size",
-                                                 "moe_dense_layers", "moe_aux_loss_coef", "moe_bias_update_rate")}
+            moe = {
+                n: getattr(self, n)
+                for n in (
+                    "moe_top_k",
+                    "moe_ffn_hidden_size",
+                    "moe_shared_ffn_hidden_size",
+                    "moe_dense_layers",
+                    "moe_aux_loss_coef",
+                    "moe_bias_update_rate",
+                )
+            }
             set_ = [n for n, v in moe.items() if v]
             if set_:
                 raise ValueError(f"GPTConfig: {set_} need num_experts > 0 (a mixture of experts)")
             return
         if self.num_experts < 2 or not 1 <= self.moe_top_k <= self.num_experts:
-            raise ValueError(f"GPTConfig: a mixture of experts needs num_experts >= 2 (got {self.num_experts}) "
-                             f"and 1 <= moe_top_k <= num_experts (got {self.moe_top_k})")
+            raise ValueError(
+                f"GPTConfig: a mixture of experts needs num_experts >= 2 (got {self.num_experts}) "
+                f"and 1 <= moe_top_k <= num_experts (got {self.moe_top_k})"
+            )
         if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
             raise ValueError(f"GPTConfig.moe_ffn_hidden_size must be >= 1, got {self.moe_ffn_hidden_size}")
         if self.moe_shared_ffn_hidden_size < 0:
-            raise ValueError(f"GPTConfig.moe_shared_ffn_hidden_size must be >= 0, got {self.moe_shared_ffn_hidden_size}")
+            raise ValueError(
+                f"GPTConfig.moe_shared_ffn_hidden_size must be >= 0, got {self.moe_shared_ffn_hidden_size}"
+            )
         if not 0 <= self.moe_dense_layers < self.num_layers:
-            raise ValueError(f"GPTConfig.moe_dense_layers ({self.moe_dense_layers}) must be in [0, num_layers "
-                             f"({self.num_layers})): at least one layer has experts")
+            raise ValueError(
+                f"GPTConfig.moe_dense_layers ({self.moe_dense_layers}) must be in [0, num_layers "
+                f"({self.num_layers})): at least one layer has experts"
+            )
         if self.moe_router_score not in ROUTER_SCORES:
-            raise ValueError(f"GPTConfig.moe_router_score {self.moe_router_score!r} is not one of {list(ROUTER_SCORES)}")
+            raise ValueError(
+                f"GPTConfig.moe_router_score {self.moe_router_score!r} is not one of {list(ROUTER_SCORES)}"
+            )
         g, tg = self.moe_groups, self.moe_topk_groups
         if g < 1 or self.num_experts % g or not 1 <= tg <= g or self.moe_top_k > tg * (self.num_experts // g):
             raise ValueError(
@@ -307,14 +332,21 @@ class GPTConfig:
         routed expert and the shared expert."""
         h = self.hidden_size
         shared = self.mlp_matrices * h * self.moe_shared_ffn_hidden_size
-        return self.attention_matmul_params + h * self.num_experts + self.num_experts * self.expert_params + shared
+        return (
+            self.attention_matmul_params
+            + h * self.num_experts
+            + self.num_experts * self.expert_params
+            + shared
+        )
 
     @property
     def moe_layer_active_matmul_params(self) -> int:
         """The weights one token multiplies in a mixture-of-experts layer: top-k experts, not all."""
         h = self.hidden_size
         shared = self.mlp_matrices * h * self.moe_shared_ffn_hidden_size
-        return self.attention_matmul_params + h * self.num_experts + self.moe_top_k * self.expert_params + shared
+        return (
+            self.attention_matmul_params + h * self.num_experts + self.moe_top_k * self.expert_params + shared
+        )
 
     @property
     def moe_layer_params(self) -> int:
@@ -679,7 +711,9 @@ class ParallelConfig:
         out = []
         if not model.moe:
             if self.ep > 1:
-                out.append(("ep > 1 needs a mixture of experts", f"ep ({self.ep}) > 1 needs a model with experts"))
+                out.append(
+                    ("ep > 1 needs a mixture of experts", f"ep ({self.ep}) > 1 needs a model with experts")
+                )
             return out
         if model.num_experts % self.ep:
             out.append((

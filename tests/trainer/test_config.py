@@ -158,7 +158,9 @@ def test_moe_layouts_fold_ep_into_data_and_tensor_parallelism() -> None:
         assert layout.problems(MOE) == [], layout
     assert ParallelConfig(tp=2, sequence_parallel=True, dp_shard=2, zero_stage=2, ep=4).edp == 1
     assert ParallelConfig(tp=2, sequence_parallel=True, dp_shard=4, zero_stage=2, ep=2).edp == 4
-    assert ParallelConfig(dp_shard=2, zero_stage=2, ep=2).problems(TINY) == ["ep (2) > 1 needs a model with experts"]
+    assert ParallelConfig(dp_shard=2, zero_stage=2, ep=2).problems(TINY) == [
+        "ep (2) > 1 needs a model with experts"
+    ]
 
 
 def test_moe_fields_are_validated_with_their_names() -> None:
@@ -180,7 +182,9 @@ def test_a_dense_model_keeps_its_keys_and_a_moe_round_trips() -> None:
     dense = BenchmarkConfig(model=MODEL_PRESETS["llama-tiny"]).to_dict()
     assert not {"num_experts", "attention", "qk_norm"} & set(dense["model"])
     assert "ep" not in dense["parallel"] and "moe_routing" not in dense
-    cfg = BenchmarkConfig(model=MODEL_PRESETS["moe-tiny-ds"], parallel=ParallelConfig(dp_shard=2, zero_stage=2, ep=2))
+    cfg = BenchmarkConfig(
+        model=MODEL_PRESETS["moe-tiny-ds"], parallel=ParallelConfig(dp_shard=2, zero_stage=2, ep=2)
+    )
     data = cfg.to_dict()
     assert data["parallel"]["ep"] == 2 and data["model"]["moe_shared_ffn_hidden_size"] == 64
     assert BenchmarkConfig.from_json(cfg.to_json()) == cfg
