@@ -1,7 +1,8 @@
 """A study's best layout as a launch config for another stack: a torchtitan config module,
 Megatron-LM `pretrain_gpt.py` arguments under torchrun, or an sbatch script that runs our own trainer.
 
-Only the layout and the model travel (tuner/export_model.py: the model by family): data,
+Only the layout and the model travel (tuner/export_model.py: the model by family;
+tuner/export_moe.py: attention variants and mixtures of experts): data,
 tokenizer, optimizer and step counts belong to the run, not the layout. Where a stack has no
 equivalent of a knob the file says so in a comment instead of silently changing what was measured;
 where it cannot run the layout or build the model at all, export_layout refuses with the reason
@@ -422,7 +423,8 @@ def _megatron_env(spec: StudySpec, config: ParallelConfig) -> tuple[str, str]:
     """(prefix of the torchrun command, why) for CUDA_DEVICE_MAX_CONNECTIONS, as validate_args
     rules: --use-torch-fsdp2 asserts it is unset or > 1; otherwise tensor parallelism (sequence
     parallelism needs tp > 1) asserts it is 1 on GPUs before Blackwell, which on later GPUs is
-    allowed and harmless. Context and expert parallelism, its other cases, are never exported."""
+    allowed and harmless. Expert parallelism adds no rule of its own (only a warning with
+    --overlap-moe-expert-parallel-comm, which is not exported); context parallelism is never exported."""
     if _megatron_fsdp2(spec, config):
         return "env -u CUDA_DEVICE_MAX_CONNECTIONS ", (
             "CUDA_DEVICE_MAX_CONNECTIONS unset: --use-torch-fsdp2 requires it unset or > 1"

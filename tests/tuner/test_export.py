@@ -469,6 +469,18 @@ def test_megatron_refuses_a_router_it_cannot_express() -> None:
             export_layout("megatron", spec, layout)
 
 
+def test_a_dense_qwen3_block_is_flags_in_megatron_and_the_layout_only_in_torchtitan() -> None:
+    """Wide heads and per-head q/k norms are --kv-channels and --qk-layernorm (Megatron's parse of
+    them: test_megatrons_own_validate_args_parses_the_studys_model); torchtitan's llama3 has neither,
+    so its export keeps the base's model and says so, as for a custom block."""
+    spec, layout = QWEN3_DENSE
+    _, flags = _megatron_args(export_layout("megatron", spec, layout))
+    assert (flags["--kv-channels"], flags["--qk-layernorm"]) == ("32", None)
+    titan = export_layout("torchtitan", spec, layout)
+    assert "model_registry" not in titan and "torchtitan has no model with this block" in titan
+    assert "heads of 32; q/k norms per head" in titan
+
+
 def test_megatron_moe_flags_say_the_model_and_the_expert_layout() -> None:
     """The experts, the router and the expert grid of each mixture-of-experts export, flag by flag."""
     _, qwen = _megatron_args(_megatron_export("qwen3moe_h100"))
@@ -564,7 +576,16 @@ def _megatron_flags() -> tuple[str, set[str]]:
 
 
 # Every golden case and the other Llama presets (MORE_LLAMA).
-MEGATRON_CASES = {**{case: CASES[case][:2] for case in CASES}, **MORE_LLAMA, **MORE_MOE}
+# A dense Qwen3-shaped block: heads of 32 on a 64-wide stream (4 x 32 = 128) and per-head q/k norms.
+QWEN3_DENSE = (_spec({"preset": "llama-tiny", "qk_norm": "head", "attention_head_dim": 32}, "h100-80gb", 4, 8, "bf16",
+                     space={"tp": [1, 2]}),
+               ParallelConfig(tp=2, dp_shard=2, num_microbatches=4, zero_stage=2, sequence_parallel=True))  # fmt: skip
+MEGATRON_CASES = {
+    **{case: CASES[case][:2] for case in CASES},
+    **MORE_LLAMA,
+    **MORE_MOE,
+    "qwen3_dense": QWEN3_DENSE,
+}
 
 
 def _megatron_export(case: str) -> str:
