@@ -188,6 +188,11 @@ def _experts(config: dict[str, Any], model_type: str, layers: int) -> dict[str, 
     (num_experts of moe_intermediate_size, norm_topk_prob, dense layers in mlp_only_layers),
     OLMoE (num_experts of intermediate_size, norm_topk_prob false): softmax routers, an auxiliary
     loss of router_aux_loss_coef."""
+    shared = {k: config[k] for k in ("shared_expert_intermediate_size", "n_shared_experts") if config.get(k)}
+    if shared:
+        raise HFConfigError(
+            f"{shared} is not supported with model_type {model_type!r}: its block has no shared expert"
+        )
     count = "num_local_experts" if model_type == "mixtral" else "num_experts"
     width = "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
     out = {

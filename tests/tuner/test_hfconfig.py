@@ -194,6 +194,7 @@ def test_transformers_5_rope_parameters_read_as_rope_scaling() -> None:
         ("Qwen3-30B-A3B", {"use_sliding_window": True}, "use_sliding_window"),
         ("Qwen3-30B-A3B", {"num_experts_per_tok": 0}, "num_experts_per_tok: 0"),
         ("OLMoE-1B-7B-0924", {"clip_qkv": 8.0}, "clip_qkv 8.0"),
+        ("Qwen3-30B-A3B", {"shared_expert_intermediate_size": 4096}, "shared_expert_intermediate_size"),
         ("DeepSeek-V3", {"moe_layer_freq": 2}, "moe_layer_freq 2"),
         ("DeepSeek-V3", {"topk_method": "random"}, "topk_method 'random'"),
         ("DeepSeek-V3", {"scoring_func": "tanh"}, "scoring_func 'tanh'"),
