@@ -1,6 +1,8 @@
 """Runs exported Megatron-LM commands (tuner export --format megatron) through Megatron-LM's own
-`parse_args` and `validate_args`, with the environment each command sets; or writes the parser's
-flag list, which tests/tuner/test_export.py checks every golden export against (docs/exports.md).
+`parse_args` and `validate_args`, with the environment each command sets, and builds the
+TransformerConfig pretrain_gpt.py builds from them (its checks of a mixture of experts and of latent
+attention); or writes the parser's flag list, which tests/tuner/test_export.py checks every golden
+export against (docs/exports.md).
 
 Needs megatron-core >= 0.19 (the first release that ships megatron/training/arguments.py; it
 requires Python 3.12) and triton (its MoE kernels are imported with the parser). On Python 3.11,
@@ -15,7 +17,8 @@ typing_extensions:
 validate_args asks the GPU's architecture (CUDA_DEVICE_MAX_CONNECTIONS rules differ before
 Blackwell); --arch gives it (default 9, Hopper), so the check runs on a machine without a GPU.
 Data, tokenizer and iteration arguments, which an export leaves to the user, are added.
---json prints, for each export, what Megatron parsed (MODEL_ARGS and the layout) or its refusal:
+--json prints, for each export, what Megatron parsed (MODEL_ARGS and the layout; MOE_ARGS from the
+TransformerConfig) or its refusal:
 tests/tuner/test_export.py compares that with the study's model (it downloads and unpacks the
 wheel as above, or takes MEGATRON_SRC, an unpacked copy).
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -50,6 +54,15 @@ MODEL_ARGS = ["num_layers", "hidden_size", "num_attention_heads", "group_query_a
               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
               "attention_dropout", "hidden_dropout", "tensor_model_parallel_size",
               "pipeline_model_parallel_size", "data_parallel_size"]  # fmt: skip
+# A mixture of experts and the attention variants, as TransformerConfig holds them (None: not set).
+MOE_ARGS = ["num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+            "moe_layer_freq", "moe_router_score_function", "moe_router_pre_softmax",
+            "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+            "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_load_balancing_type",
+            "moe_aux_loss_coeff", "moe_router_force_load_balancing", "moe_grouped_gemm",
+            "moe_token_dispatcher_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
+            "qk_layernorm", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+            "qk_pos_emb_head_dim", "v_head_dim", "rope_type"]  # fmt: skip
 
 
 def split_command(text: str) -> tuple[dict[str, str | None], int, list[str]]:
@@ -68,9 +81,14 @@ def split_command(text: str) -> tuple[dict[str, str | None], int, list[str]]:
     return env, int(options["--nproc-per-node"]) * int(options["--nnodes"]), words[script + 1 :]
 
 
-def validate(text: str, arch: int) -> argparse.Namespace:
-    """Megatron's parse_args + validate_args on one exported command; AssertionError if refused."""
+def validate(text: str, arch: int) -> tuple[argparse.Namespace, object]:
+    """Megatron's parse_args + validate_args on one exported command, then the TransformerConfig
+    (MLATransformerConfig for latent attention) that pretrain_gpt.py builds from the arguments and
+    whose __post_init__ checks the model (its mixture-of-experts rules among them): (arguments,
+    config). AssertionError or ValueError if refused."""
     import megatron.training.arguments as arguments
+    import torch
+    from megatron.training.argument_utils import core_transformer_config_from_args
 
     env, world_size, argv = split_command(text)
     for name, value in env.items():
@@ -79,11 +97,19 @@ def validate(text: str, arch: int) -> argparse.Namespace:
             os.environ[name] = value
     os.environ.update(WORLD_SIZE=str(world_size), RANK="0")
     arguments.get_device_arch_version = lambda: arch
+    # --moe-grouped-gemm asks the GPU's compute capability (>= 8); the GPU named by --arch.
+    torch.cuda.get_device_capability = lambda *_: (arch, 0)
     sys.argv = ["pretrain_gpt.py", *argv, *RUN_ARGS]
     with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints every argument
         args = arguments.parse_args()
         arguments.validate_args(args)
-    return args
+        checked = argparse.Namespace(**vars(args))
+        if importlib.util.find_spec("transformer_engine") is None:
+            # TransformerConfig refuses fused RoPE without Transformer Engine (a GPU machine's
+            # package, not the export's choice): checked here without it.
+            checked.apply_rope_fusion = False
+        config = core_transformer_config_from_args(checked)
+    return args, config
 
 
 def write_flags(path: str) -> None:
@@ -113,14 +139,15 @@ def main() -> int:
     failed, parsed = 0, {}
     for path in opts.exports:
         try:
-            args = validate(Path(path).read_text(), opts.arch)
-        except AssertionError as e:
+            args, config = validate(Path(path).read_text(), opts.arch)
+        except (AssertionError, ValueError) as e:
             failed += 1
             parsed[path] = {"error": str(e)}
             if not opts.json:
                 print(f"REFUSED {path}: {e}")
             continue
         parsed[path] = {name: getattr(args, name) for name in MODEL_ARGS}
+        parsed[path] |= {name: getattr(config, name, None) for name in MOE_ARGS}
         if opts.json:
             continue
         print(f"ok {path}: tp {args.tensor_model_parallel_size} pp {args.pipeline_model_parallel_size} "

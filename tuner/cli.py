@@ -11,6 +11,7 @@ import yaml
 
 from trainer.config import MODEL_PRESETS
 from tuner.hardware import CLUSTER_PRESET_NAMES, cluster_preset
+from tuner.hfconfig import read_hf_config_notes
 from tuner.models import model_key, model_label
 from tuner.plan import PlanError, parse_pins
 from tuner.plan import plan as run_plan
@@ -69,6 +70,9 @@ def _spec_from_flags(**flags: Any) -> dict[str, Any]:
                 "seq": "seq_len"}  # fmt: skip
         model |= {keys[k]: v for k, v in shape.items()}
         data = _resolved({**data, "model": model}, Path.cwd(), "--hf-config")
+        if hf_config is not None:  # what the file holds that the model leaves out (tuner/hfconfig.py)
+            for note in read_hf_config_notes(hf_config):
+                typer.echo(f"note: --hf-config {note}", err=True)
     cluster = data.get("cluster", {})
     cluster = {"preset": cluster} if isinstance(cluster, str) else dict(cluster)
     if flags["cluster"] is not None:

@@ -1,7 +1,8 @@
 """A study's best layout as a launch config for another stack: a torchtitan config module,
 Megatron-LM `pretrain_gpt.py` arguments under torchrun, or an sbatch script that runs our own trainer.
 
-Only the layout and the model travel (tuner/export_model.py: the model by family): data,
+Only the layout and the model travel (tuner/export_model.py: the model by family;
+tuner/export_moe.py: attention variants and mixtures of experts): data,
 tokenizer, optimizer and step counts belong to the run, not the layout. Where a stack has no
 equivalent of a knob the file says so in a comment instead of silently changing what was measured;
 where it cannot run the layout or build the model at all, export_layout refuses with the reason
@@ -30,15 +31,21 @@ from tuner.dispatch.sbatch import (
     trainer_command,
 )
 from tuner.export_model import (
-    TORCHTITAN_IMPORTS,
     describe,
     megatron_model_args,
     megatron_model_note,
     megatron_unsupported,
     torchtitan_builds,
+    torchtitan_imports,
     torchtitan_model,
     torchtitan_notes,
     torchtitan_unsupported,
+)
+from tuner.export_moe import (
+    megatron_moe_args,
+    megatron_moe_notes,
+    torchtitan_moe_notes,
+    torchtitan_moe_parallelism,
 )
 from tuner.spec import SlurmSpec, StudySpec, benchmark_config, padded_vocab, slug
 
@@ -110,7 +117,9 @@ def _header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
         f"{c.world_size} ranks = tp {c.tp}"
         + (f" x tp_col {c.tp_col}" if c.tp_col > 1 else "")
         + f" x pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
-        f"{c.dp_shard}, on {nodes} node(s) x {per_node} of cluster {slug(spec.cluster.name)}",
+        f"{c.dp_shard}"
+        + (f" (ep {c.ep} folded into dp x tp: expert data parallelism {c.edp})" if m.moe else "")
+        + f", on {nodes} node(s) x {per_node} of cluster {slug(spec.cluster.name)}",
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads"
         + (f" ({m.kv_heads} KV heads)" if m.kv_heads != m.num_heads else "")
         + f", ffn {m.ffn_size}, vocab {m.vocab_size}, seq {m.seq_len} ({describe(m)})",
@@ -203,7 +212,7 @@ def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
     ac_module, ac_expr = TORCHTITAN_AC[c.activation_checkpoint]
     body = [
         *([f"from {ac_module} import {ac_expr.split('.')[0]}"] if ac_module else []),
-        *(TORCHTITAN_IMPORTS if torchtitan_builds(spec.gpt()) else []),
+        *(torchtitan_imports(spec.gpt()) if torchtitan_builds(spec.gpt()) else []),
         "from torchtitan.models.llama3.config_registry import llama3_debugmodel",
         "from torchtitan.trainer import Trainer",
         *_torchtitan_model(spec),
@@ -214,6 +223,11 @@ def _torchtitan(spec: StudySpec, config: ParallelConfig) -> str:
         *[f"    config.parallelism.{line}" for line in _torchtitan_parallelism(spec, config)],
         *[f"    config.training.{line}" for line in _torchtitan_training(spec, config)],
         "    config.compile.enable_async_tensor_parallel = False  # measured without async TP",
+        *(
+            ["    config.debug.moe_force_load_balance = True  # balanced routing, as measured"]
+            if spec.gpt().moe and _routing(spec, config) == "balanced"
+            else []
+        ),
         f"    config.activation_checkpoint = {ac_expr}",
         "    return config",
     ]
@@ -263,6 +277,7 @@ def _torchtitan_parallelism(spec: StudySpec, config: ParallelConfig) -> list[str
         f"enable_sequence_parallel = {c.sequence_parallel}",
         "context_parallel_degree = 1",
         f"pipeline_parallel_degree = {c.pp}",
+        *torchtitan_moe_parallelism(spec.gpt(), c),
     ]
     if c.pp == 1:
         return lines
@@ -291,9 +306,15 @@ def _torchtitan_training(spec: StudySpec, config: ParallelConfig) -> list[str]:
         f"seq_len = {spec.gpt().seq_len}",
         f'mixed_precision_param = "{"float32" if spec.training.precision == "fp32" else "bfloat16"}"',
     ]
-    if c.pp > 1:  # Trainer.Config refuses pipeline parallelism with CUDA graphs (its default)
+    if _no_cuda_graphs(spec, c):
         lines.append("disable_cuda_graphs = True")
     return lines
+
+
+def _no_cuda_graphs(spec: StudySpec, config: ParallelConfig) -> bool:
+    """Trainer.Config refuses CUDA graphs (its default) with pipeline parallelism, and with expert
+    parallelism over its all-to-all token dispatcher (it synchronises with the CPU)."""
+    return config.pp > 1 or (spec.gpt().moe and config.ep > 1)
 
 
 def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
@@ -308,7 +329,7 @@ def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
     )
     if c.tp > 1:
         notes.append("tp: logits stay vocab-sharded into the loss (torchtitan's loss parallel), as measured.")
-    if c.pp == 1:
+    if not _no_cuda_graphs(spec, c):
         notes.append("torchtitan captures CUDA graphs by default (pp = 1); the layout was measured without.")
     if c.activation_checkpoint == "selective":
         notes.append(
@@ -317,6 +338,7 @@ def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
         )
     if spec.training.precision == "fp16":
         notes.append("fp16 study: torchtitan's mixed precision is bfloat16 (the trainer measured bf16 too).")
+    notes += torchtitan_moe_notes(spec.gpt(), c, _routing(spec, config))
     return notes + torchtitan_notes(spec.gpt(), padded_vocab(spec.gpt().vocab_size, c.tp))
 
 
@@ -341,6 +363,7 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
         ("--micro-batch-size", c.micro_batch_size),
         ("--global-batch-size", c.global_batch_size),
         *megatron_model_args(m),
+        *megatron_moe_args(m, c, _routing(spec, config)),
     ]
     if spec.training.precision != "fp32":  # --use-torch-fsdp2 refuses --fp16; bf16 is what was measured
         args.append(("--bf16" if fsdp else f"--{spec.training.precision}", None))
@@ -362,6 +385,7 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
     notes += multi_node
     env, env_note = _megatron_env(spec, config)
     notes += [*([env_note] if env_note else []), *_megatron_notes(spec, config)]
+    notes += megatron_moe_notes(m, c, _routing(spec, config))
     lines = _comments(
         [*_header(spec, config, f"Megatron-LM launch (flags of {MEGATRON_SOURCE})"), "", *notes]
     )
@@ -385,16 +409,22 @@ def _microbatch_group(config: ParallelConfig) -> int:
 
 
 def _megatron_fsdp2(spec: StudySpec, config: ParallelConfig) -> bool:
-    """zero_stage 3 runs as --use-torch-fsdp2, which validate_args refuses with pipeline parallelism
-    and with a head tied to the embedding."""
-    return config.zero_stage == 3 and config.pp == 1 and not spec.gpt().tie_embeddings
+    """zero_stage 3 runs as --use-torch-fsdp2, which validate_args refuses with pipeline parallelism,
+    with expert parallelism and with a head tied to the embedding."""
+    return config.zero_stage == 3 and config.pp == 1 and config.ep == 1 and not spec.gpt().tie_embeddings
+
+
+def _routing(spec: StudySpec, config: ParallelConfig) -> str:
+    """How the study's trials route tokens (BenchmarkConfig.moe_routing: learned or balanced)."""
+    return benchmark_config(spec, config).moe_routing
 
 
 def _megatron_env(spec: StudySpec, config: ParallelConfig) -> tuple[str, str]:
     """(prefix of the torchrun command, why) for CUDA_DEVICE_MAX_CONNECTIONS, as validate_args
     rules: --use-torch-fsdp2 asserts it is unset or > 1; otherwise tensor parallelism (sequence
     parallelism needs tp > 1) asserts it is 1 on GPUs before Blackwell, which on later GPUs is
-    allowed and harmless. Context and expert parallelism, its other cases, are never exported."""
+    allowed and harmless. Expert parallelism adds no rule of its own (only a warning with
+    --overlap-moe-expert-parallel-comm, which is not exported); context parallelism is never exported."""
     if _megatron_fsdp2(spec, config):
         return "env -u CUDA_DEVICE_MAX_CONNECTIONS ", (
             "CUDA_DEVICE_MAX_CONNECTIONS unset: --use-torch-fsdp2 requires it unset or > 1"

@@ -19,6 +19,16 @@ parameters with GPTConfig.num_params, and checks Megatron's parse of the flags (
 from __future__ import annotations
 
 from trainer.config import GPTConfig, ParallelConfig
+from tuner.export_moe import (
+    describe_moe,
+    megatron_attention_args,
+    megatron_attention_unsupported,
+    megatron_moe_unsupported,
+    torchtitan_moe_builds,
+    torchtitan_moe_imports,
+    torchtitan_moe_model,
+    torchtitan_moe_unsupported,
+)
 
 # torchtitan's RMSNorm.Config default eps and Megatron-LM's --norm-epsilon default.
 DEFAULT_NORM_EPS = 1e-5
@@ -47,7 +57,8 @@ def describe(m: GPTConfig) -> str:
     mlp = "SwiGLU MLP" if m.mlp == "swiglu" else "GELU MLP"
     head = "head tied to the token embedding" if m.tie_embeddings else "untied head"
     biases = "biases on q, k and v only" if m.qkv_bias else "no linear biases"
-    return f"{_label(m)}: {positions}, {norm}, {mlp}, {head}, {biases}"
+    extra = describe_moe(m)  # attention variants and experts (tuner/export_moe.py); '' for the dense families
+    return f"{_label(m)}: {positions}, {norm}, {mlp}, {head}, {biases}" + (f"; {extra}" if extra else "")
 
 
 def _number(x: float) -> str:
@@ -56,19 +67,38 @@ def _number(x: float) -> str:
 
 
 def _label(m: GPTConfig) -> str:
-    return {"gpt": "GPT", "llama": "Llama"}.get(m.family, "custom")
+    label = {"gpt": "GPT", "llama": "Llama", "deepseek": "DeepSeek"}.get(m.family, "custom")
+    return label + (" mixture of experts" if m.moe else "")
 
 
 # --- torchtitan 0.3.0: a flavor of its llama3 model ---
 
 
+def _llama3(m: GPTConfig) -> bool:
+    """Whether torchtitan's Llama 3 model is this block: a dense Llama of hidden / heads wide heads
+    without q/k norms (Qwen3's are not: layout only)."""
+    return m.family == "llama" and not m.moe and m.qk_norm == "none" and not m.attention_head_dim
+
+
 def torchtitan_builds(m: GPTConfig) -> bool:
-    """Whether torchtitan's Llama 3 model is this block (else the export carries the layout only)."""
-    return m.family == "llama"
+    """Whether the export writes the model as a flavor of a torchtitan model: its llama3, or for a
+    mixture of experts its qwen3 or deepseek_v3 (tuner/export_moe.py); else the layout only."""
+    return _llama3(m) or torchtitan_moe_builds(m)
+
+
+def torchtitan_imports(m: GPTConfig) -> list[str]:
+    return torchtitan_moe_imports(m) if m.moe else TORCHTITAN_IMPORTS
 
 
 def torchtitan_unsupported(m: GPTConfig, config: ParallelConfig) -> list[str]:
-    """Why torchtitan's Llama 3 cannot train this model in this layout (a Llama-family model only)."""
+    """Why torchtitan cannot train this model in this layout (a model it builds; a mixture of
+    experts it has no flavor for: tuner/export_moe.py)."""
+    if m.moe:
+        reasons = torchtitan_moe_unsupported(m, config)
+        if m.tie_embeddings and config.pp > 1:
+            reasons.append(f"a head tied to the token embedding with pp {config.pp}: torchtitan refuses "
+                           "weight tying with pipeline parallelism")  # fmt: skip
+        return reasons
     if not torchtitan_builds(m):
         return []
     reasons = []
@@ -110,6 +140,8 @@ def torchtitan_model(m: GPTConfig, flavor: str) -> list[str]:
     torchtitan's llama3 model. The FFN width is the final one: torchtitan's FeedForward takes it as
     is (its flavors compute theirs with compute_ffn_hidden_dim; 8B: 4096, multiple_of 1024,
     ffn_dim_multiplier 1.3 -> 14336). RoPE's max_seq_len is the study's sequence length."""
+    if m.moe:
+        return torchtitan_moe_model(m, flavor, TORCHTITAN_MODEL_FN, _embedding_init(m))
     if m.rope_scaling_factor is None:
         scaling = ['scaling="none",']
     else:
@@ -173,10 +205,14 @@ def torchtitan_notes(m: GPTConfig, trained_vocab: int) -> list[str]:
     vocabulary our trainer built for the layout's tp)."""
     if not torchtitan_builds(m):
         return []
-    notes = [
-        "RoPE: torchtitan rotates adjacent pairs of each head (Meta's Llama), our trainer the two halves "
-        "(Hugging Face's): the same model up to a fixed order of q and k rows."
-    ]
+    notes = (
+        []
+        if m.moe
+        else [  # qwen3 rotates halves; deepseek_v3: tuner/export_moe.py's notes
+            "RoPE: torchtitan rotates adjacent pairs of each head (Meta's Llama), our trainer the two halves "
+            "(Hugging Face's): the same model up to a fixed order of q and k rows."
+        ]
+    )
     if trained_vocab != m.vocab_size:
         notes.append(f"vocabulary: torchtitan builds the tokenizer's {m.vocab_size}; our trainer padded it "
                      f"to {trained_vocab} for tensor parallelism (Megatron-LM's rule).")  # fmt: skip
@@ -187,7 +223,7 @@ def torchtitan_notes(m: GPTConfig, trained_vocab: int) -> list[str]:
 
 
 def megatron_unsupported(m: GPTConfig) -> list[str]:
-    reasons = []
+    reasons = megatron_attention_unsupported(m) + megatron_moe_unsupported(m)
     if m.positions == "rope" and m.rope_theta != int(m.rope_theta):
         reasons.append(f"rope_theta {m.rope_theta:g}: Megatron-LM's --rotary-base is an integer")
     if m.rope_scaling_factor is not None:
@@ -210,6 +246,7 @@ def megatron_model_args(m: GPTConfig) -> list[tuple[str, object]]:
     ]
     if m.kv_heads != m.num_heads:  # Megatron's query groups are the KV heads
         args += [("--group-query-attention", None), ("--num-query-groups", m.kv_heads)]
+    args += megatron_attention_args(m)  # wide heads, q/k norms, latent attention (tuner/export_moe.py)
     args += [
         ("--ffn-hidden-size", m.ffn_size),
         ("--seq-length", m.seq_len),

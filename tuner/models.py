@@ -10,21 +10,33 @@ from pydantic import BaseModel, computed_field
 from trainer.config import MODEL_PRESETS, GPTConfig
 
 
+def _same_model(model: GPTConfig, known: GPTConfig) -> bool:
+    """Equal fields but seq_len (a study trains at its own) and the spelling of multi-head
+    attention (num_kv_heads None or num_heads: Hugging Face's OLMoE file says 16 of 16)."""
+
+    def normal(m: GPTConfig) -> GPTConfig:
+        return dataclasses.replace(m, seq_len=known.seq_len, num_kv_heads=m.kv_heads)
+
+    return normal(model) == normal(known)
+
+
 def model_key(model: GPTConfig, preset: str | None = None) -> str:
     """The preset's name; for a model of another family than GPT with a preset's fields (a
     Hugging Face config.json of a published model: tuner/hfconfig.py), that preset's name, its
     seq_len aside (a study trains at its own); else the shape: "L24-h2048-a16" for a GPT, as
     keys always were, and the family with the KV heads before it for another family
-    ("llama-L32-h4096-a32-kv8"), so that a GPT and a Llama of one shape are not one model."""
+    ("llama-L32-h4096-a32-kv8"), so that a GPT and a Llama of one shape are not one model; a
+    mixture of experts adds its experts and top-k ("llama-moe-L48-h2048-a32-kv4-e128k8")."""
     if preset:
         return preset
     shape = f"L{model.num_layers}-h{model.hidden_size}-a{model.num_heads}"
-    if model.family == "gpt":
+    if model.family == "gpt" and not model.moe:
         return shape
     for name, known in MODEL_PRESETS.items():
-        if dataclasses.replace(model, seq_len=known.seq_len) == known:
+        if _same_model(model, known):
             return name
-    return f"{model.family}-{shape}-kv{model.kv_heads}"
+    experts = f"-e{model.num_experts}k{model.moe_top_k}" if model.moe else ""
+    return f"{model.architecture}-{shape}-kv{model.kv_heads}{experts}"
 
 
 def model_family(key: str) -> str:
@@ -32,12 +44,29 @@ def model_family(key: str) -> str:
     if key in MODEL_PRESETS:
         return MODEL_PRESETS[key].family
     family, sep, _ = key.partition("-L")
+    return family.removesuffix("-moe") if sep and family else "gpt"
+
+
+def model_architecture(key: str) -> str:
+    """The family with "-moe" for a mixture of experts (GPTConfig.architecture), from a key."""
+    if key in MODEL_PRESETS:
+        return MODEL_PRESETS[key].architecture
+    family, sep, _ = key.partition("-L")
     return family if sep and family else "gpt"
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def model_label(key: str) -> str:
-    """The key with its family, as listings show it: "llama3.1-8b (llama)"."""
-    return f"{key} ({model_family(key)})"
+    """The key with its architecture, as listings show it: "llama3.1-8b (llama)"; a mixture-of-experts
+    preset with its total and active parameters: "qwen3-30b-a3b (llama-moe, 30.5B total, 3.35B active)"."""
+    arch = model_architecture(key)
+    if key in MODEL_PRESETS and MODEL_PRESETS[key].moe:
+        m = MODEL_PRESETS[key]
+        return f"{key} ({arch}, {_count(m.num_params)} total, {_count(m.num_active_params)} active)"
+    return f"{key} ({arch})"
 
 
 class WithFamily(BaseModel):
@@ -47,5 +76,5 @@ class WithFamily(BaseModel):
     @computed_field
     @property
     def family(self) -> str:
-        """The model's family (gpt, llama, custom: tuner/models.py), from its key."""
+        """The model's family (gpt, llama, deepseek, custom: tuner/models.py), from its key."""
         return model_family(self.model)  # type: ignore[attr-defined]

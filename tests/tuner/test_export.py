@@ -121,6 +121,13 @@ CASES = {
                        activation_checkpoint="full"),
         SITE,
     ),
+    # Qwen3-30B-A3B (128 experts of 768, top 8; heads of 128, per-head q/k norms) on 16 x H100: pp2 1F1B x
+    # dp_shard 8 ZeRO-2, the experts over ep 8 (one expert rank group per pipeline stage, edp 1).
+    "qwen3moe_h100": (
+        _spec("qwen3-30b-a3b", {"preset": "h100-80gb", "num_nodes": 2}, 16, 64, "bf16"),
+        ParallelConfig(pp=2, dp_shard=8, ep=8, num_microbatches=8, zero_stage=2),
+        SITE,
+    ),
     # The CPU Llama (2 KV heads for 4 query heads) on 4 local "devices": tp2 x dp_replicate 2.
     "llama_tiny_cpu": (
         _spec("llama-tiny", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0, "cores_per_node": 4},
@@ -191,6 +198,21 @@ MORE_LLAMA = {
                           space={"tp": [1, 2]}),
                     ParallelConfig(dp_shard=2, num_microbatches=2, zero_stage=3)),
 }  # fmt: skip
+# Mixtures of experts beyond the golden case, each in a layout it can run: Mixtral (no q/k norms) over tp2 + SP,
+# pp2 and ep 8 of dp 4 x tp 2; DeepSeek-V3 (latent attention, sigmoid group-limited routing with the expert
+# bias, a shared expert, 3 dense layers) over tp2 + SP and ep 32, ZeRO-3, full AC; the CPU DeepSeek-shaped
+# router on 4 ranks.
+MORE_MOE = {
+    "mixtral": (_spec("mixtral-8x7b", {"preset": "h100-80gb", "num_nodes": 2}, 16, 32, "bf16"),
+                ParallelConfig(tp=2, pp=2, dp_shard=4, ep=8, num_microbatches=8, zero_stage=2, sequence_parallel=True,
+                               activation_checkpoint="full")),
+    "deepseek_v3": (_spec("deepseek-v3", {"preset": "h100-80gb", "num_nodes": 8}, 64, 32, "bf16"),
+                    ParallelConfig(tp=2, dp_shard=32, ep=32, zero_stage=3, sequence_parallel=True,
+                                   activation_checkpoint="full")),
+    "moe_tiny_ds": (_spec("moe-tiny-ds", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0,
+                                          "cores_per_node": 4}, 4, 8, "fp32"),
+                    ParallelConfig(dp_shard=4, ep=4, zero_stage=2, num_microbatches=2)),
+}  # fmt: skip
 # Layouts beyond the golden cases: more than 2 virtual stages per rank (pipeline_parallel_layers_per_stage)
 # and an uneven layer split; and the Llama presets.
 MORE_TORCHTITAN = {
@@ -200,6 +222,7 @@ MORE_TORCHTITAN = {
     "uneven": (_spec({"preset": "gpt-tiny", "num_layers": 5}, "h100-80gb", 8, 8, "bf16"),
                ParallelConfig(pp=2, dp_replicate=4, num_microbatches=2)),
     **MORE_LLAMA,
+    **MORE_MOE,
 }  # fmt: skip
 
 
@@ -232,6 +255,16 @@ def _tied_with_pipeline(text: str) -> str:
     return text.replace(one, one.replace("1", "2") + "    config.training.disable_cuda_graphs = True\n")
 
 
+def _ep_over_replicas(text: str) -> str:
+    """The CPU MoE export (dp_shard 4, ep 4) edited to dp_replicate 2 x dp_shard 2, which the export
+    itself refuses (ep 4 does not divide dp_shard 2): to show torchtitan's own refusal."""
+    for old, new in (("data_parallel_replicate_degree = 1", "data_parallel_replicate_degree = 2"),
+                     ("data_parallel_shard_degree = 4", "data_parallel_shard_degree = 2")):  # fmt: skip
+        assert old in text
+        text = text.replace(old, new)
+    return text
+
+
 @pytest.fixture(scope="module")
 def torchtitan_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """{name: what torchtitan parsed} for every golden torchtitan export, the MORE_TORCHTITAN
@@ -247,6 +280,11 @@ def torchtitan_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
     modules["no_cuda_graphs_rule"] = ("".join(line for line in pipelined.splitlines(keepends=True)
                                               if "disable_cuda_graphs" not in line), 24)  # fmt: skip
     modules["tied_pipeline_rule"] = (_tied_with_pipeline(modules["llama1b_tied"][0]), 16)
+    modules["ep_replicate_rule"] = (_ep_over_replicas(modules["moe_tiny_ds"][0]), 4)
+    with pytest.MonkeyPatch.context() as patch:  # a study measured with balanced routing
+        patch.setattr("tuner.export._routing", lambda spec, config: "balanced")
+        spec, config = MORE_MOE["moe_tiny_ds"]
+        modules["moe_balanced"] = (export_layout("torchtitan", spec, config), 4)
     for flavor, (preset, _) in TORCHTITAN_FLAVORS.items():
         modules[f"flavor_{flavor}"] = (_torchtitan_flavor(flavor, MODEL_PRESETS[preset]), 1)
     for name, (text, _) in modules.items():
@@ -273,6 +311,7 @@ def test_torchtitan_parses_the_export_into_the_measured_layout(case: str, torcht
         "tensor_parallel_degree": c.tp, "pipeline_parallel_degree": c.pp, "data_parallel_replicate_degree": c.dp_replicate,
         "data_parallel_shard_degree": c.dp_shard, "context_parallel_degree": 1}  # fmt: skip
     assert par["enable_sequence_parallel"] is c.sequence_parallel
+    assert par["expert_parallel_degree"] == c.ep
     assert par["fsdp_reshard_after_forward"] == {0: "default", 2: "never", 3: "always"}[c.zero_stage]
     assert parsed["compile"]["enable_async_tensor_parallel"] is False
     assert parsed["activation_checkpoint"] == {"none": "NoneType", "full": "FullAC.Config",
@@ -287,13 +326,14 @@ def test_torchtitan_parses_the_export_into_the_measured_layout(case: str, torcht
         assert par["pipeline_parallel_microbatch_size"] == c.micro_batch_size
         assert par["pipeline_parallel_schedule"] == {"gpipe": "GPipe", "1f1b": "1F1B",
                                                      "interleaved_1f1b": "Interleaved1F1B"}[c.pp_schedule]  # fmt: skip
-        assert train["disable_cuda_graphs"] is True
         # torchtitan's own pipeline split gives every stage the layers our trainer gave it.
         ranges = stage_layer_ranges(spec.gpt().num_layers, c.num_stages)
         assert parsed["stage_layers"] == [list(r) for r in ranges]
     else:
         assert (parsed["gradient_accumulation_steps"], train["local_batch_size"]) == (c.num_microbatches,
                                                                                         c.micro_batch_size)  # fmt: skip
+    # CUDA graphs refused with pipelines and with expert parallelism (test_torchtitan_refuses_..._cuda_graphs)
+    assert train["disable_cuda_graphs"] is (c.pp > 1 or c.ep > 1)
 
 
 @pytest.mark.parametrize("case", TORCHTITAN_CASES)
@@ -327,6 +367,9 @@ def test_torchtitan_builds_the_studys_model(case: str, torchtitan_parsed: dict) 
     model (torchtitan has no GPT): the layout only."""
     spec, _ = TORCHTITAN_CASES[case]
     m, model = spec.gpt(), torchtitan_parsed[case]["model"]
+    if m.moe:
+        _check_moe_model(spec, model)
+        return
     if m.family != "llama":
         assert (model["name"], model["flavor"]) == ("llama3", "debugmodel")
         return
@@ -343,6 +386,125 @@ def test_torchtitan_builds_the_studys_model(case: str, torchtitan_parsed: dict) 
         "hidden_dim": [m.ffn_size], "vocab_size": m.vocab_size, "loss_vocab_size": m.vocab_size,
         "tied": m.tie_embeddings, "norm_eps": [m.norm_eps], "qkv_bias": [m.qkv_bias]}  # fmt: skip
     assert model["num_params"] == m.num_params
+
+
+def _check_moe_model(spec: StudySpec, model: dict) -> None:
+    """A mixture of experts as a flavor of torchtitan's qwen3 (grouped-query attention) or
+    deepseek_v3 (latent attention): every field the export sets, read back from torchtitan's config,
+    and the parameters of the model it builds on the meta device are GPTConfig's."""
+    m = spec.gpt()
+    assert (model["name"], model["flavor"]) == (
+        "deepseek_v3" if m.attention == "mla" else "qwen3",
+        slug(spec.name),
+    )
+    expected = {
+        "dim": m.hidden_size, "vocab_size": m.vocab_size, "loss_vocab_size": m.vocab_size, "n_layers": m.num_layers,
+        "n_dense_layers": m.moe_dense_layers, "n_heads": m.num_heads,
+        "dense_hidden_dim": [m.ffn_size] if m.moe_dense_layers else [], "num_experts": [m.num_experts],
+        "moe_hidden_dim": [m.expert_ffn_size], "top_k": [m.moe_top_k],
+        "router": {"score_func": m.moe_router_score, "route_norm": m.moe_norm_topk, "route_scale": m.moe_route_scale,
+                   "num_expert_groups": m.moe_groups if m.moe_groups > 1 else None,
+                   "num_limited_groups": m.moe_topk_groups if m.moe_groups > 1 else None},
+        "load_balance_coeff": [m.moe_bias_update_rate], "shared_hidden_dim": m.moe_shared_ffn_hidden_size,
+        "tied": m.tie_embeddings, "norm_eps": [m.norm_eps], "num_params": m.num_params,
+    }  # fmt: skip
+    if m.attention == "mla":
+        expected |= {"mla": {k: getattr(m, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                         "qk_rope_head_dim", "v_head_dim")},
+                     "rope": {"theta": m.rope_theta, "scaling": "none"}}  # fmt: skip
+    else:
+        expected |= {"n_kv_heads": m.kv_heads, "head_dim": m.head_dim, "qk_norm": [m.qk_norm == "head"],
+                     "rope": {"theta": m.rope_theta}}  # fmt: skip
+    assert {k: model[k] for k in expected} == expected
+    assert model["force_load_balance"] == [False]  # learned routing, as measured
+
+
+def test_torchtitan_forces_balanced_routing_where_the_study_measured_it(torchtitan_parsed: dict) -> None:
+    """BenchmarkConfig.moe_routing 'balanced' -> debug.moe_force_load_balance, which torchtitan's
+    decoder hands to every router (update_from_config); Megatron's --moe-router-force-load-balancing."""
+    assert torchtitan_parsed["moe_balanced"]["model"]["force_load_balance"] == [True]
+    spec, config = MORE_MOE["moe_tiny_ds"]
+    assert "--moe-router-force-load-balancing" not in export_layout("megatron", spec, config)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("tuner.export._routing", lambda spec, config: "balanced")
+        assert (
+            "--moe-router-force-load-balancing" in _megatron_args(export_layout("megatron", spec, config))[1]
+        )
+
+
+def test_torchtitan_refuses_expert_parallelism_over_replicas(torchtitan_parsed: dict) -> None:
+    """torchtitan folds ep into dp_shard x cp x tp (its sparse mesh): with dp_replicate 2 x dp_shard 2
+    and ep 4 its own mesh build fails, so the export refuses the layout; Megatron's expert grid
+    (ep over all dp x tp ranks) and our trainer run it."""
+    assert "mesh_sizes" in torchtitan_parsed["ep_replicate_rule"]["error"]
+    spec, _ = MORE_MOE["moe_tiny_ds"]
+    layout = ParallelConfig(dp_replicate=2, dp_shard=2, ep=4, zero_stage=2, num_microbatches=2)
+    assert export_layout("sbatch", spec, layout) and export_layout("megatron", spec, layout)
+    with pytest.raises(ValueError, match=r"torchtitan: .*ep \(4\) must divide data_parallel_shard x tensor_parallel "
+                                         r"\(2 x 1 = 2\)"):  # fmt: skip
+        export_layout("torchtitan", spec, layout)
+
+
+def test_olmoe_is_refused_by_both_frameworks_with_the_reason() -> None:
+    """OLMoE's q/k norms over the whole projections: neither Megatron's --qk-layernorm (per head)
+    nor torchtitan's qwen3 builds them; our trainer does (sbatch)."""
+    spec = _spec("olmoe-1b-7b", "h100-80gb", 8, 8, "bf16")
+    layout = ParallelConfig(dp_shard=8, ep=8, zero_stage=2)
+    assert export_layout("sbatch", spec, layout)
+    with pytest.raises(ValueError, match=r"megatron: .*qk_norm 'proj' .*--qk-layernorm normalises each head"):
+        export_layout("megatron", spec, layout)
+    with pytest.raises(ValueError, match=r"torchtitan: .*qk_norm 'proj' .*torchtitan has no such flavor"):
+        export_layout("torchtitan", spec, layout)
+
+
+def test_megatron_refuses_a_router_it_cannot_express() -> None:
+    """Megatron renormalises sigmoid scores always, and its expert bias takes sigmoid scores only."""
+    base = {"preset": "moe-tiny-ds"}
+    layout = ParallelConfig(dp_shard=4, ep=4, zero_stage=2, num_microbatches=2)
+    for fields, reason in (({"moe_norm_topk": False}, "sigmoid router scores without renormalising"),
+                           ({"moe_router_score": "softmax"}, "--moe-router-enable-expert-bias takes sigmoid")):  # fmt: skip
+        spec = _spec(base | fields, {"preset": "cpu-local", "gpus_per_node": 4}, 4, 8, "fp32")
+        assert export_layout("torchtitan", spec, layout)  # torchtitan's router takes both
+        with pytest.raises(ValueError, match=r"megatron: .*" + reason):
+            export_layout("megatron", spec, layout)
+
+
+def test_a_dense_qwen3_block_is_flags_in_megatron_and_the_layout_only_in_torchtitan() -> None:
+    """Wide heads and per-head q/k norms are --kv-channels and --qk-layernorm (Megatron's parse of
+    them: test_megatrons_own_validate_args_parses_the_studys_model); torchtitan's llama3 has neither,
+    so its export keeps the base's model and says so, as for a custom block."""
+    spec, layout = QWEN3_DENSE
+    _, flags = _megatron_args(export_layout("megatron", spec, layout))
+    assert (flags["--kv-channels"], flags["--qk-layernorm"]) == ("32", None)
+    titan = export_layout("torchtitan", spec, layout)
+    assert "model_registry" not in titan and "torchtitan has no model with this block" in titan
+    assert "heads of 32; q/k norms per head" in titan
+
+
+def test_megatron_moe_flags_say_the_model_and_the_expert_layout() -> None:
+    """The experts, the router and the expert grid of each mixture-of-experts export, flag by flag."""
+    _, qwen = _megatron_args(_megatron_export("qwen3moe_h100"))
+    expected = {"--num-experts": "128", "--moe-router-topk": "8", "--moe-ffn-hidden-size": "768",
+                "--kv-channels": "128", "--qk-layernorm": None, "--moe-router-score-function": "softmax",
+                "--moe-router-load-balancing-type": "seq_aux_loss", "--moe-aux-loss-coeff": "0.001",
+                "--moe-grouped-gemm": None, "--moe-token-dispatcher-type": "alltoall",
+                "--expert-model-parallel-size": "8", "--expert-tensor-parallel-size": "1",
+                "--use-distributed-optimizer": None}  # fmt: skip
+    assert {k: qwen.get(k, "<missing>") for k in expected} == expected
+    assert not {"--moe-router-pre-softmax", "--moe-layer-freq", "--moe-router-enable-expert-bias"} & set(qwen)
+    _, ds = _megatron_args(_megatron_export("deepseek_v3"))
+    expected = {"--multi-latent-attention": None, "--q-lora-rank": "1536", "--kv-lora-rank": "512",
+                "--qk-head-dim": "128", "--qk-pos-emb-head-dim": "64", "--v-head-dim": "128", "--rope-type": "rope",
+                "--moe-shared-expert-intermediate-size": "2048", "--moe-layer-freq": "([0]*3+[1]*58)",
+                "--moe-router-score-function": "sigmoid", "--moe-router-topk-scaling-factor": "2.5",
+                "--moe-router-num-groups": "8", "--moe-router-group-topk": "4",
+                "--moe-router-enable-expert-bias": None, "--moe-router-bias-update-rate": "0.001",
+                "--expert-model-parallel-size": "32", "--use-distributed-optimizer": None}  # fmt: skip
+    assert {k: ds.get(k, "<missing>") for k in expected} == expected
+    assert "--use-torch-fsdp2" not in ds and "--group-query-attention" not in ds  # FSDP2 refuses ep > 1
+    olmoe_like = _spec({"preset": "moe-tiny", "moe_norm_topk": False}, "h100-80gb", 2, 2, "bf16")
+    assert "--moe-router-pre-softmax" in export_layout("megatron", olmoe_like, ParallelConfig(dp_shard=2, ep=2,
+                                                                                              zero_stage=2))  # fmt: skip
 
 
 @pytest.mark.parametrize("flavor", TORCHTITAN_FLAVORS)
@@ -414,7 +576,16 @@ def _megatron_flags() -> tuple[str, set[str]]:
 
 
 # Every golden case and the other Llama presets (MORE_LLAMA).
-MEGATRON_CASES = {**{case: CASES[case][:2] for case in CASES}, **MORE_LLAMA}
+# A dense Qwen3-shaped block: heads of 32 on a 64-wide stream (4 x 32 = 128) and per-head q/k norms.
+QWEN3_DENSE = (_spec({"preset": "llama-tiny", "qk_norm": "head", "attention_head_dim": 32}, "h100-80gb", 4, 8, "bf16",
+                     space={"tp": [1, 2]}),
+               ParallelConfig(tp=2, dp_shard=2, num_microbatches=4, zero_stage=2, sequence_parallel=True))  # fmt: skip
+MEGATRON_CASES = {
+    **{case: CASES[case][:2] for case in CASES},
+    **MORE_LLAMA,
+    **MORE_MOE,
+    "qwen3_dense": QWEN3_DENSE,
+}
 
 
 def _megatron_export(case: str) -> str:
@@ -524,6 +695,54 @@ def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path, meg
             spec.seq_len, 1.0, False)  # fmt: skip
         assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"],
                 args["data_parallel_size"]) == (config.tp, config.pp, config.dp)  # fmt: skip
+        assert args == args | _megatron_moe_expected(spec.gpt(), config), case
+
+
+def _megatron_moe_expected(m: GPTConfig, config: ParallelConfig) -> dict:
+    """The experts, router and attention variants in the names of Megatron's TransformerConfig."""
+    out = {
+        "qk_layernorm": m.qk_norm == "head" or m.attention == "mla",
+        "multi_latent_attention": m.attention == "mla",
+    }
+    if m.attention == "mla":
+        out |= {"q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_head_dim": m.qk_nope_head_dim,
+                "qk_pos_emb_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "rope_type": "rope"}  # fmt: skip
+    if not m.moe:
+        return out | {"num_moe_experts": None, "expert_model_parallel_size": 1}
+    return out | {
+        "num_moe_experts": m.num_experts, "moe_router_topk": m.moe_top_k, "moe_ffn_hidden_size": m.expert_ffn_size,
+        "moe_shared_expert_intermediate_size": m.moe_shared_ffn_hidden_size or None,
+        "moe_layer_freq": [0] * m.moe_dense_layers + [1] * m.num_moe_layers if m.moe_dense_layers else 1,
+        "moe_router_score_function": m.moe_router_score,
+        "moe_router_pre_softmax": m.moe_router_score == "softmax" and not m.moe_norm_topk,
+        "moe_router_topk_scaling_factor": m.moe_route_scale if m.moe_route_scale != 1 else None,
+        "moe_router_num_groups": m.moe_groups if m.moe_groups > 1 else None,
+        "moe_router_group_topk": m.moe_topk_groups if m.moe_groups > 1 else None,
+        "moe_router_enable_expert_bias": m.moe_bias_update_rate > 0,
+        "moe_router_load_balancing_type": "seq_aux_loss" if m.moe_aux_loss_coef else "none",
+        "moe_aux_loss_coeff": m.moe_aux_loss_coef, "moe_router_force_load_balancing": False,
+        "moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall",
+        "expert_model_parallel_size": config.ep, "expert_tensor_parallel_size": 1,
+    }  # fmt: skip
+
+
+def test_megatrons_transformer_config_refuses_a_router_it_cannot_run(
+    tmp_path: Path, megatron_src: str
+) -> None:
+    """scripts/check-megatron-export.py builds Megatron's TransformerConfig, not only its arguments:
+    the DeepSeek-shaped CPU export with softmax scores instead of sigmoid is refused there (the
+    expert bias takes sigmoid scores), which is why the export refuses that router itself."""
+    spec, config = MORE_MOE["moe_tiny_ds"]
+    text = export_layout("megatron", spec, config)
+    assert "--moe-router-score-function sigmoid" in text
+    (tmp_path / "softmax.txt").write_text(text.replace("--moe-router-score-function sigmoid",
+                                                      "--moe-router-score-function softmax"))  # fmt: skip
+    script = ROOT / "scripts" / "check-megatron-export.py"
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "softmax.txt")], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": megatron_src})  # fmt: skip
+    assert run.returncode == 1 and "Expert bias for aux-loss-free routing only supports" in run.stdout, (
+        run.stdout
+    )
 
 
 def _connections(launcher: list[str]) -> str | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import MODEL_PRESETS, GPTConfig
-from tuner.hfconfig import DEFAULT_SEQ_LEN, HFConfigError, hf_config_fields, read_hf_config
+from tuner.hfconfig import DEFAULT_SEQ_LEN, HFConfigError, hf_config_fields, hf_config_notes, read_hf_config
 from tuner.models import model_family, model_key, model_label
 from tuner.spec import SpecError, default_tp, load_spec, parse_spec
 
@@ -36,6 +36,85 @@ def test_a_published_config_reads_into_its_preset(name: str) -> None:
     # not the 131072 positions the model supports: Llama 3's pre-training context
     assert model.seq_len == DEFAULT_SEQ_LEN == 8192
     assert model.family == "llama"
+
+
+# The mixtures of experts' files -> their presets (trainer/config.py), and the architecture each reads as.
+MOE_PRESET_OF = {
+    "Mixtral-8x7B-v0.1": ("mixtral-8x7b", "llama-moe"), "Qwen3-30B-A3B": ("qwen3-30b-a3b", "llama-moe"),
+    "Qwen3-235B-A22B": ("qwen3-235b-a22b", "llama-moe"), "OLMoE-1B-7B-0924": ("olmoe-1b-7b", "llama-moe"),
+    "DeepSeek-V3": ("deepseek-v3", "deepseek-moe"),
+}  # fmt: skip
+# Published total and active parameters, in billions, as rounded where published: the Qwen3 model
+# cards (30.5 / 3.3, 235 / 22), the DeepSeek-V3 report's table 1 (671 / 37), the Mixtral paper
+# (47 / 13), the OLMoE paper (6.9 / 1.3). Counted here within 2 % of each.
+PUBLISHED_PARAMS = {"Mixtral-8x7B-v0.1": (47, 13), "Qwen3-30B-A3B": (30.5, 3.3), "Qwen3-235B-A22B": (235, 22),
+                    "OLMoE-1B-7B-0924": (6.9, 1.3), "DeepSeek-V3": (671, 37)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MOE_PRESET_OF))
+def test_a_published_mixture_of_experts_reads_into_its_preset(name: str) -> None:
+    """Every field of the preset, the parameter counts with it, and the preset's name as the key.
+    OLMoE's file spells multi-head attention as 16 KV heads of 16 (the preset too; the reader None):
+    the same model. DeepSeek-V3's file has aux_loss_alpha 0.001, read as is; its preset trains with
+    the report's 0.0001 (DeepSeek-V3 report, section 4.2), the one field apart."""
+    preset_name, architecture = MOE_PRESET_OF[name]
+    model, preset = GPTConfig(**read_hf_config(CONFIGS / f"{name}.json")), MODEL_PRESETS[preset_name]
+    same = dataclasses.replace(model, seq_len=preset.seq_len, num_kv_heads=preset.num_kv_heads)
+    if name == "DeepSeek-V3":
+        assert (model.moe_aux_loss_coef, preset.moe_aux_loss_coef) == (0.001, 0.0001)
+        same = dataclasses.replace(same, moe_aux_loss_coef=preset.moe_aux_loss_coef)
+    assert same == preset
+    assert (model.num_params, model.num_active_params) == (preset.num_params, preset.num_active_params)
+    total, active = PUBLISHED_PARAMS[name]
+    assert model.num_params / 1e9 == pytest.approx(total, rel=0.02)
+    assert model.num_active_params / 1e9 == pytest.approx(active, rel=0.02)
+    assert model.architecture == architecture
+    if name != "DeepSeek-V3":
+        assert model_key(model) == preset_name
+
+
+def test_the_moe_fields_each_architecture_reads() -> None:
+    """Where each file keeps its experts (docs/models.md's table)."""
+    mixtral, qwen, olmoe, deepseek = (
+        hf_config_fields(_config(n)) for n in ("Mixtral-8x7B-v0.1", "Qwen3-30B-A3B", "OLMoE-1B-7B-0924", "DeepSeek-V3")
+    )  # fmt: skip
+    assert {k: mixtral[k] for k in ("num_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_norm_topk")} == {
+        "num_experts": 8, "moe_top_k": 2, "moe_ffn_hidden_size": 14336, "moe_norm_topk": True}  # fmt: skip
+    assert (qwen["attention_head_dim"], qwen["qk_norm"], qwen["moe_ffn_hidden_size"], qwen["moe_dense_layers"]) == (
+        128, "head", 768, 0)  # fmt: skip
+    assert (olmoe["qk_norm"], olmoe["moe_norm_topk"], olmoe["moe_aux_loss_coef"]) == ("proj", False, 0.01)
+    assert {k: deepseek[k] for k in ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                     "qk_rope_head_dim", "v_head_dim", "moe_shared_ffn_hidden_size",
+                                     "moe_dense_layers", "moe_router_score", "moe_groups", "moe_topk_groups",
+                                     "moe_route_scale", "moe_bias_update_rate")} == {
+        "attention": "mla", "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "moe_shared_ffn_hidden_size": 2048, "moe_dense_layers": 3, "moe_router_score": "sigmoid",
+        "moe_groups": 8, "moe_topk_groups": 4, "moe_route_scale": 2.5, "moe_bias_update_rate": 0.001}  # fmt: skip
+    # Qwen3-MoE's dense first layers, DeepSeek's routing without groups or bias
+    assert hf_config_fields(_config("Qwen3-30B-A3B") | {"mlp_only_layers": [0, 1]})["moe_dense_layers"] == 2
+    greedy = hf_config_fields(_config("DeepSeek-V3") | {"topk_method": "greedy"})
+    assert (greedy["moe_groups"], greedy["moe_topk_groups"], greedy["moe_bias_update_rate"]) == (1, 1, 0.0)
+
+
+def test_qwen3_dense_reads_its_wide_heads_and_qk_norm() -> None:
+    """Qwen3-8B (a dense model: 32 heads of 128 = its 4096 stream, per-head q/k norms): the model
+    card's 8.2B parameters, 6.95B without the embedding and the head."""
+    model = GPTConfig(**read_hf_config(CONFIGS / "Qwen3-8B.json"))
+    assert (model.qk_norm, model.attention_head_dim, model.kv_heads, model.moe) == ("head", None, 8, False)
+    assert round(model.num_params / 1e9, 1) == 8.2
+    assert round((model.num_params - model.num_embedding_params - model.num_head_params) / 1e9, 2) == 6.95
+    wide = hf_config_fields(_config("Qwen3-8B") | {"head_dim": 256})
+    assert wide["attention_head_dim"] == 256 and GPTConfig(**wide).q_size == 32 * 256
+
+
+def test_what_a_file_holds_beyond_the_model_is_noted() -> None:
+    """DeepSeek-V3's YaRN scaling, multi-token prediction, the bias rate, FP8 storage and its
+    auxiliary-loss coefficient are said (the CLI prints them); the other files have nothing to say."""
+    notes = hf_config_notes(_config("DeepSeek-V3"))
+    for said in ("rope_scaling 'yarn' (factor 40", "num_nextn_predict_layers 1", "moe_bias_update_rate 0.001",
+                 "quantization_config 'fp8'", "aux_loss_alpha 0.001"):  # fmt: skip
+        assert any(said in note for note in notes), (said, notes)
+    assert all(hf_config_notes(_config(n)) == [] for n in (*PRESET_OF, *MOE_PRESET_OF) if n != "DeepSeek-V3")
 
 
 def test_mistral_v0_3_reads_into_its_published_shape() -> None:
@@ -104,11 +183,27 @@ def test_transformers_5_rope_parameters_read_as_rope_scaling() -> None:
         ("Qwen2.5-7B", {"num_experts": 64, "model_type": "qwen2_moe"}, "num_experts"),
         ("Mistral-7B-Instruct-v0.3", {"num_key_value_heads": None}, "num_key_value_heads"),
         ("Mistral-7B-v0.1", {}, "sliding_window 4096"),
-        ("Mixtral-8x7B-v0.1", {}, "num_local_experts"),
+        ("Mixtral-8x7B-v0.1", {"sliding_window": 4096}, "sliding_window 4096"),
+        (
+            "Mixtral-8x7B-v0.1",
+            {"num_local_experts": None},
+            "num_local_experts: None is not a positive integer",
+        ),
+        ("Qwen3-30B-A3B", {"decoder_sparse_step": 2}, "decoder_sparse_step 2"),
+        ("Qwen3-30B-A3B", {"mlp_only_layers": [3]}, "mlp_only_layers [3]"),
+        ("Qwen3-30B-A3B", {"use_sliding_window": True}, "use_sliding_window"),
+        ("Qwen3-30B-A3B", {"num_experts_per_tok": 0}, "num_experts_per_tok: 0"),
+        ("OLMoE-1B-7B-0924", {"clip_qkv": 8.0}, "clip_qkv 8.0"),
+        ("Qwen3-30B-A3B", {"shared_expert_intermediate_size": 4096}, "shared_expert_intermediate_size"),
+        ("DeepSeek-V3", {"moe_layer_freq": 2}, "moe_layer_freq 2"),
+        ("DeepSeek-V3", {"topk_method": "random"}, "topk_method 'random'"),
+        ("DeepSeek-V3", {"scoring_func": "tanh"}, "scoring_func 'tanh'"),
+        ("DeepSeek-V3", {"kv_lora_rank": None}, "kv_lora_rank: None"),
+        ("DeepSeek-V3", {"first_k_dense_replace": 61}, "first_k_dense_replace 61"),
     ],
 )
 def test_a_config_the_model_cannot_be_is_refused_by_name(base: str, change: dict, named: str) -> None:
-    with pytest.raises(HFConfigError, match=r"not supported|missing|positive integer|needs") as err:
+    with pytest.raises(HFConfigError, match=r"not supported|missing|positive integer|needs|must be") as err:
         hf_config_fields(_config(base) | change)
     assert named in str(err.value), str(err.value)
 

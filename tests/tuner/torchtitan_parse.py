@@ -44,6 +44,54 @@ def stage_layers(parallelism, num_layers: int) -> list[list[int]]:
     ]
 
 
+def moe_facts(config) -> dict:
+    """model_facts of a mixture of experts (torchtitan's qwen3 or deepseek_v3): the shape, the
+    attention, the experts and their router as the config holds them."""
+    spec, model = config.model_spec, config.model_spec.model
+    layers = model.layers
+    moe = [layer.moe for layer in layers if getattr(layer, "moe", None) is not None]
+    attention = layers[0].attention
+    router = moe[0].router
+    shared = moe[0].shared_experts
+    norms = {model.norm.eps} | {n.eps for layer in layers for n in (layer.attention_norm, layer.ffn_norm)}
+    facts = {
+        "name": spec.name, "flavor": spec.flavor, "dim": model.dim, "vocab_size": model.vocab_size,
+        "loss_vocab_size": config.loss.loss_fn.global_vocab_size, "n_layers": len(layers),
+        "n_dense_layers": len(layers) - len(moe), "n_heads": attention.n_heads,
+        "dense_hidden_dim": sorted({layer.feed_forward.w1.out_features for layer in layers
+                                    if getattr(layer, "moe", None) is None}),
+        "num_experts": sorted({m.num_experts for m in moe}),
+        "moe_hidden_dim": sorted({m.routed_experts.inner_experts.hidden_dim for m in moe}),
+        "top_k": sorted({m.router.top_k for m in moe}),
+        "router": {name: getattr(router, name) for name in ("score_func", "route_norm", "route_scale",
+                                                            "num_expert_groups", "num_limited_groups")},
+        "load_balance_coeff": sorted({m.load_balance_coeff or 0.0 for m in moe}),
+        "shared_hidden_dim": shared.w1.out_features if shared is not None else 0,
+        "tied": model.enable_weight_tying if hasattr(model, "enable_weight_tying") else False,
+    }  # fmt: skip
+    if spec.name == "deepseek_v3":
+        norms |= {n.eps for layer in layers for n in (layer.attention.q_norm, layer.attention.kv_norm)}
+        facts["mla"] = {name: getattr(attention, name) for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                                                     "qk_rope_head_dim", "v_head_dim")}  # fmt: skip
+        facts["rope"] = {"theta": attention.rope.theta, "scaling": attention.rope.scaling}
+    else:
+        qk = {layer.attention.qk_norm is not None for layer in layers}
+        norms |= {layer.attention.qk_norm.eps for layer in layers if layer.attention.qk_norm is not None}
+        facts |= {"n_kv_heads": attention.n_kv_heads, "head_dim": attention.head_dim, "qk_norm": sorted(qk),
+                  "rope": {"theta": attention.rope.theta}}  # fmt: skip
+    facts["norm_eps"] = sorted(norms)
+    try:
+        model.update_from_config(config=config)
+    except (ValueError, NotImplementedError) as e:
+        return {"error": str(e)}
+    facts["force_load_balance"] = sorted({m.router._debug_force_load_balance for m in moe})
+    import torch
+
+    with torch.device("meta"):
+        facts["num_params"] = sum(p.numel() for p in model.build().parameters())
+    return facts
+
+
 def model_facts(config) -> dict:
     """The model of the config's model_spec: its name and flavor, its shape as the config holds it,
     the vocabulary the loss is sized for, and the parameters of the model built on the meta device
@@ -53,6 +101,8 @@ def model_facts(config) -> dict:
 
     spec, model = config.model_spec, config.model_spec.model
     layers = model.layers
+    if any(getattr(layer, "moe", None) is not None for layer in layers):
+        return moe_facts(config)
     attention = layers[0].attention
     rope = attention.rope  # before update_from_config sets max_seq_len to the training seq_len
     facts = {
@@ -81,6 +131,24 @@ def model_facts(config) -> dict:
     return facts
 
 
+def build_meshes(parallel_dims, par) -> None:
+    """ParallelDims.build_mesh, as torchtitan's trainer runs it, on a fake process group of the
+    layout's world size: its sparse mesh (pp, dp_replicate, efsdp, ep) with efsdp = dp_shard x cp x
+    tp / ep is where an ep that does not divide dp_shard x cp x tp is refused."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = (par.data_parallel_replicate_degree * par.data_parallel_shard_degree * par.context_parallel_degree
+             * par.tensor_parallel_degree * par.pipeline_parallel_degree)  # fmt: skip
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        parallel_dims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
+                      cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+                      ep=par.expert_parallel_degree, world_size=world).build_mesh()  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
 def parse(module: str, config_fn: str, num_layers: int) -> dict:
     from torchtitan.config import ConfigManager
     from torchtitan.hf_datasets.text_datasets import DATASETS
@@ -97,7 +165,14 @@ def parse(module: str, config_fn: str, num_layers: int) -> dict:
         return {"error": str(e)}
     except SystemExit:  # tyro refused the config: its message went to stderr
         return {"error": " ".join(stderr.getvalue().split())}
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
     par, train = config.parallelism, config.training
+    if par.expert_parallel_degree > 1:  # torchtitan's own device meshes, on a fake process group
+        try:
+            build_meshes(ParallelDims, par)
+        except (ValueError, AssertionError) as e:
+            return {"error": str(e)}
     dp = par.data_parallel_replicate_degree * par.data_parallel_shard_degree
     out = {
         "parallelism": dataclasses.asdict(par),
