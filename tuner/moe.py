@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from trainer.config import GPTConfig, ParallelConfig
-from tuner.collectives import Comm, Link, call_overhead_s, group_link
+from tuner.collectives import Comm, Link, call_overhead_s, group_link, ranks_per_core
 from tuner.spec import ClusterSpec
 
 # The ridge of the experts' GEMMs when the device's memory bandwidth is unknown: an expert's
@@ -140,7 +140,7 @@ def a2a(m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c
     per_rank = routed_tokens(m, p) * m.moe_top_k * m.hidden_size * (2 if precision != "fp32" else 4)
     link = group_link(cluster, p.ep, 1)
     calls = a2a_calls(p)
-    overhead = call_overhead_s(p.ep, c)
+    overhead = call_overhead_s(p.ep, c, ranks_per_core(cluster, p.world_size))
     if link.tier == "intra":
         wire = per_rank * (p.ep - 1) / p.ep / (link.rate_gbps(c) * 1e9) + link.latency_us * 1e-6
         return Comm(calls * (wire + overhead), 0.0)
