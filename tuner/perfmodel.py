@@ -41,6 +41,7 @@ from tuner.moe import (
     a2a_volume_bytes,
     local_expert_params,
     moe_layer_dense_params,
+    moe_layers_on,
     moe_step,
 )
 from tuner.perfconstants import ModelConstants, default_constants
@@ -249,7 +250,7 @@ class _Compute:
         return seconds, (layers * self.gemm_fwd + head) / self.efficiency / self.peak_flops
 
     def moe_layers(self, layers: float) -> float:
-        return 0.0 if self.moe is None else min(layers, self.moe_layer_count)
+        return 0.0 if self.moe is None else min(layers, self.moe_layer_count)  # tuner.moe.moe_layers_on
 
 
 def _flash_attention_s(attn_fwd: float, p: ParallelConfig, c: ModelConstants, peak_flops: float) -> float:
@@ -376,7 +377,7 @@ def _rank_step(
     # Pipeline: the bubble is (p-1) stage-times, divided by v when interleaved (Megatron-3D sec. 2.2).
     # The framework's per-micro-batch bookkeeping runs on each rank's CPU and does not lengthen it.
     # A mixture of experts' all-to-alls block the stage like its compute (no overlap is priced).
-    moe_layers = min(layers, m.num_moe_layers) if m.moe else 0
+    moe_layers = moe_layers_on(m, layers) if m.moe else 0
     a2a_mb = a2a(m, p, cluster, precision, c) * moe_layers if m.moe else Comm()
     bubble = (pp - 1) / v * (compute_mb + floor_mb + tp_mb.total + wait_mb + a2a_mb.total)
     p2p = Comm()

@@ -327,3 +327,19 @@ def test_dense_predictions_unchanged() -> None:
 def test_a_dense_model_ignores_the_moe_imbalance() -> None:
     m, p = MODEL_PRESETS["llama3.1-8b"], ParallelConfig(tp=2, dp_replicate=4, num_microbatches=8)
     assert estimate(m, p, H100, moe_imbalance=2.0) == estimate(m, p, H100)
+
+
+def test_samplers_tell_layouts_apart_by_ep() -> None:
+    from tuner.samplers.external import OptunaSampler
+
+    spec = load_spec(ROOT / "studies" / "qwen3-30b-a3b-h100.yaml")
+    valid = SearchSpace.from_spec(spec).enumerate().valid
+    sampler = OptunaSampler(valid, seed=0, pricing=Pricing.for_study(spec))
+    assert len(sampler.index) == len(valid)  # no two layouts share a key
+    assert sampler.choices["ep"] == [1, 2, 4, 8]
+
+
+def test_plan_pins_ep() -> None:
+    spec = load_spec(ROOT / "studies" / "qwen3-30b-a3b-h100.yaml")
+    result = plan(spec, pins={"ep": 8}, top=5)
+    assert result["candidates"] and all(c["config"]["ep"] == 8 for c in result["candidates"])
