@@ -82,9 +82,8 @@ def activation_bytes_per_token(
     norms = (3 + _mlp_inputs(m) if res > cb else 2) * cb * h
     # the layer input and the residual after attention (what the norms keep of them); the norm outputs
     stream = 2 * _norm_input_bytes(m, res, device) * h / shard + norms
-    sharded = (
-        (_attention_tensors(m) + _mlp_tensors(m) * m.ffn_size) * cb / t
-    )  # q, k, v, attention output; the MLP's
+    # q, k, v, attention output; the MLP's
+    sharded = (_attention_tensors(m) + _mlp_tensors(m) * m.ffn_size) * cb / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
     stats = 2 * _norm_stats_bytes(m) / shard  # two norms' statistics per token, fp32
     scores = 0.0 if c.flash_attention else 5 * a * s / t * cb / 2  # Korthikanti's 5as/h x h, 16 bit
@@ -405,7 +404,7 @@ def _forward_backward(
     # stages (torch's pipelining syncs only the last backward), replicated DP (the trainer's
     # no_sync), no DP; FSDP2 reduce-scatters each micro-batch otherwise.
     accumulates = p.pp > 1 or p.zero_stage == 0
-    accumulated = 4 * r.params + r.vocab_grad if accumulates else sharded_grads
+    accumulated = 4 * r.params + r.vocab_grad + 4 * r.experts if accumulates else sharded_grads
     n, inflight = p.num_microbatches, _in_flight(p, stage)
     # Every forward before the first backward (GPipe; 1F1B on a stage with n <= pp - stage; one
     # micro-batch): the peak can precede any gradient.

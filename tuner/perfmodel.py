@@ -309,9 +309,8 @@ class _Rank:
     dp_comm: Comm  # all of it
     dp_exposed: Comm
     optimizer_s: float
-    a2a_mb: Comm = field(
-        default_factory=Comm
-    )  # a mixture of experts' all-to-alls per micro-batch (tuner/moe.py)
+    # a mixture of experts' all-to-alls per micro-batch (tuner/moe.py)
+    a2a_mb: Comm = field(default_factory=Comm)
 
     @property
     def stage_mb(self) -> float:
@@ -400,10 +399,9 @@ def _rank_step(
     params_rank = layers * _layer_params(m, t, p.tp_col) + vocab_share * m.vocab_size * h / tc
     expert_rank = 0.0
     if m.moe:  # MoE layers: their routed experts (E / ep a rank) reduce over edp, the rest over dp
-        dense_part = (layers - moe_layers) * _layer_params(
-            m, t, p.tp_col
-        ) + moe_layers * moe_layer_dense_params(m, t)
-        params_rank = dense_part + vocab_share * m.vocab_size * h / tc
+        dense_layers = (layers - moe_layers) * _layer_params(m, t, p.tp_col)
+        moe_rest = moe_layers * moe_layer_dense_params(m, t)
+        params_rank = dense_layers + moe_rest + vocab_share * m.vocab_size * h / tc
         expert_rank = moe_layers * local_expert_params(m, p.ep)
     full_ar = ring_allreduce_s(params_rank * act_bytes, d, dp_link, c)
     if p.zero_stage == 3:

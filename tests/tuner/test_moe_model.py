@@ -198,6 +198,16 @@ def test_expert_state_divides_by_ep_by_hand() -> None:
     assert one["optimizer"]["grads"] - two["optimizer"]["grads"] == pytest.approx(4 * experts_dropped)
 
 
+def test_accumulated_expert_gradients_divide_by_ep() -> None:
+    """Replicated data parallelism accumulates whole fp32 gradients over micro-batches: the
+    experts' too, E / ep of them a MoE layer."""
+    fb = {
+        ep: _parts(ParallelConfig(dp_replicate=8, ep=ep, num_microbatches=2))["forward_backward"]
+        for ep in (1, 2)
+    }
+    assert fb[1]["grads"] - fb[2]["grads"] >= 4 * 4 * 8 * SMALL.expert_params
+
+
 def test_expert_state_shards_over_edp_with_zero() -> None:
     """Zero 3 over dp 8: a rank's E / ep experts shard over edp = 8 / ep, so their state between
     steps is E / 8 experts whatever ep (ep x edp = dp x tp), 16 / 8 = 2 experts a MoE layer in fp32
