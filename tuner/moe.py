@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trainer.config import GPTConfig, ParallelConfig
 from tuner.collectives import Comm, Link, call_overhead_s, group_link, ranks_per_core
 from tuner.spec import ClusterSpec
+
+if TYPE_CHECKING:
+    from tuner.perfconstants import ModelConstants
 
 # The ridge of the experts' GEMMs when the device's memory bandwidth is unknown: an expert's
 # GEMM of n tokens reads its h x f weights (2 bytes each) to compute 2 n h f FLOPs, so it takes
@@ -89,8 +93,8 @@ class MoEStep:
 
 
 def moe_step(
-    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c, dense_efficiency: float,
-    peak_flops: float, memory_peak_flops: float, imbalance: float,
+    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
+    dense_efficiency: float, peak_flops: float, memory_peak_flops: float, imbalance: float,
 ) -> MoEStep:  # fmt: skip
     """`dense_efficiency`: the dense GEMMs' fraction of peak at this layout (perfmodel's
     _compute_efficiency); `imbalance`: the study's I (1 for balanced routing)."""
@@ -130,7 +134,7 @@ def a2a_calls(p: ParallelConfig) -> int:
     return 6 if p.activation_checkpoint == "full" else 4
 
 
-def a2a(m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c) -> Comm:
+def a2a(m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants) -> Comm:
     """One MoE layer's all-to-alls for one micro-batch, by tier. The ep group is ep neighbouring
     ranks (trainer/topology.py: expert_groups): inside a node when ep <= gpus_per_node. Spanning
     nodes, the peers on the rank's node take their share at the node's link and the rest cross
