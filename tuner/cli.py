@@ -203,8 +203,9 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
     typer.echo(
         f"space {result['space_size']}, valid {result['num_valid']}, predicted to fit {result['num_fit']}\n"
     )
-    head = (f"{'tp':>5} {'pp':>3} {'dp':>5} {'mbs':>3} {'nmb':>5} {'zero':>4} {'ckpt':>9} {'sp':>3} "
-            f"{'schedule':>18} {'vocab':>7} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")  # fmt: skip
+    moe = m.moe  # a mixture of experts: an ep column
+    head = (f"{'tp':>5} {'pp':>3} {'dp':>5}" + (f" {'ep':>4}" if moe else "") + f" {'mbs':>3} {'nmb':>5} {'zero':>4} "
+            f"{'ckpt':>9} {'sp':>3} {'schedule':>18} {'vocab':>7} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")  # fmt: skip
     typer.echo(head)
     for cand in result["candidates"]:
         k, p = cand["config"], cand["predicted"]
@@ -215,12 +216,17 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
         )
         flag = "" if p["fits"] else "  (does not fit)"
         tp = f"{k['tp']}x{k['tp_col']}" if k.get("tp_col", 1) > 1 else str(k["tp"])  # row x column
+        ep = f" {k.get('ep', 1):>4}" if moe else ""
         typer.echo(
-            f"{tp:>5} {k['pp']:>3} {k['dp']:>5} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
+            f"{tp:>5} {k['pp']:>3} {k['dp']:>5}{ep} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
             f"{k['zero_stage']:>4} {k['activation_checkpoint']:>9} {'y' if k['sequence_parallel'] else 'n':>3} "
             f"{sched:>18} {cand['vocab_size']:>7} {p['memory_bytes'] / 2**30:>8.1f} {p['tflops_per_device']:>8.1f} {p['mfu']:>6.1%} "
             f"{p['tokens_per_s']:>11.0f}{flag}"
         )
+    if result["candidates"] and result["candidates"][0].get("experts"):
+        typer.echo(f"\nthe fastest layout's {result['candidates'][0]['experts']}")
+    for line in result.get("hint", []):
+        typer.echo(f"\n{line}" if line is result["hint"][0] else line)
     if result.get("column"):
         typer.echo("\n2D tensor parallelism (tp x tp_col), the fastest layout of each column degree:")
         for entry in result["column"]:
@@ -246,6 +252,8 @@ def _print_terms(result: dict[str, Any]) -> None:
         if rest > 0:
             parts.append(f"other terms {rest:.2g}")
         typer.echo(f"{rank:>3}. {_layout(cand['config'])}: step {step:.4g} s = " + " + ".join(parts))
+        if cand.get("experts"):
+            typer.echo(f"     {cand['experts']}")
 
 
 def _layout(k: dict[str, Any]) -> str:
@@ -257,7 +265,7 @@ def _layout(k: dict[str, Any]) -> str:
     )
     return (f"tp{tp} pp{k['pp']}{sched} dp{k['dp']} z{k['zero_stage']} mbs{k['micro_batch_size']}x{k['num_microbatches']}"
             + (f" ac={k['activation_checkpoint']}" if k["activation_checkpoint"] != "none" else "")
-            + (" sp" if k["sequence_parallel"] else ""))  # fmt: skip
+            + (" sp" if k["sequence_parallel"] else "") + (f" ep{k['ep']}" if k.get("ep", 1) > 1 else ""))  # fmt: skip
 
 
 def _register_plugins() -> None:

@@ -24,6 +24,7 @@ class Measurement:
     cluster: ClusterSpec
     step_time_s: float
     precision: str = "bf16"
+    moe_imbalance: float = 1.0  # the study's (StudySpec.moe_imbalance): priced as the study prices it
 
 
 # Each fitted constant in an unbounded coordinate: log for scales, logit for fractions.
@@ -61,7 +62,10 @@ def calibrate(
     def residuals(x):
         c = _from_free(x, base, fitted)
         res = [
-            math.log(estimate(r.model, r.parallel, r.cluster, r.precision, c).step_time_s / r.step_time_s)
+            math.log(
+                estimate(r.model, r.parallel, r.cluster, r.precision, c, r.moe_imbalance).step_time_s
+                / r.step_time_s
+            )
             for r in measurements
         ]
         pull = math.sqrt(prior_weight / len(measurements))
@@ -78,7 +82,8 @@ def fit_memory_scale(measured: list[tuple[Measurement, float]], constants: Model
     for m, peak in measured:
         unscaled = dataclasses.replace(constants, memory_scale=1.0)
         tensors = (
-            memory(m.model, m.parallel, m.precision, unscaled)["memory_bytes"] - constants.workspace_bytes
+            memory(m.model, m.parallel, m.precision, unscaled, moe_imbalance=m.moe_imbalance)["memory_bytes"]
+            - constants.workspace_bytes
         )
         if peak > constants.workspace_bytes and tensors > 0:
             ratios.append((peak - constants.workspace_bytes) / tensors)
@@ -95,7 +100,10 @@ def rms_log_error(measurements: list[Measurement], constants: ModelConstants) ->
     if not measurements:
         return 0.0
     res = [
-        math.log(estimate(r.model, r.parallel, r.cluster, r.precision, constants).step_time_s / r.step_time_s)
+        math.log(
+            estimate(r.model, r.parallel, r.cluster, r.precision, constants, r.moe_imbalance).step_time_s
+            / r.step_time_s
+        )
         for r in measurements
     ]
     return math.sqrt(sum(x * x for x in res) / len(res))

@@ -18,6 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainer.config import GPTConfig, ParallelConfig
+from tuner.moe import (
+    imbalance_factor,
+    local_expert_params,
+    moe_activation_delta_per_token,
+    moe_layer_dense_params,
+)
 
 if TYPE_CHECKING:
     from trainer.devices import DeviceKind
@@ -76,11 +82,26 @@ def activation_bytes_per_token(
     norms = (3 + _mlp_inputs(m) if res > cb else 2) * cb * h
     # the layer input and the residual after attention (what the norms keep of them); the norm outputs
     stream = 2 * _norm_input_bytes(m, res, device) * h / shard + norms
-    sharded = (4 * h + _mlp_tensors(m) * m.ffn_size) * cb / t  # q, k, v, attention output; the MLP's
+    # q, k, v, attention output; the MLP's
+    sharded = (_attention_tensors(m) + _mlp_tensors(m) * m.ffn_size) * cb / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
     stats = 2 * _norm_stats_bytes(m) / shard  # two norms' statistics per token, fp32
     scores = 0.0 if c.flash_attention else 5 * a * s / t * cb / 2  # Korthikanti's 5as/h x h, 16 bit
     return stream + sharded + lse + stats + scores
+
+
+def _attention_tensors(m: GPTConfig) -> int:
+    """Width per token of what attention keeps over tp: q, k and v (k and v repeated to every
+    query head) and the output, 4 x q_size (4h unless attention_head_dim widens it). Latent
+    attention (DeepSeek-V2/V3): q and k of heads x (qk_nope + qk_rope), v and the output of
+    heads x v_head_dim, and the latents each up-projection reads (q's and kv's, normalised)
+    with the shared rotary key; the latents are kept whole on every tensor-parallel rank, here
+    counted with the rest (over tp): a small under-count with tp > 1."""
+    if m.attention == "mla":
+        qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        latents = 2 * (m.q_lora_rank + m.kv_lora_rank) + m.qk_rope_head_dim
+        return 2 * qk + 2 * m.q_size + latents
+    return 4 * m.q_size
 
 
 def _mlp_inputs(m: GPTConfig) -> int:
@@ -134,7 +155,7 @@ def _activation_bytes_per_token_2d(
     if p.activation_checkpoint == "full":
         return res * h / k
     norms = 2 * _norm_2d_bytes(m, res) * h / k
-    sharded = (4 * h + _mlp_tensors(m) * m.ffn_size) * cb / t
+    sharded = (_attention_tensors(m) + _mlp_tensors(m) * m.ffn_size) * cb / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
     # per norm, fp32: LayerNorm's mean, rstd and two all-reduced sums; RMSNorm's rstd and sum of squares
     stats = 2 * 4 * (4 if m.norm == "layernorm" else 2)
@@ -169,17 +190,24 @@ def model_state_bytes(
 
 
 def memory(
-    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, device: DeviceKind = "gpu"
+    m: GPTConfig,
+    p: ParallelConfig,
+    precision: str,
+    c: ModelConstants,
+    device: DeviceKind = "gpu",
+    moe_imbalance: float = 1.0,
 ) -> dict[str, float]:
     """Bytes on the fullest device: the first or the last pipeline rank in its fullest phase,
     times memory_scale, plus workspace_bytes; split into weights (fp32 master and compute-dtype
     working copies), gradients, optimizer state (with AdamW's temporary) and activations (with
     pipeline buffers, logits, the batch and the rotary buffer). `device`: the ranks' kind
-    (ClusterSpec.device_kind), whose kernels keep what they keep."""
+    (ClusterSpec.device_kind), whose kernels keep what they keep. A mixture of experts: its
+    routed experts' state over ep and (sharded) the expert data parallelism, its routed
+    activations on the busiest rank at `moe_imbalance` (tuner/moe.py)."""
     phases = [
         parts
         for stage in sorted({0, p.pp - 1})
-        for parts in phase_bytes(m, p, precision, c, stage, device).values()
+        for parts in phase_bytes(m, p, precision, c, stage, device, moe_imbalance).values()
     ]
     worst = max(phases, key=lambda parts: sum(parts.values()))
     return {
@@ -207,16 +235,30 @@ class _Rank:
     loss: float  # the loss's transient: logits in bf16 and fp32, or their gradients
     buffers: float  # pipeline receive buffers and the batch, all step long
     sent: float  # sends not yet waited for (interleaved schedule)
+    experts: float = 0.0  # a mixture of experts' routed experts on the rank (E / ep a MoE layer)
+    ed: int = 1  # how many ways FSDP2 shards them (the expert data parallelism; 1: replicated)
 
 
 def phase_bytes(
-    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int, device: DeviceKind = "gpu"
+    m: GPTConfig,
+    p: ParallelConfig,
+    precision: str,
+    c: ModelConstants,
+    stage: int,
+    device: DeviceKind = "gpu",
+    moe_imbalance: float = 1.0,
 ) -> dict[str, dict[str, float]]:
     """Tensor bytes of the rank at pipeline coordinate `stage` at the peak of each phase of a step
     (trainer/memcheck.py's PHASES: forward and backward; the optimizer step) as
     {phase: {PARTS: bytes}}."""
-    r = _rank(m, p, precision, c, stage, device)
+    r = _rank(m, p, precision, c, stage, device, moe_imbalance)
     master, adam, grads = 4 * r.params / r.d, 8 * r.params / r.d, 4 * r.params / r.d
+    if r.experts:  # experts: fp32 master, AdamW's m and v, fp32 gradients over their own shards
+        master, adam, grads = (
+            master + 4 * r.experts / r.ed,
+            adam + 8 * r.experts / r.ed,
+            grads + 4 * r.experts / r.ed,
+        )
     weights, grads_fb, acts = _forward_backward(p, r, stage, grads)
     fb = {"weights": master + weights, "grads": grads_fb, "optimizer": adam,
           "activations": acts + r.buffers + r.sent}  # fmt: skip
@@ -224,14 +266,20 @@ def phase_bytes(
     step = {
         "weights": master,
         "grads": grads,
-        "optimizer": adam + 4 * r.params / r.d,
+        "optimizer": adam + 4 * r.params / r.d + (4 * r.experts / r.ed if r.experts else 0.0),
         "activations": r.buffers,
     }
     return {"forward_backward": fb, "optimizer": step}
 
 
 def _rank(
-    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, stage: int, device: DeviceKind
+    m: GPTConfig,
+    p: ParallelConfig,
+    precision: str,
+    c: ModelConstants,
+    stage: int,
+    device: DeviceKind,
+    moe_imbalance: float = 1.0,
 ) -> _Rank:
     low = precision != "fp32"
     cb = 2 if low else 4  # compute dtype: activations, FSDP2's gathered parameters
@@ -246,6 +294,9 @@ def _rank(
     head_weight = 0.0 if m.tie_embeddings and first else v * h / t
     head = (head_weight + m.norm_params) / k if last else 0.0
     params = _stage_layers(m.num_layers, p, stage) * _layer_params(m, t, k) + embed + head
+    moe = _moe_rank(m, p, cb, stage, moe_imbalance) if m.moe else None
+    if moe is not None:
+        params = moe.dense_params + embed + head
     tokens, shard = s * b, t if p.sequence_parallel else k
     boundary = tokens * h / shard * residual  # what one stage sends the next per micro-batch
     chunks = range(stage, p.num_stages, p.pp)
@@ -260,11 +311,15 @@ def _rank(
     # its send when interleaved, counted in `sent`).
     own = sending * boundary if p.virtual_stages == 1 else 0.0
     layers = layer * _stage_layers(m.num_layers, p, stage) + (own - receiving * boundary) / p.virtual_stages
+    if moe is not None:
+        layers += moe.num_moe * moe.act_per_token * tokens
     logits = tokens * v / t  # per micro-batch, vocab-sharded
     recompute = 0.0
     if p.activation_checkpoint == "full":  # recomputing a layer brings its activations back
         plain = ParallelConfig(**{**p.to_dict(), "activation_checkpoint": "none"})
         recompute = activation_bytes_per_token(m, plain, cb, c, residual, device) * tokens
+        if moe is not None and moe.num_moe:
+            recompute += _moe_rank(m, plain, cb, stage, moe_imbalance).act_per_token * tokens
     # Transient: the fp32 copy of the bf16 logits (forward), or the log-softmax's gradient and the
     # logits' (backward; loss_parallel computes the second in place).
     loss = max(4 + (cb if cb < 4 else 0), 8 if t == 1 else 4) * logits
@@ -273,20 +328,71 @@ def _rank(
     final_norm += tokens * h * (_norm_input_bytes(m, residual, device) - residual) / shard
     # Rotary positions: every stage module holds the cos/sin buffer, (2, s, head_dim) in fp32.
     rope = 2 * s * m.head_dim * 4 * p.virtual_stages if m.positions == "rope" else 0
+    unit = cb * _layer_params(m, t, k)
+    flow = _flow_bytes(m, p, cb, residual, tokens) + recompute
+    if moe is not None:
+        params_all = params + moe.experts
+        unit = max(unit, cb * moe.layer_params) if moe.num_moe else unit
+        flow += moe.flow_per_token * tokens
+        layer = max(layer, layer + moe.act_per_token * tokens) if moe.num_moe else layer
+    else:
+        params_all = params
     return _Rank(
         params=params, d=p.dp_shard if p.zero_stage else 1, cb=cb,
         # FSDP2's copies, or autocast's weight cache (which 2D's local views of the weights bypass)
-        whole=cb * params if p.dp > 1 or (low and k == 1) else 0.0,
-        root=cb * (embed + head), unit=cb * _layer_params(m, t, k), layer=layer, layers=layers,
+        whole=cb * params_all if p.dp > 1 or (low and k == 1) else 0.0,
+        root=cb * (embed + head), unit=unit, layer=layer, layers=layers,
         # 2D: the embedding looks up its local block, its gradient is local too
         vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
         # ... and with a pipeline the stage's output, its logits, in the stage's forward cache
         head=(final_norm if k == 1 else tokens * (8 + _norm_2d_bytes(m, residual)) * h / k)
         + (4 + (cb if p.pp > 1 else 0)) * logits if last else 0.0,
-        flow=_flow_bytes(m, p, cb, residual, tokens) + recompute, loss=loss,
+        flow=flow, loss=loss,
         buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens + rope,
         sent=n * boundary * (receiving + sending) if p.virtual_stages > 1 else 0.0,
+        experts=moe.experts if moe is not None else 0.0, ed=p.edp if moe is not None and p.zero_stage else 1,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _MoERank:
+    """A mixture of experts' part of a pipeline rank (tuner/moe.py has the closed forms)."""
+
+    num_moe: int  # MoE layers on the rank
+    dense_params: float  # every layer's parameters but the routed experts
+    experts: float  # the routed experts: E / ep per MoE layer
+    layer_params: float  # one MoE layer's, its local experts included (what ZeRO-3 gathers)
+    act_per_token: float  # what a MoE layer keeps beyond a dense one, per token of a micro-batch
+    flow_per_token: float  # gradients flowing in a MoE layer's backward beyond a dense one's
+
+
+def _moe_rank(m: GPTConfig, p: ParallelConfig, cb: int, stage: int, imbalance: float) -> _MoERank:
+    num_moe = _stage_moe_layers(m, p, stage)
+    num_dense = _stage_layers(m.num_layers, p, stage) - num_moe
+    moe_params = moe_layer_dense_params(m, p.tp)
+    experts = local_expert_params(m, p.ep)
+    factor = imbalance_factor(m, p, imbalance)
+    # SwiGLU's backward holds 2 ffn-wide gradients (_flow_bytes): the experts' k copies instead
+    grads = (
+        2 * (m.moe_top_k * m.expert_ffn_size * factor + m.moe_shared_ffn_hidden_size - m.ffn_size) * cb / p.tp
+    )
+    return _MoERank(
+        num_moe=num_moe, dense_params=num_dense * _layer_params(m, p.tp) + num_moe * moe_params,
+        experts=num_moe * experts, layer_params=moe_params + experts,
+        act_per_token=moe_activation_delta_per_token(m, p, cb, factor), flow_per_token=max(grads, 0.0) if num_moe else 0.0,
+    )  # fmt: skip
+
+
+def _stage_moe_layers(m: GPTConfig, p: ParallelConfig, stage: int) -> int:
+    """MoE layers on the rank at pipeline coordinate `stage`: its layers past the first
+    moe_dense_layers (dense), with _stage_layers' split."""
+    base, extra = divmod(m.num_layers, p.num_stages)
+    count = 0
+    for i in range(stage, p.num_stages, p.pp):
+        start = i * base + min(i, extra)
+        end = start + base + (1 if i < extra else 0)
+        count += max(0, end - max(start, m.moe_dense_layers))
+    return count
 
 
 def _forward_backward(
@@ -298,7 +404,7 @@ def _forward_backward(
     # stages (torch's pipelining syncs only the last backward), replicated DP (the trainer's
     # no_sync), no DP; FSDP2 reduce-scatters each micro-batch otherwise.
     accumulates = p.pp > 1 or p.zero_stage == 0
-    accumulated = 4 * r.params + r.vocab_grad if accumulates else sharded_grads
+    accumulated = 4 * r.params + r.vocab_grad + 4 * r.experts if accumulates else sharded_grads
     n, inflight = p.num_microbatches, _in_flight(p, stage)
     # Every forward before the first backward (GPipe; 1F1B on a stage with n <= pp - stage; one
     # micro-batch): the peak can precede any gradient.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainer.config import GPTConfig, ParallelConfig
 from tuner.collectives import (
@@ -34,6 +34,16 @@ from tuner.collectives import (
 )
 from tuner.devicelevels import MEMORY_TRAFFIC
 from tuner.memmodel import _layer_params, memory
+from tuner.moe import (
+    MoEStep,
+    a2a,
+    a2a_calls,
+    a2a_volume_bytes,
+    local_expert_params,
+    moe_layer_dense_params,
+    moe_layers_on,
+    moe_step,
+)
 from tuner.perfconstants import ModelConstants, default_constants
 from tuner.spec import ClusterSpec, padded_model
 
@@ -65,6 +75,10 @@ class StepTerms:
     dp_comm_inter_s: float
     optimizer_s: float  # the AdamW step
     shared_cores_s: float  # ranks sharing CPU cores wait for a core beyond all of the above
+    # A mixture of experts' all-to-alls (dispatch and combine, tuner/moe.py) on the critical path,
+    # by the tier the ep group spans; 0 for a dense model.
+    moe_a2a_intra_s: float = 0.0
+    moe_a2a_inter_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -82,6 +96,7 @@ TERM_LABELS = {
     "pp_p2p_intra_s": "pipeline sends (in node)", "pp_p2p_inter_s": "pipeline sends (across nodes)",
     "dp_comm_intra_s": "data-parallel comm (in node)", "dp_comm_inter_s": "data-parallel comm (across nodes)",
     "optimizer_s": "optimizer step", "shared_cores_s": "ranks sharing cores",
+    "moe_a2a_intra_s": "expert all-to-all (in node)", "moe_a2a_inter_s": "expert all-to-all (across nodes)",
 }  # fmt: skip
 
 
@@ -100,6 +115,8 @@ class Estimate:
     mfu: float
     fits: bool
     vocab_size: int = 0  # the padded vocabulary priced (tuner.spec.padded_vocab for the layout's tp)
+    # A mixture of experts: what its terms were priced from (moe_info); None for a dense model.
+    moe: dict | None = None
 
     # The terms grouped as before the tier split (what the 2D comparison and older callers read).
     @property
@@ -123,7 +140,11 @@ class Estimate:
         return self.terms.dp_comm_intra_s + self.terms.dp_comm_inter_s
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field; `moe` only for a mixture of experts (a dense estimate keeps its keys)."""
+        data = dataclasses.asdict(self)
+        if data["moe"] is None:
+            del data["moe"]
+        return data
 
 
 def _gemm_fwd_flops_per_token(m: GPTConfig) -> float:
@@ -133,8 +154,10 @@ def _gemm_fwd_flops_per_token(m: GPTConfig) -> float:
 
 
 def _attention_fwd_flops_per_token(m: GPTConfig) -> float:
-    """The attention core's 4*s*h per token forward (PaLM appendix B: 12Lhs over both passes)."""
-    return 4 * m.seq_len * m.hidden_size
+    """The attention core's 4*s*h per token forward (PaLM appendix B: 12Lhs over both passes);
+    h is the width the scores and the weighted sum multiply over (GPTConfig.attention_score_width:
+    2 q_size, or latent attention's heads x (qk_nope + qk_rope + v))."""
+    return 2 * m.seq_len * m.attention_score_width
 
 
 def _compute_efficiency(m: GPTConfig, p: ParallelConfig, c: ModelConstants) -> float:
@@ -209,14 +232,25 @@ class _Compute:
     head_fwd: float
     efficiency: float
     peak_flops: float
+    moe: MoEStep | None = None  # what a MoE layer adds to a dense one (tuner/moe.py)
+    moe_layer_count: float = 0.0  # the model's MoE layers (the slowest stage holds up to that many)
 
     def stage(self, layers: float, head_share: float = 1.0) -> tuple[float, float]:
         """(seconds, the weight gradients' GEMM seconds within them) of a stage of `layers` layers
-        and `head_share` of the LM head."""
+        and `head_share` of the LM head; a mixture of experts' MoE layers among them
+        (tuner.moe.moe_layers_on) with their experts, router and shared expert."""
         head = head_share * self.head_fwd
         flops = layers * self.layer_flops + 3 * head
         seconds = flops / self.efficiency / self.peak_flops + layers * self.layer_own_s
+        if self.moe is not None:
+            n, x = self.moe_layers(layers), self.moe
+            seconds += n * (
+                x.gemm_flops_delta / self.efficiency / self.peak_flops + x.expert_s + x.own_s_delta
+            )
         return seconds, (layers * self.gemm_fwd + head) / self.efficiency / self.peak_flops
+
+    def moe_layers(self, layers: float) -> float:
+        return 0.0 if self.moe is None else min(layers, self.moe_layer_count)  # tuner.moe.moe_layers_on
 
 
 def _flash_attention_s(attn_fwd: float, p: ParallelConfig, c: ModelConstants, peak_flops: float) -> float:
@@ -229,7 +263,8 @@ def _flash_attention_s(attn_fwd: float, p: ParallelConfig, c: ModelConstants, pe
 
 
 def _compute(
-    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, peak_flops: float, memory_peak_flops: float
+    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, peak_flops: float, memory_peak_flops: float,
+    hardware: ClusterSpec | None = None, imbalance: float = 1.0,
 ) -> _Compute:  # fmt: skip
     """Forward, backward = 2x forward (Megatron-3D sec. 5.1), plus recompute: a whole forward (full)
     or the attention core (selective, Korthikanti sec. 5). The head's V x h matmul sits on the
@@ -237,7 +272,8 @@ def _compute(
     core over the row group's heads only: every column rank repeats it (trainer/tp2d.py).
     Memory-bound work is written in FLOPs of `memory_peak_flops`, the low-precision peak
     (elementwise_flops_per_byte is per byte at that peak: an fp32 step moves twice the bytes, not
-    at the fp32 peak's rate)."""
+    at the fp32 peak's rate). A mixture of experts' MoE layers add tuner.moe.moe_step's work on
+    `hardware` at the study's `imbalance`."""
     tokens_mb = p.micro_batch_size * m.seq_len
     gemm_fwd = _gemm_fwd_flops_per_token(m) * tokens_mb / (p.tp * p.tp_col)
     attn_fwd = _attention_fwd_flops_per_token(m) * tokens_mb / p.tp
@@ -251,7 +287,11 @@ def _compute(
         recompute = {"none": 0.0, "selective": attn_fwd, "full": layer_fwd}[p.activation_checkpoint]
         layer_flops = 3 * layer_fwd + recompute
     head_fwd = 2 * m.vocab_size * m.hidden_size * tokens_mb / (p.tp * p.tp_col)
-    return _Compute(layer_flops, own_s, gemm_fwd, head_fwd, _compute_efficiency(m, p, c), peak_flops)
+    efficiency = _compute_efficiency(m, p, c)
+    if not m.moe:
+        return _Compute(layer_flops, own_s, gemm_fwd, head_fwd, efficiency, peak_flops)
+    moe = moe_step(m, p, hardware, precision, c, efficiency, peak_flops, memory_peak_flops, imbalance)
+    return _Compute(layer_flops, own_s, gemm_fwd, head_fwd, efficiency, peak_flops, moe, m.num_moe_layers)
 
 
 @dataclass(frozen=True)
@@ -269,10 +309,19 @@ class _Rank:
     dp_comm: Comm  # all of it
     dp_exposed: Comm
     optimizer_s: float
+    # a mixture of experts' all-to-alls per micro-batch (tuner/moe.py)
+    a2a_mb: Comm = field(default_factory=Comm)
 
     @property
     def stage_mb(self) -> float:
-        return self.compute_mb + self.floor_mb + self.tp_mb.total + self.wait_mb + self.overhead_mb
+        return (
+            self.compute_mb
+            + self.floor_mb
+            + self.tp_mb.total
+            + self.wait_mb
+            + self.overhead_mb
+            + self.a2a_mb.total
+        )
 
     def step_s(self, microbatches: int) -> float:
         """The step on dedicated devices: the slowest stage's micro-batches, the bubble, the
@@ -326,7 +375,10 @@ def _rank_step(
         wait_mb = wait_s(compute_mb + floor_mb + dtensor_mb, c, rpc)
     # Pipeline: the bubble is (p-1) stage-times, divided by v when interleaved (Megatron-3D sec. 2.2).
     # The framework's per-micro-batch bookkeeping runs on each rank's CPU and does not lengthen it.
-    bubble = (pp - 1) / v * (compute_mb + floor_mb + tp_mb.total + wait_mb)
+    # A mixture of experts' all-to-alls block the stage like its compute (no overlap is priced).
+    moe_layers = moe_layers_on(m, layers) if m.moe else 0
+    a2a_mb = a2a(m, p, cluster, precision, c) * moe_layers if m.moe else Comm()
+    bubble = (pp - 1) / v * (compute_mb + floor_mb + tp_mb.total + wait_mb + a2a_mb.total)
     p2p = Comm()
     if pp > 1:
         # scatter/gather: sec. 4.1; 2D: the residual stream is split over the column group
@@ -345,6 +397,12 @@ def _rank_step(
     # forward and again for backward of every micro-batch (1.5x, ZeRO sec. 7.2.2).
     dp_link = group_link(cluster, d, tc)
     params_rank = layers * _layer_params(m, t, p.tp_col) + vocab_share * m.vocab_size * h / tc
+    expert_rank = 0.0
+    if m.moe:  # MoE layers: their routed experts (E / ep a rank) reduce over edp, the rest over dp
+        dense_layers = (layers - moe_layers) * _layer_params(m, t, p.tp_col)
+        moe_rest = moe_layers * moe_layer_dense_params(m, t)
+        params_rank = dense_layers + moe_rest + vocab_share * m.vocab_size * h / tc
+        expert_rank = moe_layers * local_expert_params(m, p.ep)
     full_ar = ring_allreduce_s(params_rank * act_bytes, d, dp_link, c)
     if p.zero_stage == 3:
         halves = 2 * mb + (mb if pp == 1 else 1)
@@ -368,16 +426,24 @@ def _rank_step(
     framework = "replicate" if p.zero_stage == 0 else "fsdp"  # FSDP2's replicate, or its sharding
     per_call = call_overhead_s(d, c, rpc) + call_overhead_s(d, c, rpc, framework)
     dp_comm = Comm.on(dp_link.tier, full_ar / 2 * halves + n_dp_collectives * per_call)
+    if expert_rank and p.edp > 1:  # the experts' gradients over their own replicas (edp, stride ep)
+        e_link = group_link(cluster, p.edp, p.ep)
+        e_ar = ring_allreduce_s(expert_rank * act_bytes, p.edp, e_link, c)
+        n_e = halves * moe_layers if p.zero_stage >= 2 else math.ceil(moe_layers)
+        e_call = call_overhead_s(p.edp, c, rpc) + call_overhead_s(p.edp, c, rpc, framework)
+        dp_comm = dp_comm + Comm.on(e_link.tier, e_ar / 2 * halves + n_e * e_call)
     dp_exposed = dp_comm * (1 - c.dp_overlap)
 
     # The optimizer step (AdamW) once per step over the rank's parameters, memory-bound like the
     # work between the GEMMs: it reads weights, gradients, m and v and writes weights, m and v.
     # ZeRO >= 1 shards it over dp; replicated, every data-parallel rank repeats it.
     opt_params = params_rank / (d if p.zero_stage >= 1 else 1)
+    if expert_rank:
+        opt_params += expert_rank / (p.edp if p.zero_stage >= 1 else 1)
     optimizer_s = opt_params * OPTIMIZER_BYTES_PER_PARAM * c.elementwise_flops_per_byte / memory_peak_flops
 
     return _Rank(compute_mb, floor_mb, tp_mb, tp_hidden, wait_mb, c.microbatch_overhead_s, bubble, p2p,
-                 dp_comm, dp_exposed, optimizer_s)  # fmt: skip
+                 dp_comm, dp_exposed, optimizer_s, a2a_mb)  # fmt: skip
 
 
 def _on_node_links(cluster: ClusterSpec) -> ClusterSpec:
@@ -428,16 +494,20 @@ def estimate(
     cluster: ClusterSpec,
     precision: str = "bf16",
     constants: ModelConstants | None = None,
+    moe_imbalance: float = 1.0,
 ) -> Estimate:
     """Memory and step time of layout `p` of model `m` on `cluster`, computing in `precision`
-    (the dtype trials run in: tuner.pricing.Pricing passes StudySpec.trial_dtype)."""
+    (the dtype trials run in: tuner.pricing.Pricing passes StudySpec.trial_dtype). `moe_imbalance`:
+    a mixture of experts' max/mean tokens per expert (StudySpec.moe_imbalance; 1: balanced)."""
     c = constants or default_constants(cluster)
     m = padded_model(m, p.tp)  # the vocabulary the layout builds (Megatron's padding)
-    mem = memory(m, p, precision, c, cluster.device_kind)
+    mem = memory(m, p, precision, c, cluster.device_kind, moe_imbalance)
     mb = p.num_microbatches
     layers = math.ceil(m.num_layers / (p.pp * p.virtual_stages)) * p.virtual_stages
     peak_tflops = cluster.peak_tflops_for("fp32" if precision == "fp32" else "bf16")
-    cost = _compute(m, p, precision, c, peak_tflops * 1e12, cluster.peak_tflops * 1e12)
+    cost = _compute(
+        m, p, precision, c, peak_tflops * 1e12, cluster.peak_tflops * 1e12, cluster, moe_imbalance
+    )
     compute_mb, dw_mb = cost.stage(layers)
     k = _rank_step(
         m, p, cluster, precision, c, compute_mb, layers, dw_mb, memory_peak_flops=cluster.peak_tflops * 1e12
@@ -453,6 +523,7 @@ def estimate(
         collective_wait_s=mb * k.wait_mb, pp_bubble_s=k.bubble,
         pp_p2p_intra_s=k.p2p.intra, pp_p2p_inter_s=k.p2p.inter, dp_comm_intra_s=k.dp_exposed.intra,
         dp_comm_inter_s=k.dp_exposed.inter, optimizer_s=k.optimizer_s, shared_cores_s=shared,
+        moe_a2a_intra_s=mb * k.a2a_mb.intra, moe_a2a_inter_s=mb * k.a2a_mb.inter,
     )  # fmt: skip
     step = terms.total_s
     tokens_per_s = p.global_batch_size * m.seq_len / step
@@ -466,4 +537,24 @@ def estimate(
         tflops_per_device=tflops,
         mfu=tflops / peak_tflops,
         fits=mem["memory_bytes"] <= cluster.device_memory_bytes * (1 - c.memory_margin),
+        moe=moe_info(m, p, cluster, precision, cost, layers, terms) if m.moe else None,
     )
+
+
+def moe_info(
+    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, cost: _Compute, layers: int,
+    terms: StepTerms,
+) -> dict:  # fmt: skip
+    """What a mixture of experts' terms were priced from (the plan's `experts:` line)."""
+    x = cost.moe
+    assert x is not None
+    n = cost.moe_layers(layers)
+    return {
+        "ep": p.ep, "edp": p.edp, "num_experts": m.num_experts, "local_experts": m.num_experts // p.ep,
+        "moe_layers_on_stage": n, "tokens_per_expert": x.tokens_per_expert,
+        "expert_gemm_efficiency": x.efficiency, "imbalance_factor": x.imbalance,
+        "a2a_tier": "inter" if x.a2a.inter else ("intra" if x.a2a.intra else "none"),
+        "a2a_bytes_per_call": a2a_volume_bytes(m, p, precision), "a2a_calls_per_layer": a2a_calls(p),
+        "a2a_intra_s": terms.moe_a2a_intra_s, "a2a_inter_s": terms.moe_a2a_inter_s,
+        "experts_compute_s": p.num_microbatches * n * x.expert_s,
+    }  # fmt: skip

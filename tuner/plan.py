@@ -16,7 +16,7 @@ _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no":
 PIN_KEYS = {
     "tp": int, "tp_col": int, "pp": int, "dp": int, "micro_batch_size": int, "num_microbatches": int, "zero_stage": int,
     "activation_checkpoint": str, "sequence_parallel": lambda v: _BOOL[v.lower()],
-    "pp_schedule": lambda v: v.replace("-", "_"), "virtual_stages": int,
+    "pp_schedule": lambda v: v.replace("-", "_"), "virtual_stages": int, "ep": int,
 }  # fmt: skip
 PIN_ALIASES = {
     "mbs": "micro_batch_size",
@@ -26,7 +26,7 @@ PIN_ALIASES = {
 }
 # Pins that narrow the space's choices (the rest are derived and filtered afterwards).
 SPACE_PINS = {"tp", "tp_col", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint", "sequence_parallel",
-              "pp_schedule", "virtual_stages"}  # fmt: skip
+              "pp_schedule", "virtual_stages", "ep"}  # fmt: skip
 
 
 class PlanError(ValueError):
@@ -66,7 +66,32 @@ def _agrees(config: ParallelConfig, pins: dict[str, Any]) -> bool:
 
 
 def candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
-    """One ranked layout: its knobs, what the model predicts, and the padded vocabulary it builds."""
+    """One ranked layout: its knobs, what the model predicts, and the padded vocabulary it builds.
+    A mixture of experts' also has ep and edp, what its expert terms were priced from
+    (predicted.moe: tuner.perfmodel.moe_info) and its `experts:` line."""
+    out = _candidate_dict(config, est)
+    if est.moe is not None:
+        out["config"] |= {"ep": config.ep, "edp": config.edp}
+        out["predicted"]["moe"] = est.moe
+        out["experts"] = experts_line(est.moe)
+    return out
+
+
+def experts_line(moe: dict[str, Any]) -> str:
+    """The `experts:` line of a MoE layout's explanation: the all-to-all by tier, the imbalance
+    factor and the experts' GEMM efficiency (tuner/moe.py)."""
+    mb = moe["a2a_bytes_per_call"] / 1e6
+    return (
+        f"experts: ep{moe['ep']} ({moe['local_experts']} of {moe['num_experts']} experts a rank, edp {moe['edp']}); "
+        f"all-to-all {moe['a2a_intra_s']:.3g} s in node + {moe['a2a_inter_s']:.3g} s across nodes "
+        f"({moe['a2a_calls_per_layer']} x {mb:.3g} MB out of a rank per MoE layer and micro-batch, "
+        f"{moe['moe_layers_on_stage']:g} MoE layers on the slowest stage); imbalance x{moe['imbalance_factor']:.3f}; "
+        f"expert GEMMs at {moe['expert_gemm_efficiency']:.0%} of the dense GEMMs' rate "
+        f"({moe['tokens_per_expert']:.0f} tokens per expert per micro-batch); expert compute {moe['experts_compute_s']:.3g} s"
+    )  # fmt: skip
+
+
+def _candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
     return {
         "vocab_size": est.vocab_size,
         "config": {
@@ -159,6 +184,9 @@ def plan(
     scored = pricing.rank(valid)
     num_fit = sum(e.fits for _, e in scored)
     shown = scored if include_unfit else [(c, e) for c, e in scored if e.fits]
+    hint = (
+        no_fit_hint(spec, scored, pricing, pins, include_unfit) if scored and not num_fit and not pins else None
+    )  # fmt: skip
     return {
         "space_size": enum.space_size,
         "num_valid": len(valid),
@@ -167,7 +195,56 @@ def plan(
         "vocab": vocab_dict(model.vocab_size, sorted({c.tp for c in valid})),
         "candidates": [candidate_dict(c, e) for c, e in shown[:top]],
         "column": column_comparison(scored),
+        **({"hint": hint} if hint else {}),
     }
+
+
+def no_fit_hint(
+    spec: StudySpec, scored: Scored, pricing: Pricing, pins: dict[str, Any], include_unfit: bool
+) -> list[str]:
+    """Why nothing fits (the layout that needs least memory, by part, against the usable
+    memory) and what would: the same study on 2, 4 or 8 times the GPUs, its fastest fitting
+    layout (no constants changed)."""
+    config, est = min(scored, key=lambda ce: ce[1].memory_bytes)
+    usable = pricing.hardware.device_memory_bytes * (1 - pricing.constants.memory_margin)
+    gib = 2**30
+    parts = ", ".join(
+        f"{k} {getattr(est, f'{k}_bytes') / gib:.1f}"
+        for k in ("weights", "grads", "optimizer", "activations", "workspace")
+    )
+    lines = [
+        f"no layout is predicted to fit: the least memory is {est.memory_bytes / gib:.1f} GiB "
+        f"({config.describe()}: {parts} GiB) against {usable / gib:.1f} GiB usable "
+        f"({pricing.hardware.device_memory_gb:g} GB less the {pricing.constants.memory_margin:.0%} margin)"
+    ]  # fmt: skip
+    per_node = spec.cluster.gpus_per_node
+    for factor in (2, 4, 8):
+        gpus = spec.devices * factor
+        cluster = {
+            **spec.cluster.model_dump(),
+            "num_nodes": max(spec.cluster.num_nodes, -(-gpus // per_node)),
+        }
+        data = {**spec.model_dump(), "num_gpus": gpus, "cluster": cluster,
+                "space": {**spec.space.model_dump(), "num_gpus": None}}  # fmt: skip
+        bigger = parse_spec(data, "hint")
+        best = pricing_for(bigger, pricing).fastest_fitting(SearchSpace.from_spec(bigger).enumerate().valid)
+        if best is not None:
+            c, e = best
+            lines.append(
+                f"on {gpus} GPUs ({factor}x) the fastest fitting layout is {c.describe()}: "
+                f"{e.memory_bytes / gib:.1f} GiB, {e.tokens_per_s:.0f} tokens/s (tuner plan --gpus {gpus})"
+            )
+            break
+    else:
+        lines.append(f"none fits on up to {8 * spec.devices} GPUs either")
+    if not include_unfit:
+        lines.append("--include-unfit lists the layouts that do not fit, with their memory")
+    return lines
+
+
+def pricing_for(spec: StudySpec, like: Pricing) -> Pricing:
+    """`spec`'s pricing with the constants of `like` (the same calibration)."""
+    return Pricing.for_study(spec, like.constants)
 
 
 def vocab_dict(vocab_size: int, tps: list[int]) -> dict[str, Any]:

@@ -30,6 +30,9 @@ class Pricing:
     hardware: ClusterSpec
     dtype: Dtype  # what the trainer computes in: StudySpec.trial_dtype
     constants: ModelConstants
+    # A mixture of experts' max/mean tokens per expert the study prices (StudySpec.moe_imbalance:
+    # 1 under forced-balance routing); no effect on a dense model.
+    moe_imbalance: float = 1.0
     _memo: dict[ParallelConfig, Estimate] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
@@ -39,15 +42,20 @@ class Pricing:
         """The study's pricing: its model at its sequence length, its cluster, the dtype its trials
         run in (the rule tuner.spec.benchmark_config uses), and `constants` (default: the
         cluster's device kind's defaults; callers pass the database's calibration)."""
-        return cls(spec.gpt(), spec.cluster, spec.trial_dtype, constants or default_constants(spec.cluster))
+        return cls(
+            spec.gpt(), spec.cluster, spec.trial_dtype, constants or default_constants(spec.cluster),
+            spec.moe_imbalance,
+        )  # fmt: skip
 
     def with_constants(self, constants: ModelConstants) -> Pricing:
-        return Pricing(self.model, self.hardware, self.dtype, constants)
+        return Pricing(self.model, self.hardware, self.dtype, constants, self.moe_imbalance)
 
     def estimate(self, config: ParallelConfig) -> Estimate:
         est = self._memo.get(config)
         if est is None:
-            est = self._memo[config] = estimate(self.model, config, self.hardware, self.dtype, self.constants)
+            est = self._memo[config] = estimate(
+                self.model, config, self.hardware, self.dtype, self.constants, self.moe_imbalance
+            )
         return est
 
     def rank(self, configs: Iterable[ParallelConfig]) -> Ranked:
@@ -63,4 +71,4 @@ class Pricing:
 
     def measurement(self, config: ParallelConfig, step_time_s: float) -> Measurement:
         """A measured step time of `config` as calibrate() takes it (priced the same way)."""
-        return Measurement(self.model, config, self.hardware, step_time_s, self.dtype)
+        return Measurement(self.model, config, self.hardware, step_time_s, self.dtype, self.moe_imbalance)

@@ -14,6 +14,23 @@ RULE_GPUS = "tp * pp must divide the GPU count"  # tp * tp_col * pp with a colum
 RULE_BATCH = "global batch must be divisible by dp * micro_batch_size"
 RULE_CROSS_NODE_TP = "tp spans nodes (space.allow_cross_node_tp is false)"
 RULE_CROSS_NODE_TENSOR = "tp x tp_col spans nodes (space.allow_cross_node_tp is false)"
+RULE_CROSS_NODE_EP = "ep spans nodes (space.allow_cross_node_ep is false)"
+RULE_QK_NORM_PROJ = "qk_norm 'proj' needs tp 1"
+
+
+def ep_values(model: GPTConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
+    """The ep degrees a study searches: space.ep, or by default 1 for a dense model and the
+    powers of two up to the experts and the GPUs for a mixture of experts (those the rules then
+    refuse are rejected with their reason)."""
+    if space.ep is not None:
+        return list(space.ep)
+    if not model.moe:
+        return [1]
+    out, ep = [], 1
+    while ep <= min(model.num_experts, max_gpus):
+        out.append(ep)
+        ep *= 2
+    return out
 
 
 def layout(tp: int, pp: int, dp: int, **knobs) -> ParallelConfig:
@@ -49,6 +66,7 @@ class SearchSpace:
         self.space = space or SpaceSpec()
         # A scaling study tries several device counts (space.num_gpus); by default, all of them.
         self.world_sizes = sorted(self.space.num_gpus or [num_gpus])
+        self.eps = ep_values(model, self.space, max(self.world_sizes))
 
     @classmethod
     def from_spec(cls, spec: StudySpec) -> SearchSpace:
@@ -69,7 +87,9 @@ class SearchSpace:
             scheds = schedules if pp > 1 else [("1f1b", 1)]
             sps = s.sequence_parallel if tp > 1 else [False]
             combos = list(
-                itertools.product(scheds, s.micro_batch_size, s.zero_stage, s.activation_checkpoint, sps)
+                itertools.product(
+                    scheds, s.micro_batch_size, s.zero_stage, s.activation_checkpoint, sps, self.eps
+                )
             )
             if num_gpus % (tp * tp_col * pp):
                 col = f" * tp_col ({tp_col})" if tp_col > 1 else ""
@@ -77,7 +97,7 @@ class SearchSpace:
                 yield from itertools.repeat((RULE_GPUS, msg), len(combos))
                 continue
             dp = num_gpus // (tp * tp_col * pp)
-            for (sched, v), mbs, zero, ac, sp in combos:
+            for (sched, v), mbs, zero, ac, sp, ep in combos:
                 if self.global_batch_size % (dp * mbs):
                     msg = f"global batch {self.global_batch_size} not divisible by dp ({dp}) * micro_batch_size ({mbs})"
                     yield (RULE_BATCH, msg)
@@ -85,7 +105,7 @@ class SearchSpace:
                 yield layout(
                     tp, pp, dp, micro_batch_size=mbs, num_microbatches=self.global_batch_size // (dp * mbs),
                     zero_stage=zero, activation_checkpoint=ac, sequence_parallel=sp, pp_schedule=sched,
-                    virtual_stages=v, tp_col=tp_col,
+                    virtual_stages=v, tp_col=tp_col, ep=ep,
                 )  # fmt: skip
 
     def violations(self, config: ParallelConfig) -> list[tuple[str, str]]:
@@ -108,6 +128,20 @@ class SearchSpace:
                 out.append((RULE_CROSS_NODE_TENSOR, msg))
             else:
                 out.append((RULE_CROSS_NODE_TP, f"tp ({config.tp}) > gpus_per_node ({self.gpus_per_node})"))
+        if config.ep > self.gpus_per_node and not self.space.allow_cross_node_ep:
+            # ep neighbouring ranks of a stage (trainer/topology.py: expert_groups): past a node
+            # every MoE layer's all-to-alls cross the network
+            out.append((
+                RULE_CROSS_NODE_EP,
+                f"ep ({config.ep}) > gpus_per_node ({self.gpus_per_node}): the expert group's all-to-alls "
+                "would cross nodes on every MoE layer (set space.allow_cross_node_ep to search it)",
+            ))  # fmt: skip
+        if self.model.qk_norm == "proj" and config.tp > 1:  # mirrors the trainer's refusal
+            out.append((
+                RULE_QK_NORM_PROJ,
+                f"qk_norm 'proj' (one norm over all heads' q and k, OLMoE) needs tp 1, got tp {config.tp}: "
+                "a tensor-parallel rank holds only its heads",
+            ))  # fmt: skip
         if config.zero_stage == 1:  # the perf model can price it; the bundled trainer cannot run it
             out.append((
                 "zero_stage 1 not offered by the trainer",

@@ -229,6 +229,22 @@ class TrainingSpec(_Strict):
     # The planned training run's length: with it, a study reports the device-hours its best layout
     # saves over the whole run (tuner/payoff.py).
     total_tokens: PositiveInt | None = None
+    # A mixture of experts' routing in trials (BenchmarkConfig.moe_routing): "learned" (the
+    # router's top-k, dropless) or "balanced" (forced balance, as published MoE figures run), and
+    # the load imbalance the performance model prices for learned routing: the busiest expert's
+    # tokens over the mean (tuner/moe.py: imbalance_factor). Neither matters to a dense model.
+    moe_routing: Literal["learned", "balanced"] = "learned"
+    moe_imbalance: float = 1.3
+
+    @field_validator("moe_imbalance")
+    @classmethod
+    def _imbalance_at_least_one(cls, v: float) -> float:
+        if not v >= 1.0:
+            raise ValueError(
+                f"training.moe_imbalance is the busiest expert's tokens over the mean, so it must be >= 1 "
+                f"(1: perfectly balanced), got {v}"
+            )
+        return v
 
 
 class SpaceSpec(_Strict):
@@ -251,6 +267,12 @@ class SpaceSpec(_Strict):
     # tp larger than a node runs (Megatron-LM does, slowly: Narayanan et al. 2021 fig. 13) and is
     # priced over the inter-node link; false excludes it from the study.
     allow_cross_node_tp: bool = True
+    # Expert parallelism (a mixture of experts only). None: [1] for a dense model, the powers of
+    # two up to the experts and the study's GPUs for a mixture of experts (tuner.space).
+    ep: list[PositiveInt] | None = None
+    # An ep group is ep neighbouring ranks; across nodes its all-to-alls cross the network on
+    # every MoE layer (tuner/moe.py prices them), so by default ep stays inside a node.
+    allow_cross_node_ep: bool = False
 
     @field_validator("pp_schedule", mode="before")
     @classmethod
@@ -258,7 +280,7 @@ class SpaceSpec(_Strict):
         return [s.replace("-", "_") if isinstance(s, str) else s for s in v] if isinstance(v, list) else v
 
     @field_validator("tp", "tp_col", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint",
-                     "sequence_parallel", "pp_schedule", "virtual_stages", "num_gpus")  # fmt: skip
+                     "sequence_parallel", "pp_schedule", "virtual_stages", "num_gpus", "ep")  # fmt: skip
     @classmethod
     def _non_empty_unique(cls, v: list | None) -> list | None:
         if v is None:
@@ -455,6 +477,12 @@ class StudySpec(_Strict):
         precision (fp16 studies too: the trainer has no fp16 loss scaling), fp32 studies fp32."""
         return "fp32" if self.training.precision == "fp32" or self.device == "cpu" else "bf16"
 
+    @property
+    def moe_imbalance(self) -> float:
+        """The imbalance the pricing assumes: 1 under forced-balance routing, else
+        training.moe_imbalance."""
+        return 1.0 if self.training.moe_routing == "balanced" else self.training.moe_imbalance
+
 
 def benchmark_config(
     spec: StudySpec, config: ParallelConfig, best_tokens_per_s: float | None = None
@@ -475,6 +503,7 @@ def benchmark_config(
         model=padded_model(spec.gpt(), config.tp), parallel=config, warmup_steps=t.warmup_steps, measure_steps=t.measure_steps,
         min_measure_steps=t.min_measure_steps, stable_rel_ci=t.stable_rel_ci, abandon_below_tokens_per_s=floor,
         seed=spec.seed, device=device, dtype=dtype, max_memory_bytes=int(spec.cluster.device_memory_bytes),
+        moe_routing=spec.training.moe_routing,
     )  # fmt: skip
 
 

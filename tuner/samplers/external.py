@@ -31,15 +31,19 @@ KNOBS = (
     "sequence_parallel",
     "schedule",
 )
-INT_KNOBS = ("tp", "tp_col", "pp")  # categorical ints; the others categorical strings
+INT_KNOBS = ("tp", "tp_col", "pp", "ep")  # categorical ints; the others categorical strings
 MAX_RETRIES = 16
 CBO_BATCH = 8
 
 
 def _knob_names(candidates: Sequence[ParallelConfig]) -> tuple[str, ...]:
-    """KNOBS, with 2D tensor parallelism's column degree after tp when a candidate has one (a study
-    without it keeps the search space it always had)."""
-    return KNOBS if all(c.tp_col == 1 for c in candidates) else ("tp", "tp_col", *KNOBS[1:])
+    """KNOBS, with 2D tensor parallelism's column degree after tp and expert parallelism's degree
+    after pp when a candidate has one (a study without them keeps the search space it always had)."""
+    names = KNOBS if all(c.tp_col == 1 for c in candidates) else ("tp", "tp_col", *KNOBS[1:])
+    if any(c.ep > 1 for c in candidates):
+        at = names.index("pp") + 1
+        names = (*names[:at], "ep", *names[at:])
+    return names
 
 
 def _knobs(c: ParallelConfig, names: tuple[str, ...] = KNOBS) -> dict[str, Any]:

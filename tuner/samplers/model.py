@@ -39,7 +39,7 @@ class ModelSampler(BaseSampler):
         self.surprises: list[float] = []  # log(measured / predicted before the trial), per trial
         self.sigma = PRIOR_SIGMA
         self.memory_wall = math.inf
-        self.families: set[tuple[int, int, int]] = set()
+        self.families: set[tuple[int, int, int, int]] = set()  # (tp, pp, dp, ep) measured
         self._predict()
 
     def _predict(self) -> None:
@@ -55,7 +55,7 @@ class ModelSampler(BaseSampler):
             return None
 
         def score(c: ParallelConfig) -> float:
-            novelty = 0.0 if (c.tp, c.pp, c.dp) in self.families else 1.0
+            novelty = 0.0 if (c.tp, c.pp, c.dp, c.ep) in self.families else 1.0
             return self.log_tps[c] + self.beta * self.sigma * novelty
 
         return max(pool, key=score)  # ties: the earlier candidate (max keeps the first)
@@ -66,7 +66,7 @@ class ModelSampler(BaseSampler):
             return
         if told is not Feedback.SCORE or outcome.step_time_s <= 0:
             return
-        self.families.add((config.tp, config.pp, config.dp))
+        self.families.add((config.tp, config.pp, config.dp, config.ep))
         self.surprises.append(math.log(max(outcome.tokens_per_s, 1e-12)) - self.log_tps[config])
         self.sigma = math.sqrt(
             (PRIOR_POINTS * PRIOR_SIGMA**2 + sum(r * r for r in self.surprises))

@@ -1,0 +1,355 @@
+"""Mixtures of experts in the space, the performance model and the memory model (tuner/moe.py):
+rules with reasons, the all-to-all by hand and by tier, the imbalance factor, the experts' GEMM
+efficiency, expert state over ep against routed activations that ep does not shrink, the plan's
+ep column and `experts:` line, and dense predictions unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from trainer.config import MODEL_PRESETS, GPTConfig, ParallelConfig
+from tuner import moe
+from tuner.cli import app
+from tuner.memmodel import _rank, phase_bytes
+from tuner.perfconstants import default_constants
+from tuner.perfmodel import estimate
+from tuner.plan import plan
+from tuner.pricing import Pricing
+from tuner.samplers.external import _knob_names
+from tuner.space import RULE_CROSS_NODE_EP, RULE_QK_NORM_PROJ, SearchSpace, ep_values
+from tuner.spec import ClusterSpec, SpaceSpec, load_spec, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden" / "dense_predictions.json"
+H100 = ClusterSpec(
+    name="h100", device="H100", gpus_per_node=8, num_nodes=4, device_memory_gb=80, peak_tflops=989.4,
+    intra_node_gbps=450, inter_node_gbps=400, intra_node_latency_us=4, inter_node_latency_us=8,
+)  # fmt: skip
+# A small mixture of experts on the Llama block: 16 experts of 256, top-4, h 512, 4 layers.
+SMALL = dataclasses.replace(
+    MODEL_PRESETS["moe-small"], hidden_size=512, num_experts=16, moe_top_k=4, moe_ffn_hidden_size=256,
+    ffn_hidden_size=1024, seq_len=1024,
+)  # fmt: skip
+
+
+def _space(model: GPTConfig, gpus: int = 8, per_node: int = 8, **space) -> SearchSpace:
+    return SearchSpace(model, gpus, per_node, 64, SpaceSpec(**space))
+
+
+def _rules(space: SearchSpace, config: ParallelConfig) -> dict[str, str]:
+    return dict(space.violations(config))
+
+
+# The space -----------------------------------------------------------------------------------
+
+
+def test_ep_must_divide_the_experts_and_dp_x_tp_with_reasons() -> None:
+    space = _space(SMALL)
+    bad_experts = _rules(space, ParallelConfig(dp_replicate=6, ep=3, num_microbatches=64 // 6 or 1))
+    assert "ep (3) must divide num_experts (16)" in bad_experts["ep must divide num_experts"]
+    bad_fold = _rules(space, ParallelConfig(pp=4, dp_replicate=2, ep=4, num_microbatches=32))
+    assert "ep (4) must divide dp_replicate x dp_shard x tp (2)" in bad_fold["ep must divide dp x tp"]
+
+
+def test_tp_with_experts_needs_sequence_parallel() -> None:
+    rules = _rules(_space(SMALL), ParallelConfig(tp=2, dp_replicate=4, ep=4, num_microbatches=16))
+    assert "needs sequence_parallel" in rules["a mixture of experts with tp > 1 needs sequence_parallel"]
+    ok = ParallelConfig(tp=2, dp_replicate=4, ep=4, num_microbatches=16, sequence_parallel=True)
+    assert _space(SMALL).explain(ok) == []
+
+
+def test_ep_stays_inside_a_node_unless_allowed() -> None:
+    config = ParallelConfig(dp_replicate=16, ep=16, num_microbatches=4)
+    inside = _space(SMALL, gpus=16)
+    assert "ep (16) > gpus_per_node (8)" in _rules(inside, config)[RULE_CROSS_NODE_EP]
+    assert _space(SMALL, gpus=16, allow_cross_node_ep=True).explain(config) == []
+
+
+def test_dense_model_refuses_ep_and_searches_ep_1_only() -> None:
+    dense = MODEL_PRESETS["llama-small"]
+    assert ep_values(dense, SpaceSpec(), 64) == [1]
+    rules = _rules(_space(dense), ParallelConfig(dp_replicate=8, ep=2, num_microbatches=8))
+    assert "needs a model with experts" in rules["ep > 1 needs a mixture of experts"]
+
+
+def test_default_ep_values_are_powers_of_two_up_to_the_experts_and_gpus() -> None:
+    assert ep_values(SMALL, SpaceSpec(), 8) == [1, 2, 4, 8]
+    assert ep_values(SMALL, SpaceSpec(), 64) == [1, 2, 4, 8, 16]
+    assert ep_values(SMALL, SpaceSpec(ep=[2, 8]), 64) == [2, 8]
+    enum = _space(SMALL, tp=[1, 2], pp=[1, 2]).enumerate()
+    assert {c.ep for c in enum.valid} == {1, 2, 4, 8}
+
+
+def test_qk_norm_over_all_heads_needs_tp_1() -> None:
+    olmoe = MODEL_PRESETS["olmoe-1b-7b"]
+    rules = _rules(
+        _space(olmoe), ParallelConfig(tp=2, dp_replicate=4, num_microbatches=16, sequence_parallel=True)
+    )
+    assert "needs tp 1, got tp 2" in rules[RULE_QK_NORM_PROJ]
+
+
+def test_training_moe_fields_validate_with_the_field_named() -> None:
+    base = {"model": "qwen3-30b-a3b", "cluster": "h100-80gb", "num_gpus": 8}
+    with pytest.raises(ValueError, match=r"training.moe_imbalance .* must be >= 1"):
+        parse_spec({**base, "training": {"global_batch_size": 8, "moe_imbalance": 0.9}})
+    learned = parse_spec({**base, "training": {"global_batch_size": 8}})
+    assert learned.training.moe_routing == "learned" and learned.moe_imbalance == 1.3
+    balanced = parse_spec({**base, "training": {"global_batch_size": 8, "moe_routing": "balanced"}})
+    assert balanced.moe_imbalance == 1.0 and Pricing.for_study(balanced).moe_imbalance == 1.0
+
+
+# The performance model -----------------------------------------------------------------------
+
+
+def test_all_to_all_volume_and_seconds_by_hand() -> None:
+    """T = mbs x s / tp = 2 x 1024 / 2 = 1024 tokens, x top-4 x h 512 x 2 bytes = 4 MiB a call, 3/4 of
+    it leaves the rank at ep 4; 4 calls a layer (6 with full recompute), each the link's latency and
+    NCCL's call cost on top."""
+    p = ParallelConfig(tp=2, dp_replicate=4, ep=4, micro_batch_size=2, sequence_parallel=True)
+    c = default_constants(H100)
+    per_call = 1024 * 4 * 512 * 2 * 3 / 4
+    assert moe.a2a_volume_bytes(SMALL, p, "bf16") == per_call
+    wire = per_call / (450e9 * c.comm_efficiency) + 4e-6
+    overhead = c.collective_overhead_s * math.log2(4)
+    got = moe.a2a(SMALL, p, H100, "bf16", c)
+    assert got.inter == 0 and got.intra == pytest.approx(4 * (wire + overhead), rel=1e-12)
+    full = moe.a2a(SMALL, dataclasses.replace(p, activation_checkpoint="full"), H100, "bf16", c)
+    assert full.intra == pytest.approx(got.intra * 6 / 4, rel=1e-12)
+    assert moe.a2a(SMALL, dataclasses.replace(p, ep=1), H100, "bf16", c).total == 0
+
+
+def test_all_to_all_tier_follows_ep_against_gpus_per_node() -> None:
+    inside = estimate(SMALL, ParallelConfig(dp_replicate=16, ep=8, micro_batch_size=8), H100)
+    across = estimate(SMALL, ParallelConfig(dp_replicate=16, ep=16, micro_batch_size=8), H100)
+    assert inside.terms.moe_a2a_intra_s > 0 and inside.terms.moe_a2a_inter_s == 0
+    assert inside.moe["a2a_tier"] == "intra" and across.moe["a2a_tier"] == "inter"
+    # across nodes, 8 of 16 peers are off the node, over the network's 400 / 8 GB/s a rank
+    assert across.terms.moe_a2a_inter_s > across.terms.moe_a2a_intra_s > 0
+    # by hand: 32 MiB a call, 7/8 of it at 450 GB/s against 1/2 at 50 GB/s, ~0.1 ms of call cost each
+    assert across.terms.moe_a2a_inter_s > 2.5 * inside.terms.moe_a2a_intra_s
+
+
+def test_imbalance_factor_is_one_when_balanced_and_reaches_I_at_one_expert_a_rank() -> None:
+    for ep in (1, 2, 4, 8, 16):
+        assert moe.imbalance_factor(SMALL, ParallelConfig(ep=ep), 1.0) == 1.0
+    assert moe.imbalance_factor(SMALL, ParallelConfig(ep=1), 1.5) == 1.0
+    assert moe.imbalance_factor(SMALL, ParallelConfig(ep=16), 1.5) == pytest.approx(1.5)
+    factors = [moe.imbalance_factor(SMALL, ParallelConfig(ep=ep), 1.5) for ep in (1, 2, 4, 8, 16)]
+    assert factors == sorted(factors) and len(set(factors)) == 5
+    # and the pricing slows the experts by it: same layout, learned against balanced routing
+    p = ParallelConfig(dp_replicate=8, ep=8, num_microbatches=8)
+    assert (
+        estimate(SMALL, p, H100, moe_imbalance=1.5).terms.compute_s > estimate(SMALL, p, H100).terms.compute_s
+    )
+
+
+def test_expert_gemm_efficiency_rises_with_tokens_per_expert() -> None:
+    assert moe.ridge_tokens(H100, "bf16") == pytest.approx(989.4 / 3.35, rel=1e-6)  # P / B
+    effs = [
+        moe.expert_gemm_efficiency(
+            SMALL, ParallelConfig(dp_replicate=8, ep=ep, micro_batch_size=mbs), H100, "bf16"
+        )
+        for mbs, ep in ((1, 1), (1, 2), (2, 2), (2, 8), (8, 8))
+    ]
+    assert effs == sorted(effs) and len(set(effs)) == 5 and 0 < effs[0] < effs[-1] < 1
+    n = moe.tokens_per_expert(SMALL, ParallelConfig(dp_replicate=8, ep=8, micro_batch_size=8))
+    assert n == 8 * 8 * 1024 * 4 / 16  # ep x T x k / E
+
+
+def test_flops_count_active_experts_and_mfu_is_consistent() -> None:
+    m = MODEL_PRESETS["qwen3-30b-a3b"]
+    assert m.flops_per_token < 6 * m.num_params / 4  # 3.3B of 30.5B parameters active
+    p = ParallelConfig(dp_shard=8, zero_stage=3, ep=8, num_microbatches=32, activation_checkpoint="full")
+    est = estimate(m, p, H100)
+    assert est.tflops_per_device == pytest.approx(m.flops_per_token * est.tokens_per_s / 8 / 1e12, rel=1e-12)
+    assert est.mfu == pytest.approx(est.tflops_per_device / 989.4, rel=1e-12)
+    assert sum(est.terms.as_dict().values()) == pytest.approx(est.step_time_s, rel=1e-12)
+
+
+def test_expert_gradients_reduce_over_edp_not_dp() -> None:
+    """Replicated (zero 0) over dp 8: at ep 8 each rank's experts have no replica (edp 1), so only
+    the dense gradients are all-reduced; at ep 1 every expert's gradient goes round the dp ring."""
+    base = dict(dp_replicate=8, num_microbatches=8)
+    comm = {ep: estimate(SMALL, ParallelConfig(**base, ep=ep), H100).dp_comm_s for ep in (1, 2, 8)}
+    assert comm[1] > comm[2] > comm[8] > 0
+
+
+# The memory model ----------------------------------------------------------------------------
+
+
+def _parts(p: ParallelConfig, imbalance: float = 1.0) -> dict[str, dict[str, float]]:
+    return phase_bytes(SMALL, p, "bf16", default_constants(H100), 0, "gpu", imbalance)
+
+
+def test_expert_state_divides_by_ep_by_hand() -> None:
+    """Zero 0: the optimizer step holds AdamW's m and v and its temporary, 12 bytes a parameter;
+    ep 2 holds 8 of the 16 experts of each of the 4 MoE layers."""
+    one, two = _parts(ParallelConfig(dp_replicate=8, ep=1)), _parts(ParallelConfig(dp_replicate=8, ep=2))
+    experts_dropped = 4 * 8 * SMALL.expert_params
+    assert one["optimizer"]["optimizer"] - two["optimizer"]["optimizer"] == pytest.approx(
+        12 * experts_dropped
+    )
+    assert one["optimizer"]["grads"] - two["optimizer"]["grads"] == pytest.approx(4 * experts_dropped)
+
+
+def test_accumulated_expert_gradients_divide_by_ep() -> None:
+    """Replicated data parallelism accumulates whole fp32 gradients over micro-batches: the
+    experts' too, E / ep of them a MoE layer."""
+    fb = {
+        ep: _parts(ParallelConfig(dp_replicate=8, ep=ep, num_microbatches=2))["forward_backward"]
+        for ep in (1, 2)
+    }
+    assert fb[1]["grads"] - fb[2]["grads"] >= 4 * 4 * 8 * SMALL.expert_params
+
+
+def test_expert_state_shards_over_edp_with_zero() -> None:
+    """Zero 3 over dp 8: a rank's E / ep experts shard over edp = 8 / ep, so their state between
+    steps is E / 8 experts whatever ep (ep x edp = dp x tp), 16 / 8 = 2 experts a MoE layer in fp32
+    gradients here; what ep shrinks is the layer ZeRO-3 gathers for its passes (E / ep experts)."""
+    parts = {ep: _parts(ParallelConfig(dp_shard=8, zero_stage=3, ep=ep)) for ep in (1, 2, 8)}
+    assert parts[1]["optimizer"]["grads"] == pytest.approx(parts[8]["optimizer"]["grads"])
+    dense = _parts(ParallelConfig(dp_shard=8, zero_stage=3, ep=8), 1.0)["optimizer"]["grads"]
+    no_experts = dataclasses.replace(SMALL, num_experts=2, moe_top_k=1)  # the same rest, 2 experts
+    rest = phase_bytes(
+        no_experts, ParallelConfig(dp_shard=8, zero_stage=3, ep=2), "bf16", default_constants(H100), 0
+    )
+    # 16 experts over 8 ranks against 2 experts over 8 (and 2 - 16 router columns, replicated): fp32
+    want = 4 * 4 * (16 - 2) / 8 * SMALL.expert_params + 4 * 4 * SMALL.hidden_size * (16 - 2) / 8
+    assert dense - rest["optimizer"]["grads"] == pytest.approx(want)
+    working = [parts[ep]["forward_backward"]["weights"] for ep in (1, 2, 8)]
+    assert working == sorted(working, reverse=True) and len(set(working)) == 3
+
+
+def _layers_bytes(ep: int, imbalance: float = 1.0) -> float:
+    """One micro-batch's activations in all of a rank's layers."""
+    return _rank(SMALL, ParallelConfig(dp_replicate=8, ep=ep), "bf16", default_constants(H100), 0, "gpu",
+                 imbalance).layers  # fmt: skip
+
+
+def test_routed_activations_do_not_shrink_with_ep() -> None:
+    acts = {ep: _layers_bytes(ep) for ep in (1, 2, 8)}
+    assert acts[1] == acts[2] == acts[8]  # balanced: every rank computes T x k copies whatever ep
+    skewed = {ep: _layers_bytes(ep, 1.5) for ep in (1, 8)}
+    assert skewed[8] > skewed[1] == acts[1]  # the busiest rank's share grows with ep under imbalance
+
+
+def test_routed_activations_by_hand() -> None:
+    """A MoE layer keeps, per token, beyond a dense one: SwiGLU's 4 ffn-wide tensors for k experts
+    instead of the dense MLP's, the dispatched input and the experts' output (k h each) and the
+    router's fp32 logits and scores (8 E bytes)."""
+    p = ParallelConfig(dp_replicate=8, ep=4)
+    cb, k, h = 2, SMALL.moe_top_k, SMALL.hidden_size
+    want = (
+        4 * k * SMALL.expert_ffn_size * cb + 2 * k * h * cb + 8 * SMALL.num_experts - 4 * SMALL.ffn_size * cb
+    )
+    assert moe.moe_activation_delta_per_token(SMALL, p, cb, 1.0) == want
+    assert (
+        moe.moe_activation_delta_per_token(
+            SMALL, dataclasses.replace(p, activation_checkpoint="full"), cb, 1.0
+        )
+        == 0
+    )
+
+
+def test_latent_attention_is_priced_from_its_widths() -> None:
+    ds = MODEL_PRESETS["deepseek-v3"]
+    # 128 heads x (128 + 64 + 128) = 40960 score width, not 2 x 7168
+    assert ds.attention_score_width == 40960
+    p = ParallelConfig(tp=8, pp=16, dp_shard=2, zero_stage=2, ep=16, num_microbatches=1024,
+                       sequence_parallel=True, activation_checkpoint="full")  # fmt: skip
+    est = estimate(ds, p, H100.model_copy(update={"num_nodes": 32}))
+    assert est.step_time_s > 0 and est.moe["local_experts"] == 16
+
+
+# The plan ------------------------------------------------------------------------------------
+
+
+def test_plan_qwen3_on_8_h100_explains_why_nothing_fits_and_what_would() -> None:
+    spec = parse_spec({"model": "qwen3-30b-a3b", "cluster": "h100-80gb", "num_gpus": 8,
+                       "training": {"global_batch_size": 256}})  # fmt: skip
+    result = plan(spec, top=10**6, include_unfit=True)
+    assert result["num_fit"] == 0 and any(c["config"]["ep"] > 1 for c in result["candidates"])
+    assert all(c["experts"].startswith("experts: ep") for c in result["candidates"])
+    hint = "\n".join(result["hint"])
+    assert "no layout is predicted to fit" in hint and "on 16 GPUs" in hint and " ep" in hint
+
+
+def test_plan_deepseek_v3_lists_ep_layouts_with_their_experts_line() -> None:
+    spec = load_spec(ROOT / "studies" / "deepseek-v3-h100.yaml")
+    result = plan(spec, top=5)
+    assert result["num_fit"] > 0 and all(c["config"]["ep"] > 1 for c in result["candidates"])
+    winner = result["candidates"][0]
+    assert winner["experts"].startswith("experts: ep") and "all-to-all" in winner["experts"]
+    assert "imbalance x" in winner["experts"] and "expert GEMMs at" in winner["experts"]
+    assert set(winner["predicted"]["terms"]) >= {"moe_a2a_intra_s", "moe_a2a_inter_s"}
+
+
+def test_plan_cli_shows_the_ep_column_and_the_experts_line() -> None:
+    out = CliRunner().invoke(app, ["plan", "--spec", str(ROOT / "studies" / "qwen3-30b-a3b-h100.yaml"),
+                                   "--top", "2", "--explain"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    header = next(line for line in out.output.splitlines() if line.strip().startswith("tp"))
+    assert header.split()[:4] == ["tp", "pp", "dp", "ep"]
+    assert "expert all-to-all (in node)" in out.output and "     experts: ep" in out.output
+
+
+def test_moe_studies_load_and_have_fitting_ep_layouts() -> None:
+    for name in ("qwen3-30b-a3b-h100.yaml", "deepseek-v3-h100.yaml"):
+        spec = load_spec(ROOT / "studies" / name)
+        assert spec.gpt().moe and spec.training.moe_routing == "learned"
+        best = Pricing.for_study(spec).fastest_fitting(SearchSpace.from_spec(spec).enumerate().valid)
+        assert best is not None and best[0].ep > 1, name
+
+
+def test_samplers_see_ep_as_a_knob_only_when_searched() -> None:
+    assert "ep" not in _knob_names([ParallelConfig(dp_replicate=2)])
+    names = _knob_names([ParallelConfig(dp_replicate=2), ParallelConfig(dp_replicate=2, ep=2)])
+    assert names[names.index("pp") + 1] == "ep" and names[-1] == "schedule"
+
+
+# Dense models --------------------------------------------------------------------------------
+
+
+def test_dense_predictions_unchanged() -> None:
+    """Every 40th valid layout of every dense study in studies/, priced by the model before
+    mixtures of experts existed (tests/tuner/golden/dense_predictions.json, written by the commit
+    before them): the same step, memory and throughput, to the last bit."""
+    rows = json.loads(GOLDEN.read_text())
+    assert len(rows) > 300
+    specs = {}
+    for row in rows:
+        if row["study"] not in specs:
+            spec = load_spec(ROOT / "studies" / row["study"])
+            specs[row["study"]] = Pricing.for_study(spec)
+        est = specs[row["study"]].estimate(ParallelConfig.from_dict(row["config"]))
+        got = {k: getattr(est, k) for k in ("step_time_s", "memory_bytes", "tokens_per_s", "mfu")}
+        assert got == {k: row[k] for k in got}, row
+        assert est.moe is None and est.terms.moe_a2a_intra_s == est.terms.moe_a2a_inter_s == 0
+        assert "moe" not in est.to_dict()
+
+
+def test_a_dense_model_ignores_the_moe_imbalance() -> None:
+    m, p = MODEL_PRESETS["llama3.1-8b"], ParallelConfig(tp=2, dp_replicate=4, num_microbatches=8)
+    assert estimate(m, p, H100, moe_imbalance=2.0) == estimate(m, p, H100)
+
+
+def test_samplers_tell_layouts_apart_by_ep() -> None:
+    from tuner.samplers.external import OptunaSampler
+
+    spec = load_spec(ROOT / "studies" / "qwen3-30b-a3b-h100.yaml")
+    valid = SearchSpace.from_spec(spec).enumerate().valid
+    sampler = OptunaSampler(valid, seed=0, pricing=Pricing.for_study(spec))
+    assert len(sampler.index) == len(valid)  # no two layouts share a key
+    assert sampler.choices["ep"] == [1, 2, 4, 8]
+
+
+def test_plan_pins_ep() -> None:
+    spec = load_spec(ROOT / "studies" / "qwen3-30b-a3b-h100.yaml")
+    result = plan(spec, pins={"ep": 8}, top=5)
+    assert result["candidates"] and all(c["config"]["ep"] == 8 for c in result["candidates"])
