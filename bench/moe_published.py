@@ -1,0 +1,120 @@
+"""Published mixture-of-experts training runs on H100 priced by the performance model, next to
+their measured throughput, uncalibrated; and what the planner picks for the same study.
+
+    .venv/bin/python bench/moe_published.py
+
+Published (H100 SXM 80 GB, 8 per node with NVLink 4, InfiniBand 8 x 400 Gb/s; sequence 4096):
+- NVIDIA's Megatron-Bridge performance summary (docs/performance-summary.md of
+  NVIDIA-NeMo/Megatron-Bridge, "25.09 NeMo Container", System DGX-H100; and "25.11", FP8-CS rows):
+  Qwen3-30B-A3B on 16 GPUs (global batch 512, micro-batch 2, PP 2 x VP 24, EP 8) 10,494 tokens/s/GPU
+  (25.09, token-drop), 5,275 (25.11, FP8-CS, dropless and force-balanced: their footnote);
+  Qwen3-235B-A22B on 256 GPUs (global batch 2048, micro-batch 1, TP 2, PP 8 x VP 4, EP 32) 1,204
+  (25.09, token-drop), 1,575 (25.11, FP8-CS); DeepSeek-V3 on 1024 GPUs (global batch 8192, TP 2,
+  PP 8 x VP 4, EP 64, dropless, force-balanced, FP8) 1,297.
+- Megatron-Core's MoE model zoo (yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md):
+  Qwen3-235B-A22B on 256 H100 in BF16 with the plain all-to-all dispatcher (ours too, no DeepEP):
+  TP 2, EP 8, PP 32 x VP 3, DP 4, micro-batch 1, global batch 2048, recompute of norms and
+  activations: 24.2 s per step = 1,354 tokens/s/GPU (200 TFLOP/s per GPU as they count).
+Like with like: the model prices bf16 eager kernels with balanced routing (imbalance 1, as their
+force-balanced runs); FP8 rows are shown with that caveat; token-drop rows (capacity factor 1) do
+less expert work than dropless. Layouts our trainer cannot express are mapped to the nearest one and
+said so: Megatron's uneven pipeline layouts (94 layers over 96 virtual stages) and its
+per-module recompute ("norm, act"; priced as our selective).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from trainer.config import ParallelConfig  # noqa: E402
+from tuner.plan import fastest_fitting  # noqa: E402
+from tuner.pricing import Pricing  # noqa: E402
+from tuner.space import SearchSpace  # noqa: E402
+from tuner.spec import StudySpec, parse_spec  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Run:
+    source: str
+    preset: str
+    gpus: int
+    global_batch: int
+    layout: ParallelConfig
+    published: float  # tokens/s per GPU
+    stack: str  # what the published figure ran with
+    mapped: str = ""  # how their layout differs from the one priced
+
+
+def _megatron(
+    gpus: int, gbs: int, mbs: int, tp: int, pp: int, vp: int, ep: int, ac: str = "none"
+) -> ParallelConfig:
+    """Megatron's DP (replicated weights, distributed optimizer ~ our zero 2 over dp) with its
+    TP + SP, interleaved pipeline and EP folded into DP x TP."""
+    dp = gpus // (tp * pp)
+    microbatches = gbs // (mbs * dp)
+    schedule = "interleaved_1f1b" if vp > 1 else "1f1b"
+    return ParallelConfig(tp=tp, pp=pp, dp_shard=dp, zero_stage=2 if dp > 1 else 0, micro_batch_size=mbs,
+                          num_microbatches=microbatches, activation_checkpoint=ac, sequence_parallel=tp > 1,
+                          pp_schedule=schedule, virtual_stages=vp, ep=ep)  # fmt: skip
+
+
+BRIDGE = "Megatron-Bridge perf summary, DGX-H100"
+ZOO = "Megatron MoE model zoo, Qwen3"
+RUNS = (
+    Run(BRIDGE + " 25.09", "qwen3-30b-a3b", 16, 512, _megatron(16, 512, 2, 1, 2, 24, 8), 10494, "token-drop"),
+    Run(BRIDGE + " 25.11", "qwen3-30b-a3b", 16, 512, _megatron(16, 512, 2, 1, 2, 24, 8), 5275,
+        "FP8-CS, dropless, force-balanced"),
+    Run(BRIDGE + " 25.09", "qwen3-235b-a22b", 256, 2048, _megatron(256, 2048, 1, 2, 8, 4, 32), 1204,
+        "token-drop", "94 layers over 32 virtual stages: uneven in Megatron, ours needs 2-3 layers a stage"),
+    Run(BRIDGE + " 25.11", "qwen3-235b-a22b", 256, 2048, _megatron(256, 2048, 1, 2, 8, 4, 32), 1575,
+        "FP8-CS, dropless, force-balanced"),
+    Run(ZOO, "qwen3-235b-a22b", 256, 2048, _megatron(256, 2048, 1, 2, 32, 1, 8, "selective"), 1354,
+        "BF16, all-to-all dispatcher, recompute norm+act", "PP 32 x VP 3 (uneven) priced as PP 32 x VP 1"),
+    Run(BRIDGE + " 25.09", "deepseek-v3", 1024, 8192, _megatron(1024, 8192, 1, 2, 8, 4, 64), 1297,
+        "FP8, dropless, force-balanced, MTP layer", "61 layers over 32 virtual stages (uneven in Megatron)"),
+)  # fmt: skip
+
+
+def study(run: Run) -> StudySpec:
+    return parse_spec({
+        "name": f"published-{run.preset}", "model": run.preset, "num_gpus": run.gpus,
+        "cluster": {"preset": "h100-80gb", "num_nodes": run.gpus // 8},
+        "training": {"global_batch_size": run.global_batch, "precision": "bf16"},
+        "space": {"tp": [1, 2, 4, 8], "pp": [1, 2, 4, 8, 16], "micro_batch_size": [1, 2, 4],
+                  "zero_stage": [0, 2, 3], "activation_checkpoint": ["none", "selective", "full"],
+                  "ep": [1, 2, 4, 8, 16, 32, 64]},
+    })  # fmt: skip
+
+
+def main() -> None:
+    print(
+        "| source | model | GPUs | layout priced | published tokens/s/GPU (stack) | predicted | predicted / published |"
+        " predicted GiB | fits | planner's pick | its predicted tokens/s/GPU |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for run in RUNS:
+        spec = study(run)
+        pricing = Pricing.for_study(spec)
+        problems = run.layout.problems(spec.gpt())
+        if problems:
+            print(f"| {run.source} | {run.preset} | {run.gpus} | {run.layout.describe()} | {run.published:,.0f} "
+                  f"({run.stack}) | not expressible: {'; '.join(problems)} | | | | | |")  # fmt: skip
+            continue
+        est = pricing.estimate(run.layout)
+        tps = est.tokens_per_s / run.gpus
+        best = fastest_fitting(pricing.rank(SearchSpace.from_spec(spec).enumerate().valid))
+        pick = best[0].describe() if best else "none fits"
+        pick_tps = f"{best[1].tokens_per_s / run.gpus:,.0f}" if best else ""
+        note = f" ({run.mapped})" if run.mapped else ""
+        print(f"| {run.source} | {run.preset} | {run.gpus} | {run.layout.describe()}{note} | {run.published:,.0f} "
+              f"({run.stack}) | {tps:,.0f} | {tps / run.published:.2f} | {est.memory_bytes / 2**30:.1f} "
+              f"| {'yes' if est.fits else 'no'} | {pick} | {pick_tps} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
