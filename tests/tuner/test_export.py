@@ -27,11 +27,11 @@ SITE = SiteSettings(account="abc123", partition="batch", setup=("source /opt/sit
 
 
 def _spec(model: str | dict, cluster: dict | str, num_gpus: int, global_batch: int, precision: str,
-          **extra) -> StudySpec:  # fmt: skip
+          training: dict | None = None, **extra) -> StudySpec:  # fmt: skip
     name = model if isinstance(model, str) else model["preset"]
+    training = {"global_batch_size": global_batch, "precision": precision, **(training or {})}
     return parse_spec({"name": f"{name}-export", "model": model, "cluster": cluster, "num_gpus": num_gpus,
-                       "training": {"global_batch_size": global_batch, "precision": precision},
-                       "space": {"tp": [1, 2, 4]}, **extra})  # fmt: skip
+                       "training": training, "space": {"tp": [1, 2, 4]}, **extra})  # fmt: skip
 
 
 # name -> (spec, layout, site). Each layout's global batch (mbs x num_microbatches x dp) is the spec's.
@@ -213,6 +213,9 @@ MORE_MOE = {
                                           "cores_per_node": 4}, 4, 8, "fp32"),
                     ParallelConfig(dp_shard=4, ep=4, zero_stage=2, num_microbatches=2)),
 }  # fmt: skip
+# The same study measured with balanced routing (training.moe_routing; BenchmarkConfig.moe_routing).
+MOE_BALANCED = _spec("moe-tiny-ds", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0,
+                                     "cores_per_node": 4}, 4, 8, "fp32", {"moe_routing": "balanced"})  # fmt: skip
 # Layouts beyond the golden cases: more than 2 virtual stages per rank (pipeline_parallel_layers_per_stage)
 # and an uneven layer split; and the Llama presets.
 MORE_TORCHTITAN = {
@@ -281,10 +284,7 @@ def torchtitan_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
                                               if "disable_cuda_graphs" not in line), 24)  # fmt: skip
     modules["tied_pipeline_rule"] = (_tied_with_pipeline(modules["llama1b_tied"][0]), 16)
     modules["ep_replicate_rule"] = (_ep_over_replicas(modules["moe_tiny_ds"][0]), 4)
-    with pytest.MonkeyPatch.context() as patch:  # a study measured with balanced routing
-        patch.setattr("tuner.export._routing", lambda spec, config: "balanced")
-        spec, config = MORE_MOE["moe_tiny_ds"]
-        modules["moe_balanced"] = (export_layout("torchtitan", spec, config), 4)
+    modules["moe_balanced"] = (export_layout("torchtitan", MOE_BALANCED, MORE_MOE["moe_tiny_ds"][1]), 4)
     for flavor, (preset, _) in TORCHTITAN_FLAVORS.items():
         modules[f"flavor_{flavor}"] = (_torchtitan_flavor(flavor, MODEL_PRESETS[preset]), 1)
     for name, (text, _) in modules.items():
@@ -425,11 +425,10 @@ def test_torchtitan_forces_balanced_routing_where_the_study_measured_it(torchtit
     assert torchtitan_parsed["moe_balanced"]["model"]["force_load_balance"] == [True]
     spec, config = MORE_MOE["moe_tiny_ds"]
     assert "--moe-router-force-load-balancing" not in export_layout("megatron", spec, config)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("tuner.export._routing", lambda spec, config: "balanced")
-        assert (
-            "--moe-router-force-load-balancing" in _megatron_args(export_layout("megatron", spec, config))[1]
-        )
+    assert (
+        "--moe-router-force-load-balancing"
+        in _megatron_args(export_layout("megatron", MOE_BALANCED, config))[1]
+    )
 
 
 def test_torchtitan_refuses_expert_parallelism_over_replicas(torchtitan_parsed: dict) -> None:
