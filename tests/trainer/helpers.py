@@ -17,6 +17,10 @@ MODELS: dict[str, GPTConfig] = {
     "llama-tied": dataclasses.replace(LLAMA, tie_embeddings=True),
     "qwen": dataclasses.replace(LLAMA, qkv_bias=True),
     "qwen-tied": dataclasses.replace(LLAMA, qkv_bias=True, tie_embeddings=True),
+    # Mixtures of experts on the Llama block (tests/trainer/test_moe.py): 8 experts, top-2; and
+    # DeepSeek's router (sigmoid, groups, expert bias, aux loss) with a shared expert and a dense layer 0.
+    "moe": MODEL_PRESETS["moe-tiny"],
+    "moe-ds": MODEL_PRESETS["moe-tiny-ds"],
 }
 GLOBAL_BATCH = 8
 
