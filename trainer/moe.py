@@ -180,8 +180,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
         """x: tokens sorted by expert, counts[e] of them for local expert e."""
+        # In the compute dtype: the experts' own weights may be fp32 beside bf16 activations (edp 1:
+        # no FSDP2 casts them) or under autocast (one GPU, no data parallelism).
+        autocast = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        x = x.to(dtype)
         weights = [
-            GradScale.apply(local(w), grad_scale) for w in (self.w1, self.w2, self.w3) if w is not None
+            GradScale.apply(local(w), grad_scale).to(dtype)
+            for w in (self.w1, self.w2, self.w3)
+            if w is not None
         ]
         if use_grouped_mm(x):
             return self._grouped(x, counts, weights)
@@ -201,7 +208,7 @@ class GroupedExperts(nn.Module):
         rows = torch.cat([torch.arange(c, device=x.device) + s for c, s in zip(counts, starts.tolist())])
         xp = x.new_zeros(sum(padded), x.shape[1]).index_copy(0, rows, x)
         offs = torch.tensor(padded, device=x.device).cumsum(0).to(torch.int32)
-        w1, w2, *w3 = (w.to(x.dtype) for w in weights)
+        w1, w2, *w3 = weights
         h = torch._grouped_mm(xp, w1, offs=offs)
         h = F.silu(h) * torch._grouped_mm(xp, w3[0], offs=offs) if w3 else F.gelu(h, approximate="tanh")
         return torch._grouped_mm(h, w2, offs=offs)[rows]

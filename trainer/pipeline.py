@@ -161,7 +161,9 @@ def _clean_all_after_inference(stage: PipelineStage) -> None:
     mixture of experts' experts may be managed by no FSDP module (edp 1: split over ep, not
     replicated), and its layers count the tokens they route: clear those too, or the
     placeholder pass would leak into the first step's gradients and load."""
-    original = stage._post_metadata_inference_cleanup
+    original = getattr(stage, "_post_metadata_inference_cleanup", None)
+    if original is None:  # torch before 2.13 infers shapes on meta tensors: nothing to clean
+        return
 
     def cleanup() -> None:
         original()
