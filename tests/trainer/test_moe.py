@@ -264,7 +264,13 @@ def test_expert_parallel_parity(name: str, model: str, layout: ParallelConfig, t
     assert all(math.isfinite(v) and v >= 1 for layer in result.moe["imbalance"].values() for v in layer)
 
 
-# Balanced routing (the oracle's fake tensors have no data to route by), on 2 ranks each.
+# Balanced routing (the oracle's fake tensors have no data to route by), on 2 ranks each. With
+# expert parallelism a real run's peak sometimes holds a collective's input a little longer: gloo's
+# worker thread drops its reference after the caller has resumed (as the FSDP all-gather buffer
+# of test_memcheck.py's note). Seen: +32,768 B on one rank of ds-ep2-tp2-sp (two of its 16 KiB
+# all-to-all inputs) and +30,208 B on one rank of ep2-zero3-full, in one of three runs each; 0
+# otherwise. So with ep > 1 the real peak may exceed the oracle's by at most two all-to-all inputs
+# of a micro-batch; without expert parallelism (ds-pp2) they must be equal.
 MEMCHECK = [
     (
         "moe",
@@ -290,4 +296,10 @@ def test_the_oracle_equals_a_real_moe_runs_peak(model: str, parallel: ParallelCo
     assert real.status == "ok", real.error
     assert all(v == 1.0 for layer in real.moe["imbalance"].values() for v in layer)
     report = memcheck(cfg, ranks=range(parallel.world_size))
-    assert [r.peak_bytes for r in report.ranks] == real.peak_memory_bytes_per_rank
+    m = cfg.model
+    rows = parallel.micro_batch_size * m.seq_len // parallel.tp * m.moe_top_k  # a micro-batch's assignments
+    slack = 2 * rows * m.hidden_size * 4 if parallel.ep > 1 else 0
+    for rank, (oracle, measured) in enumerate(
+        zip(report.ranks, real.peak_memory_bytes_per_rank, strict=True)
+    ):
+        assert oracle.peak_bytes <= measured <= oracle.peak_bytes + slack, (rank, oracle.peak_bytes, measured)
