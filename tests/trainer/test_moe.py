@@ -165,6 +165,18 @@ def test_a_trial_records_routing_imbalance_and_aux_loss() -> None:
     assert BenchmarkResult.from_json(learned.to_json()) == learned
 
 
+def test_recompute_does_not_count_twice() -> None:
+    """Full activation checkpointing runs each MoE layer's forward again in backward: its tokens
+    and auxiliary loss are recorded once (the parity tests cannot see a doubled count: the bias
+    moves by its sign, and max / mean does not change when every count doubles)."""
+    plain = _single("moe-tiny-ds", "learned")
+    checkpointed = run(
+        tiny_config(P(micro_batch_size=GLOBAL_BATCH, activation_checkpoint="full"), DS, moe_routing="learned")
+    )
+    assert checkpointed.moe["aux_loss"] == pytest.approx(plain.moe["aux_loss"], rel=1e-5)
+    assert checkpointed.moe["imbalance"] == plain.moe["imbalance"]  # token counts: integers
+
+
 def test_qwen3_attention_widths_and_qk_norms_build_and_train() -> None:
     for qk_norm in ("head", "proj"):
         cfg = dataclasses.replace(MOE, attention_head_dim=32, qk_norm=qk_norm)
