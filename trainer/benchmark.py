@@ -27,10 +27,12 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from trainer.config import BenchmarkConfig, BenchmarkResult
+from trainer.config import BenchmarkConfig, BenchmarkResult, trainer_problems
 from trainer.failures import FailureBoard, InvalidLayout, MemoryCapExceeded
 from trainer.metrics import LiveBytesTracker, cpu_name, grad_norm_, peak_tflops_of
 from trainer.model import GPT, cross_entropy_loss, init_param_
+from trainer.moe import configure as configure_moe
+from trainer.moe import finish_step as finish_moe_step
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import data_parallel_modules, parallelize_gpt
 from trainer.stopping import measurement_stop
@@ -122,13 +124,16 @@ def synthetic_batch(cfg: BenchmarkConfig, step: int, rows: range) -> tuple[torch
 
 
 def optimizer_groups(params: list[torch.nn.Parameter]) -> list[dict]:
-    """AdamW's parameter groups: DTensor parameters apart from plain ones. Tensor parallelism
-    without data parallelism leaves the position embedding a plain tensor beside the DTensor
-    shards, and AdamW's foreach implementation (the default on CUDA) refuses a list that mixes
-    them ("got mixed torch.Tensor and DTensor"). Same hyperparameters: the same update."""
-    dtensors = [q for q in params if isinstance(q, DTensor)]
-    plain = [q for q in params if not isinstance(q, DTensor)]
-    return [{"params": group} for group in (dtensors, plain) if group]
+    """AdamW's parameter groups: DTensor parameters apart from plain ones, and by mesh. Tensor
+    parallelism without data parallelism leaves the position embedding a plain tensor beside the
+    DTensor shards, and AdamW's foreach implementation (the default on CUDA) refuses a list that
+    mixes them ("got mixed torch.Tensor and DTensor"), or DTensors of two meshes (a mixture of
+    experts' experts live on the sparse mesh, trainer/parallelize.py). Same hyperparameters: the
+    same update."""
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+    for q in params:
+        by_mesh.setdefault(q.device_mesh if isinstance(q, DTensor) else None, []).append(q)
+    return [{"params": group} for group in by_mesh.values()]
 
 
 class Trainer:
@@ -141,6 +146,8 @@ class Trainer:
         # memory oracle's FakeTensorMode (trainer/memcheck.py); a no-op otherwise.
         with unset_fake_temporarily():
             self.mesh = self.dims.build_mesh(device.type)
+            moe = cfg.model.moe and world_size > 1
+            self.sparse_mesh = self.dims.build_sparse_mesh(device.type) if moe else None
         self.groups = [self.mesh.get_group(a) for a in self.dims.enabled_axes] if self.mesh else []
         set_timeouts(self.groups, cfg.init_timeout_s)
         self.low_precision = _dtype(cfg, device) == torch.bfloat16
@@ -168,7 +175,10 @@ class Trainer:
         for _, module in parts:
             if init == "exact" and device.type != "cpu":  # already there (FakeTensor params cannot move)
                 module.to(device)
-            parallelize_gpt(module, self.mesh, self.dims, p, param_dtype=param_dtype, compile=cfg.compile)
+            parallelize_gpt(
+                module, self.mesh, self.dims, p, param_dtype=param_dtype, compile=cfg.compile,
+                sparse_mesh=self.sparse_mesh,
+            )  # fmt: skip
             if init == "fast":
                 module.to_empty(device=device)
                 module.init_buffers()
@@ -179,6 +189,11 @@ class Trainer:
                     init_param_(name, local, cfg.model, gen)
             module.train()
         self.modules = [m for _, m in parts]
+        # The auxiliary loss's gradient is each micro-batch's share: accumulation divides the loss
+        # by the micro-batches itself; a pipeline schedule scales the gradients afterwards.
+        aux_scale = 1.0 if p.pp > 1 else 1.0 / p.num_microbatches
+        configure_moe(self.modules, balanced=cfg.moe_routing == "balanced", aux_scale=aux_scale)
+        self.moe_step: dict[int, torch.Tensor] = {}  # layer id -> (imbalance, aux loss) of the last step
         self.params = [q for m in self.modules for q in m.parameters()]
         self.optimizer = torch.optim.AdamW(
             optimizer_groups(self.params), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1
@@ -239,9 +254,11 @@ class Trainer:
         if self.tied is not None:
             self.tied.sum_gradients()
             duplicates = self.tied.duplicates
+        reduce_partial_grads(self.params)
         norm = grad_norm_(self.params, self.cfg.grad_clip, self.pp_group, duplicates)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.moe_step = finish_moe_step(self.modules, p.num_microbatches, p.dp)
         return loss.detach().float(), norm
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -259,6 +276,16 @@ class Trainer:
             (loss / n).backward()
             total = total + _full(loss.detach())
         return total / n
+
+
+def reduce_partial_grads(params: list[torch.nn.Parameter]) -> None:
+    """Sum the gradients still partial over a tensor-parallel group (replicated weights used on
+    each rank's own tokens or heads: a mixture of experts' router and shared expert, per-head q/k
+    norms), so that the norm, the clipping and AdamW see whole gradients."""
+    for q in params:
+        g = q.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            q.grad = g.redistribute(g.device_mesh, q.placements)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -306,6 +333,7 @@ def train(
     track_step = memory_step(cfg)
     cpu_tracking = device.type == "cpu" and not cfg.compile
     losses, norms, times, cpu_peak = [], [], [], 0
+    moe_steps: list[dict[int, torch.Tensor]] = []
     measured: list[float] = []  # max over ranks, so every rank takes the same stop decision
     for step in range(num_steps):
         inject_fault(rank, step)
@@ -322,6 +350,7 @@ def train(
         times.append(time.perf_counter() - t0)
         losses.append(loss)
         norms.append(norm)
+        moe_steps.append(trainer.moe_step)
         if tracker is not None:
             cpu_peak = tracker.peak_bytes
         if step == 0:  # past lazy init: a wedged collective should now fail fast
@@ -374,8 +403,32 @@ def train(
         grad_norms=[float(n) for n in norms],
         dtype=str(dtype).removeprefix("torch."),
         placement=placed,
+        moe=moe_result(cfg, moe_steps, device),
         **base,
     )
+
+
+def moe_result(cfg: BenchmarkConfig, steps: list[dict[int, torch.Tensor]], device: torch.device) -> dict:
+    """BenchmarkResult.moe: every MoE layer's imbalance and the auxiliary loss, per step. A rank
+    holds its stages' layers only; their values are equal on the stage's ranks and positive, so
+    a MAX over all ranks collects every layer."""
+    model = cfg.model
+    if not model.moe:
+        return {}
+    values = torch.zeros(len(steps), model.num_layers, 2, dtype=torch.float64, device=device)
+    for i, step in enumerate(steps):
+        for layer, v in step.items():
+            values[i, layer] = v.to(values)
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    layers = range(model.moe_dense_layers, model.num_layers)
+    out = {
+        "routing": cfg.moe_routing,
+        "imbalance": {str(layer): values[:, layer, 0].tolist() for layer in layers},
+    }
+    if model.moe_aux_loss_coef > 0:
+        out["aux_loss"] = values[:, list(layers), 1].sum(1).tolist()
+    return out
 
 
 def memory_step(cfg: BenchmarkConfig) -> int:
@@ -457,7 +510,7 @@ def run(cfg: BenchmarkConfig, out: Path | None = None) -> BenchmarkResult:
         "tokens_per_step": cfg.tokens_per_step,
     }
     board = FailureBoard(out, rank, world_size, base)
-    problems = cfg.parallel.problems(cfg.model)
+    problems = cfg.parallel.problems(cfg.model) + trainer_problems(cfg)
     if cfg.parallel.world_size != world_size:
         problems.append(f"the layout needs {cfg.parallel.world_size} ranks, launched with {world_size}")
     try:

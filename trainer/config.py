@@ -924,6 +924,10 @@ class BenchmarkResult:
     # Where the ranks ran: hosts, and the nodes each parallel group spanned against the placement
     # rule (trainer/topology.py: placement).
     placement: dict[str, Any] = field(default_factory=dict)
+    # A mixture of experts only: {"routing": "learned" | "balanced", "imbalance": {layer id: [max /
+    # mean tokens per expert over the global batch, per step]}, "aux_loss": [the load-balancing
+    # loss added (coefficient included, summed over layers), per step]}. Absent for dense models.
+    moe: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -935,7 +939,11 @@ class BenchmarkResult:
         return self.status in ("ok", "pruned")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """`moe` only for a mixture of experts: a dense model's result keeps its keys."""
+        data = dataclasses.asdict(self)
+        if not data["moe"]:
+            del data["moe"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchmarkResult:
@@ -947,3 +955,27 @@ class BenchmarkResult:
     @classmethod
     def from_json(cls, text: str) -> BenchmarkResult:
         return cls.from_dict(json.loads(text))
+
+
+def trainer_problems(cfg: BenchmarkConfig) -> list[str]:
+    """What the contract allows but this trainer does not build (a trial of it is "invalid" with
+    these reasons), beside the layout's own rules (ParallelConfig.problems)."""
+    model, p, out = cfg.model, cfg.parallel, []
+    if model.attention == "mla":
+        out.append(
+            "attention 'mla' (multi-head latent attention) is not built in the trainer: the planner prices it "
+            "from its published dimensions, trials of it are refused"
+        )
+    if model.moe and cfg.compile:
+        out.append(
+            "compile with a mixture of experts is not supported: dropless routing gives every step other "
+            "shapes (tokens per expert); set compile false"
+        )
+    if model.qk_norm == "proj" and p.tp * p.tp_col > 1:
+        out.append(
+            f"qk_norm 'proj' (one norm over all heads, OLMoE) with tp ({p.tp}) x tp_col ({p.tp_col}) > 1 is not "
+            "built: each rank holds only its heads; use tp 1"
+        )
+    if p.tp_col > 1 and (model.qk_norm != "none" or model.attention_head_dim is not None):
+        out.append("2D tensor parallelism (tp_col > 1) with qk_norm or attention_head_dim is not built")
+    return out

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import benchmark
 from trainer.benchmark import Trainer, _dtype, memory_step, memory_tracker
-from trainer.config import BenchmarkConfig, GPTConfig, ParallelConfig
+from trainer.config import BenchmarkConfig, GPTConfig, ParallelConfig, trainer_problems
 from trainer.fakeworld import as_in_a_real_world
 from trainer.metrics import LiveBytesTracker
 from trainer.topology import MESH_AXES, axis_sizes, axis_strides
@@ -175,7 +175,12 @@ def memcheck(
     the same bytes per micro-batch in every step, so n2 is simulated for one step only: its
     later steps are n1's plus the first step's growth (_extend).
     tests/trainer/test_memcheck.py checks the extension against full simulations."""
-    problems = cfg.parallel.problems(cfg.model)
+    problems = cfg.parallel.problems(cfg.model) + trainer_problems(cfg)
+    if cfg.model.moe and cfg.moe_routing != "balanced":
+        problems.append(
+            "memcheck of a mixture of experts needs moe_routing 'balanced': learned routing's tokens per "
+            "expert depend on the data, which fake tensors do not have"
+        )
     if problems:
         raise ValueError("; ".join(problems))
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import GPTConfig
+from trainer.moe import MoE, local
 
 INIT_STD = 0.02  # GPT-2
 
@@ -95,7 +96,10 @@ class CoreAttention(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head or grouped-query attention (num_kv_heads < num_heads: each KV head serves
-    num_heads / num_kv_heads query heads; Ainslie et al. 2023), rotary positions when configured."""
+    num_heads / num_kv_heads query heads; Ainslie et al. 2023), rotary positions when configured.
+    Heads may be wider than hidden / heads (attention_head_dim: Qwen3's 32 x 128 on a 2048 stream).
+    q/k norms (RMSNorm before the rotation): per head over head_dim (Qwen3, "head"), or over the
+    whole q and k projections (OLMoE, "proj")."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -103,17 +107,27 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.rope = cfg.positions == "rope"
         # Separate q/k/v so that column-parallel sharding splits whole (query and KV) heads.
-        self.wq = nn.Linear(h, h, bias=cfg.qkv_bias)
+        self.wq = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
         self.wk = nn.Linear(h, kv, bias=cfg.qkv_bias)
         self.wv = nn.Linear(h, kv, bias=cfg.qkv_bias)
+        self.qk_norm = cfg.qk_norm
+        widths = {"none": None, "head": (self.head_dim, self.head_dim), "proj": (cfg.q_size, kv)}[cfg.qk_norm]
+        self.q_norm = nn.RMSNorm(widths[0], eps=cfg.norm_eps) if widths else None
+        self.k_norm = nn.RMSNorm(widths[1], eps=cfg.norm_eps) if widths else None
         self.core = CoreAttention(cfg.dropout)
-        self.wo = nn.Linear(h, h, bias=False)
+        self.wo = nn.Linear(cfg.q_size, h, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "proj":  # over all heads (refused with tp > 1: heads are split)
+            q, k = self.q_norm(q), self.k_norm(k)
         # Under tensor parallelism q, k and v are this rank's heads only: derive the counts from them.
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (z.view(b, t, -1, self.head_dim) for z in (q, k, v))
+        if self.qk_norm == "head":  # replicated weights under TP: each rank's heads add to their gradient
+            q, k = (_rms_norm(z, norm) for z, norm in ((q, self.q_norm), (k, self.k_norm)))
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         if self.rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if k.shape[1] != q.shape[1]:  # GQA: each KV head repeated for its group of query heads
@@ -122,15 +136,21 @@ class Attention(nn.Module):
         return self.drop(self.wo(y))
 
 
+def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
+    return F.rms_norm(x, norm.normalized_shape, local(norm.weight, partial_grad=True), norm.eps)
+
+
 class MLP(nn.Module):
     """GELU (GPT-2): proj(gelu(fc x)). SwiGLU (Shazeer 2020; Llama): proj(silu(gate x) * fc x),
-    the gate and fc (Llama's w1 and w3) both column-parallel under tensor parallelism."""
+    the gate and fc (Llama's w1 and w3) both column-parallel under tensor parallelism. A mixture
+    of experts' shared expert is one of these of its own width."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, ffn_size: int | None = None):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=False) if cfg.mlp == "swiglu" else None
-        self.fc = nn.Linear(cfg.hidden_size, cfg.ffn_size, bias=False)
-        self.proj = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)
+        f = ffn_size or cfg.ffn_size
+        self.gate = nn.Linear(cfg.hidden_size, f, bias=False) if cfg.mlp == "swiglu" else None
+        self.fc = nn.Linear(cfg.hidden_size, f, bias=False)
+        self.proj = nn.Linear(f, cfg.hidden_size, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,18 +160,24 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block (GPT-2, Llama)."""
+    """Pre-norm transformer block (GPT-2, Llama); in a mixture of experts, layers from
+    moe_dense_layers on have experts (trainer/moe.py) in place of the MLP."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer_id: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        experts = cfg.moe and layer_id >= cfg.moe_dense_layers
+        self.mlp = None if experts else MLP(cfg)
+        shared = (
+            MLP(cfg, cfg.moe_shared_ffn_hidden_size) if experts and cfg.moe_shared_ffn_hidden_size else None
+        )
+        self.moe = MoE(cfg, layer_id, shared) if experts else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + (self.mlp if self.mlp is not None else self.moe)(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
@@ -159,7 +185,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed: Embeddings | None = Embeddings(cfg)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = make_norm(cfg)
         self.head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:  # one weight; a pipeline's first and last stage each hold a copy
@@ -183,6 +209,9 @@ class GPT(nn.Module):
         """Recompute the buffers where the parameters are (after to_empty() from meta)."""
         if self.rope is not None:
             self.rope = rope_cos_sin(self.cfg, self.rope.device)
+        for name, buffer in self.named_buffers():
+            if name.endswith(("expert_bias", "tokens_per_expert", "aux_loss")):
+                buffer.zero_()
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Parameters are visited in a fixed order, so one seeded generator gives every layout
@@ -200,7 +229,7 @@ def init_param_(name: str, p: torch.Tensor, cfg: GPTConfig, generator: torch.Gen
     else:
         std = (
             INIT_STD / math.sqrt(2 * cfg.num_layers)
-            if name.endswith(("wo.weight", "proj.weight"))
+            if name.endswith(("wo.weight", "proj.weight", "experts.w2"))
             else INIT_STD
         )
         p.normal_(0.0, std, generator=generator)

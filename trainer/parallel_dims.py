@@ -22,6 +22,7 @@ class ParallelDims:
     tp: int
     world_size: int
     tp_col: int = 1
+    ep: int = 1  # folded into dp x tp: not a factor of the world (trainer/topology.py expert_groups)
 
     def __post_init__(self) -> None:
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp * self.tp_col
@@ -30,12 +31,23 @@ class ParallelDims:
                 f"pp({self.pp}) * dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) "
                 f"* tp({self.tp}) * tp_col({self.tp_col}) = {product} != WORLD_SIZE({self.world_size})"
             )
+        if (self.dp_replicate * self.dp_shard * self.tp * self.tp_col) % self.ep:
+            raise ValueError(
+                f"ep({self.ep}) must divide dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) "
+                f"* tp({self.tp}) * tp_col({self.tp_col})"
+            )
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
         return cls(
-            parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.tp, world_size, parallel.tp_col
-        )
+            parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.tp, world_size, parallel.tp_col,
+            parallel.ep,
+        )  # fmt: skip
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallelism: ranks of one pipeline stage holding the same experts."""
+        return self.dp_replicate * self.dp_shard * self.tp * self.tp_col // self.ep
 
     @property
     def enabled_axes(self) -> tuple[str, ...]:
@@ -56,3 +68,11 @@ class ParallelDims:
         if not axes:
             return None
         return init_device_mesh(device_type, tuple(getattr(self, a) for a in axes), mesh_dim_names=axes)
+
+    def build_sparse_mesh(self, device_type: str) -> DeviceMesh:
+        """The experts' mesh over the same ranks: ("pp", "edp", "ep") = arange(world).reshape(pp,
+        edp, ep), torchtitan's folding: ep takes the innermost ranks of each stage's dp x tp block
+        (tensor-parallel neighbours first), edp the rest; every axis kept, even of size 1."""
+        mesh = init_device_mesh(device_type, (self.pp, self.edp, self.ep), mesh_dim_names=("pp", "edp", "ep"))
+        mesh["edp", "ep"]._flatten("stage")  # every rank of a stage: dp x tp
+        return mesh

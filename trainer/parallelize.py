@@ -1,8 +1,11 @@
-"""Apply tensor parallelism, activation checkpointing, compile and data parallelism to a GPT.
+"""Apply tensor, expert and data parallelism, activation checkpointing and compile to a GPT.
 
 The order is fixed (torchtitan's): TP first (1D Megatron-LM, or 2D over tp x tp_col), because it
-turns parameters into DTensors on the tensor-parallel axes; then activation checkpointing, which wraps the (already parallel) blocks; then compile of
-each block; then FSDP2 / replicate on the dp axes, which must see the final module tree.
+turns parameters into DTensors on the tensor-parallel axes; then EP, which splits a mixture of
+experts' routed experts over the ep axis of the sparse mesh (ParallelDims.build_sparse_mesh);
+then activation checkpointing, which wraps the (already parallel) blocks; then compile of
+each block; then FSDP2 / replicate on the dp axes (the experts over edp), which must see the
+final module tree.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -24,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.config import ParallelConfig
 from trainer.model import GPT
+from trainer.moe import MoEComm, moe_layers
 from trainer.parallel_dims import ParallelDims
 from trainer.tp2d import apply_tp_2d
 
@@ -36,18 +40,24 @@ def parallelize_gpt(
     *,
     param_dtype: torch.dtype,
     compile: bool = False,
+    sparse_mesh: DeviceMesh | None = None,
 ) -> GPT:
-    """Parallelise one model (or one pipeline stage of it) in place; returns it."""
+    """Parallelise one model (or one pipeline stage of it) in place; returns it. A mixture of
+    experts on several ranks needs `sparse_mesh` (ParallelDims.build_sparse_mesh)."""
     if dims.tp_col > 1:  # 2D: row x column groups (trainer/tp2d.py)
         apply_tp_2d(model, mesh[dims.tensor_axes])
     elif dims.tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel=parallel.sequence_parallel)
+    if sparse_mesh is not None:
+        apply_ep(model, mesh, sparse_mesh, dims)
     if parallel.activation_checkpoint != "none":
         apply_ac(model, parallel.activation_checkpoint)
     if compile:
         apply_compile(model)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if sparse_mesh is not None and dims.edp > 1:
+        apply_expert_dp(model, sparse_mesh["edp"], parallel.zero_stage, mp_policy)
     if dims.dp_axes:
-        mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         dp_mesh = mesh[dims.dp_axes]
         if dims.dp_shard > 1:  # FSDP2, or HSDP when dp_replicate > 1 too
             apply_fsdp(model, dp_mesh, reshard_after_forward=parallel.zero_stage == 3, mp_policy=mp_policy)
@@ -94,18 +104,89 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
             "attn.wk": ColwiseParallel(),
             "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=seq),
-            "mlp.fc": ColwiseParallel(),
-            "mlp.proj": RowwiseParallel(output_layouts=seq),
         }
-        if block.mlp.gate is not None:  # SwiGLU
-            layer_plan["mlp.gate"] = ColwiseParallel()
+        if block.mlp is not None:
+            layer_plan |= {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=seq)}
+            if block.mlp.gate is not None:  # SwiGLU
+                layer_plan["mlp.gate"] = ColwiseParallel()
         if sequence_parallel:
             # The attention's second input, the rotary table (or None), is left as it is.
             gather = PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None))
             gather_mlp = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-            layer_plan |= {"attn_norm": SequenceParallel(), "attn": gather,
-                           "mlp_norm": SequenceParallel(), "mlp": gather_mlp}  # fmt: skip
+            layer_plan |= {"attn_norm": SequenceParallel(), "attn": gather, "mlp_norm": SequenceParallel()}
+            if block.mlp is not None:
+                layer_plan["mlp"] = gather_mlp
+            else:  # experts: each rank routes its own tokens (a DTensor of them, Shard(1))
+                layer_plan["moe"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(seq,))
         parallelize_module(block, tp_mesh, layer_plan)
+        # Replicated weights used on this rank's heads (q/k norms per head) or tokens (router,
+        # shared expert): their gradients are partial sums over tp (DTensor Partial, reduced).
+        parts = [block.attn.q_norm, block.attn.k_norm]
+        if block.moe is not None:
+            parts += [block.moe.router, block.moe.shared]
+        for part in parts:
+            if part is not None:
+                _replicate_params(part, tp_mesh)
+
+
+def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            sub.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [Replicate()])))
+
+
+def apply_ep(model: GPT, mesh: DeviceMesh | None, sparse_mesh: DeviceMesh, dims: ParallelDims) -> None:
+    """Expert parallelism: each MoE layer's routed experts split whole over the ep axis (Shard(0)
+    of each [E, ...] weight: E / ep per rank; no expert-TP, docs/parallelism.md), tokens sent to
+    their experts' ranks and back by all-to-all (trainer/moe.py). The layers also get the groups
+    over which they count tokens: the tensor-parallel group (sequence-wise auxiliary loss) and
+    the stage's dp x tp ranks (the global batch's load, for the expert bias and imbalance)."""
+    dp = dims.dp_replicate * dims.dp_shard
+    ep_mesh = sparse_mesh["ep"]
+    comm = MoEComm(
+        ep_group=ep_mesh.get_group() if dims.ep > 1 else None,
+        ep_size=dims.ep,
+        ep_rank=ep_mesh.get_local_rank() if dims.ep > 1 else 0,
+        tp_group=mesh["tp"].get_group() if dims.tp > 1 else None,
+        tp_size=dims.tp,
+        stage_group=sparse_mesh["stage"].get_group() if dp * dims.tp > 1 else None,
+        # The experts' gradient is reduced by a mean over edp replicas, each of which summed the
+        # contributions of all dp x tp ranks' tokens; the dense weights' is a mean over dp.
+        expert_grad_scale=dims.edp / dp,
+    )
+    for moe in moe_layers([model]):
+        moe.comm = comm
+        if dims.ep > 1:
+            experts = moe.experts
+            for name, param in list(experts.named_parameters()):
+                experts.register_parameter(
+                    name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))
+                )
+
+
+def apply_expert_dp(
+    model: GPT, edp_mesh: DeviceMesh, zero_stage: int, mp_policy: MixedPrecisionPolicy
+) -> None:
+    """The experts' data parallelism over edp (the ranks holding the same experts): FSDP2 when the
+    layout shards (zero_stage 2 or 3), else replicated. Applied before the dense FSDP2, which then
+    leaves the experts' parameters to these (torchtitan's per-parameter meshes)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for moe in moe_layers([model]):
+        if zero_stage > 0:
+            fully_shard(
+                moe.experts, mesh=edp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy
+            )
+        else:
+            replicate(moe.experts, mesh=edp_mesh, mp_policy=mp_policy)
+
+
+def _expert_params(module: nn.Module) -> set[nn.Parameter] | None:
+    """The experts' parameters when no expert data parallelism manages them (edp 1): the dense
+    FSDP2 / replicate must leave them alone (they are split over ep, not replicated over dp)."""
+    params = {q for m in moe_layers([module]) if not hasattr(m.experts, "set_requires_gradient_sync")
+              for q in m.experts.parameters()}  # fmt: skip
+    return params or None
 
 
 def apply_ac(model: GPT, mode: str) -> None:
@@ -134,8 +215,9 @@ def apply_fsdp(
     zero_stage 2 keeps it gathered until its backward (docs/parallelism.md). The root keeps the
     default (no reshard): its head runs backward right after forward."""
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    ignored_params=_expert_params(block))  # fmt: skip
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=_expert_params(model))
 
 
 def apply_replicate(model: GPT, dp_mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy) -> None:
@@ -146,8 +228,8 @@ def apply_replicate(model: GPT, dp_mesh: DeviceMesh, *, mp_policy: MixedPrecisio
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     for block in model.layers.values():
-        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
-    replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=_expert_params(block))
+    replicate(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=_expert_params(model))
 
 
 def data_parallel_modules(model: nn.Module) -> list[nn.Module]:

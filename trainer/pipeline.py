@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from trainer.model import GPT
+from trainer.moe import moe_layers
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
@@ -144,8 +145,31 @@ def build_schedule(
         PipelineStage(module, stage_id, num_stages, device, group=pp_mesh.get_group())
         for stage_id, module in stage_modules
     ]
+    for stage in stages:
+        if moe_layers([stage.submod]):
+            _clean_all_after_inference(stage)
     if schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     (stage,) = stages
     return cls(stage, n_microbatches=num_microbatches, loss_fn=loss_fn)
+
+
+def _clean_all_after_inference(stage: PipelineStage) -> None:
+    """The stage's first step infers its tensors' shapes by a real forward and backward on
+    placeholder tensors; torch then clears the gradients of FSDP-managed parameters only. A
+    mixture of experts' experts may be managed by no FSDP module (edp 1: split over ep, not
+    replicated), and its layers count the tokens they route: clear those too, or the
+    placeholder pass would leak into the first step's gradients and load."""
+    original = getattr(stage, "_post_metadata_inference_cleanup", None)
+    if original is None:  # torch before 2.13 infers shapes on meta tensors: nothing to clean
+        return
+
+    def cleanup() -> None:
+        original()
+        for param in stage.submod.parameters():
+            param.grad = None
+        for layer in moe_layers([stage.submod]):
+            layer.reset_stats()
+
+    stage._post_metadata_inference_cleanup = cleanup

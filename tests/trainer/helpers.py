@@ -17,6 +17,12 @@ MODELS: dict[str, GPTConfig] = {
     "llama-tied": dataclasses.replace(LLAMA, tie_embeddings=True),
     "qwen": dataclasses.replace(LLAMA, qkv_bias=True),
     "qwen-tied": dataclasses.replace(LLAMA, qkv_bias=True, tie_embeddings=True),
+    # Mixtures of experts on the Llama block (tests/trainer/test_moe.py): 8 experts, top-2; and
+    # DeepSeek's router (sigmoid, groups, expert bias, aux loss) with a shared expert and a dense layer 0.
+    "moe": MODEL_PRESETS["moe-tiny"],
+    "moe-ds": MODEL_PRESETS["moe-tiny-ds"],
+    # Qwen3's attention: heads wider than hidden / heads, RMSNorm of q and k per head.
+    "moe-qwen3": dataclasses.replace(MODEL_PRESETS["moe-tiny"], attention_head_dim=32, qk_norm="head"),
 }
 GLOBAL_BATCH = 8
 

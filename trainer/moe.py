@@ -1,0 +1,362 @@
+"""The mixture-of-experts layer: a router, routed experts, an optional shared expert.
+
+Plain modules like trainer/model.py: expert parallelism is applied from outside
+(trainer/parallelize.py sets `MoE.comm` and shards the experts' weights over the ep axis).
+
+- Router (torchtitan's TokenChoiceTopKRouter, DeepSeek-V3 section 2.1.2): logits = x W (no bias),
+  softmax or sigmoid scores, optional group-limited routing, the auxiliary-loss-free expert bias
+  (added to the scores for the choice only), top-k, weights = the chosen scores (renormalised over
+  the top-k when moe_norm_topk, always for sigmoid as DeepSeek-V3) x moe_route_scale.
+- "balanced" routing (Megatron's --moe-router-force-load-balancing): token i's j-th expert is
+  (i k + j) mod E whatever the scores; the weights are still the router's scores of those experts,
+  so the router trains. Dropless in both modes: every token reaches its k experts.
+- The sequence-wise load-balancing loss (DeepSeek-V3 eq. 17-20; Switch's f_i P_i per sequence)
+  reaches the gradient through AuxLossScaler, so the reported loss stays the language-model loss.
+- Experts: one weight tensor per matrix, [E, ...], computed with torch._grouped_mm on GPUs with
+  it (compute capability >= 9, bf16), else a loop over each expert's slice of the sorted tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+
+from trainer.config import GPTConfig
+
+GROUPED_MM_ALIGN = 16  # torch._grouped_mm wants each group's rows 16-byte aligned; 16 rows covers fp32
+
+
+@dataclass
+class MoEComm:
+    """How one MoE layer talks to its peers (set by trainer/parallelize.py; one process: defaults).
+
+    ep_group: the expert-parallel group (experts split E / ep per rank, tokens all-to-all'd);
+    tp_group: the tensor-parallel group under sequence parallelism (each rank routes 1/tp of each
+    sequence; the auxiliary loss counts over whole sequences); stage_group: every rank of this
+    pipeline stage (dp x tp: the global batch's token counts, for the expert bias and imbalance);
+    expert_grad_scale: edp / dp, so that the expert-DP mean (over edp replicas, each summing the
+    contributions of ep x ... ranks) equals the dense data-parallel mean."""
+
+    ep_group: dist.ProcessGroup | None = None
+    ep_size: int = 1
+    ep_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    tp_size: int = 1
+    stage_group: dist.ProcessGroup | None = None
+    expert_grad_scale: float = 1.0
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on the layer's output; backward also sends `scale` into the auxiliary loss, so its
+    gradient (coef x d aux) joins the model's without the loss value changing (Megatron's
+    MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class GradScale(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` (the experts' weights: MoEComm.expert_grad_scale)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def local(t: torch.Tensor, partial_grad: bool = False) -> torch.Tensor:
+    """A DTensor's local shard (plain tensors as they are). partial_grad: a replicated weight used
+    on this rank's tokens only, so its gradient is this rank's share of a sum (Partial)."""
+    if not isinstance(t, DTensor):
+        return t
+    if partial_grad:
+        return t.to_local(grad_placements=[Partial()] * t.device_mesh.ndim)
+    return t.to_local()
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (activation checkpointing's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        bias = torch.zeros(cfg.num_experts) if cfg.moe_bias_update_rate > 0 else None
+        self.register_buffer("expert_bias", bias, persistent=False)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 scores of every expert, (..., E)."""
+        logits = logits.float()
+        return logits.softmax(-1) if self.cfg.moe_router_score == "softmax" else logits.sigmoid()
+
+    def select(self, scores: torch.Tensor, balanced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts, weights), both (N, k), for scores (N, E)."""
+        cfg = self.cfg
+        n, e, k = scores.shape[0], cfg.num_experts, cfg.moe_top_k
+        if balanced:
+            experts = (torch.arange(n * k, device=scores.device) % e).view(n, k)
+        else:
+            choice = scores.detach()
+            if self.expert_bias is not None:
+                choice = choice + self.expert_bias
+            if cfg.moe_groups > 1:
+                choice = self._limit_groups(choice)
+            experts = choice.topk(k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if cfg.moe_router_score == "sigmoid" or cfg.moe_norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return experts, weights * cfg.moe_route_scale
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Keep the moe_topk_groups best groups of experts per token (DeepSeek-V3): a group scores
+        its best expert (softmax) or the sum of its best two (sigmoid); the others are masked."""
+        cfg = self.cfg
+        n, g = choice.shape[0], cfg.moe_groups
+        grouped = choice.view(n, g, -1)
+        if cfg.moe_router_score == "sigmoid":
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        else:
+            group_scores = grouped.amax(-1)
+        keep = group_scores.topk(cfg.moe_topk_groups, dim=-1).indices
+        mask = torch.zeros(n, g, dtype=torch.bool, device=choice.device).scatter_(1, keep, True)
+        return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(n, -1)
+
+
+def sequence_aux_loss(
+    scores: torch.Tensor,
+    experts: torch.Tensor,
+    cfg: GPTConfig,
+    seq_len: int,
+    tp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """sum_i f_i P_i, averaged over sequences (DeepSeek-V3 eq. 17-20): f_i = E / (k T) x the
+    tokens of the sequence choosing expert i, P_i = the mean over the sequence of its normalised
+    score. scores (B, t, E), experts (B, t, k): t = T / tp tokens of each sequence on this rank
+    under sequence parallelism, where f is summed over the tp group (no gradient) and P_i is this
+    rank's share of the mean: the tp ranks' losses add up to the whole sequence's."""
+    b, e, k = scores.shape[0], cfg.num_experts, cfg.moe_top_k
+    probs = scores / scores.sum(-1, keepdim=True) if cfg.moe_router_score == "sigmoid" else scores
+    with torch.no_grad():
+        counts = torch.zeros(b, e, device=scores.device).scatter_add_(
+            1, experts.reshape(b, -1), torch.ones(b, experts[0].numel(), device=scores.device)
+        )
+        if tp_group is not None:
+            dist.all_reduce(counts, group=tp_group)
+        f = counts * (e / (k * seq_len))
+    return (f * probs.sum(1) / seq_len).sum(-1).mean()
+
+
+class GroupedExperts(nn.Module):
+    """num_experts experts of the model's MLP kind: w1 (gate, or fc for GELU) and w3 (SwiGLU's fc)
+    are (E, h, f), w2 (E, f, h). Under expert parallelism each rank holds E / ep of them."""
+
+    def __init__(self, cfg: GPTConfig, num_experts: int):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.expert_ffn_size
+        self.swiglu = cfg.mlp == "swiglu"
+        self.w1 = nn.Parameter(torch.empty(num_experts, h, f))
+        self.w2 = nn.Parameter(torch.empty(num_experts, f, h))
+        self.w3 = nn.Parameter(torch.empty(num_experts, h, f)) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
+        """x: tokens sorted by expert, counts[e] of them for local expert e."""
+        # In the compute dtype: the experts' own weights may be fp32 beside bf16 activations (edp 1:
+        # no FSDP2 casts them) or under autocast (one GPU, no data parallelism).
+        autocast = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        x = x.to(dtype)
+        weights = [
+            GradScale.apply(local(w), grad_scale).to(dtype)
+            for w in (self.w1, self.w2, self.w3)
+            if w is not None
+        ]
+        if use_grouped_mm(x):
+            return self._grouped(x, counts, weights)
+        outs = []
+        for e, chunk in enumerate(x.split(counts)):
+            outs.append(self._mlp(chunk, *(w[e] for w in weights)))
+        return torch.cat(outs) if outs else x[:0]
+
+    def _mlp(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None = None):
+        h = F.silu(x @ w1) * (x @ w3) if w3 is not None else F.gelu(x @ w1, approximate="tanh")
+        return h @ w2
+
+    def _grouped(self, x: torch.Tensor, counts: list[int], weights: list[torch.Tensor]) -> torch.Tensor:
+        """One grouped GEMM per matrix over every expert: each group padded to GROUPED_MM_ALIGN rows."""
+        padded = [-(-c // GROUPED_MM_ALIGN) * GROUPED_MM_ALIGN for c in counts]
+        starts = torch.tensor([0, *padded[:-1]], device=x.device).cumsum(0)
+        rows = torch.cat([torch.arange(c, device=x.device) + s for c, s in zip(counts, starts.tolist())])
+        xp = x.new_zeros(sum(padded), x.shape[1]).index_copy(0, rows, x)
+        offs = torch.tensor(padded, device=x.device).cumsum(0).to(torch.int32)
+        w1, w2, *w3 = weights
+        h = torch._grouped_mm(xp, w1, offs=offs)
+        h = F.silu(h) * torch._grouped_mm(xp, w3[0], offs=offs) if w3 else F.gelu(h, approximate="tanh")
+        return torch._grouped_mm(h, w2, offs=offs)[rows]
+
+
+def use_grouped_mm(x: torch.Tensor) -> bool:
+    return (
+        x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )  # fmt: skip
+
+
+def balanced_counts(num_assignments: int, num_experts: int) -> list[int]:
+    """Tokens per expert when assignment i goes to expert i mod E."""
+    base, extra = divmod(num_assignments, num_experts)
+    return [base + (1 if e < extra else 0) for e in range(num_experts)]
+
+
+class MoE(nn.Module):
+    """The MLP of a mixture-of-experts layer: routed experts plus an optional shared expert."""
+
+    def __init__(self, cfg: GPTConfig, layer_id: int, shared: nn.Module | None = None):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg, cfg.num_experts)
+        self.shared = shared
+        self.comm = MoEComm()
+        self.balanced = False  # BenchmarkConfig.moe_routing == "balanced"
+        self.aux_scale = 1.0  # the auxiliary loss's share of the step's loss (1 / micro-batches)
+        # This step's tokens per expert (this rank's) and auxiliary loss (summed over micro-batches).
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, t, h): a plain tensor, or under tensor + sequence parallelism a DTensor of this
+        rank's t = T / tp tokens of each sequence (the router and shared expert are replicated
+        DTensors; their gradients add up over tp). Returns this rank's (B, t, h) as a tensor."""
+        cfg = self.cfg
+        logits = local(self.router.gate(x))
+        shared = local(self.shared(x)) if self.shared is not None else None
+        x = local(x)
+        b, t, h = x.shape
+        scores = self.router.scores(logits.reshape(b * t, -1))
+        experts, weights = self.router.select(scores, self.balanced)
+        out = self._route(x.reshape(b * t, h), experts, weights).view(b, t, h)
+        recording = not in_backward()  # not again in activation checkpointing's recompute
+        if recording:
+            with torch.no_grad():
+                self.tokens_per_expert.index_add_(
+                    0, experts.flatten(), torch.ones(experts.numel(), device=x.device)
+                )
+        if cfg.moe_aux_loss_coef > 0:
+            aux = cfg.moe_aux_loss_coef * sequence_aux_loss(
+                scores.view(b, t, -1), experts.view(b, t, -1), cfg, t * self.comm.tp_size, self.comm.tp_group
+            )
+            if recording:
+                self.aux_loss += aux.detach()
+            out = AuxLossScaler.apply(out, aux, self.aux_scale)
+        return out + shared if shared is not None else out
+
+    def _route(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every token through its k experts (dispatched over ep ranks), weighted and summed."""
+        n, k = x.shape[0], self.cfg.moe_top_k
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # assignments sorted by expert
+        token = order // k
+        routed = x[token]
+        counts = self._counts(flat, n * k)
+        comm = self.comm
+        if comm.ep_size == 1:
+            y = self.experts(routed, counts, comm.expert_grad_scale)
+        else:
+            y = self._expert_parallel(routed, counts)
+        y = y * weights.flatten()[order].to(y.dtype).unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+
+    def _counts(self, flat: torch.Tensor, num_assignments: int) -> list[int]:
+        """Assignments per expert. Balanced routing's are known without looking at the data
+        (which the memory oracle's fake tensors do not have)."""
+        if self.balanced:
+            return balanced_counts(num_assignments, self.cfg.num_experts)
+        counts = torch.zeros(self.cfg.num_experts, dtype=torch.int64, device=flat.device)
+        return counts.index_add_(0, flat, torch.ones_like(flat)).tolist()
+
+    def _expert_parallel(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Dispatch each assignment to the rank holding its expert (all-to-all), run the local
+        experts, send the results back (all-to-all). Split sizes are exchanged first."""
+        from torch.distributed.nn.functional import all_to_all_single
+
+        comm, e = self.comm, self.cfg.num_experts
+        per_rank = e // comm.ep_size
+        if self.balanced:  # every rank routes the same number of tokens the same way
+            received = [counts[comm.ep_rank * per_rank : (comm.ep_rank + 1) * per_rank]] * comm.ep_size
+        else:
+            mine = torch.tensor(counts, device=routed.device)
+            theirs = torch.empty_like(mine)
+            dist.all_to_all_single(theirs, mine, group=comm.ep_group)
+            received = theirs.view(comm.ep_size, per_rank).tolist()
+        send = [sum(counts[r * per_rank : (r + 1) * per_rank]) for r in range(comm.ep_size)]
+        recv = [sum(row) for row in received]
+        got = all_to_all_single(
+            routed.new_empty(sum(recv), routed.shape[1]), routed, recv, send, comm.ep_group
+        )
+        # Rows arrive by source rank, then by expert: regroup them by expert.
+        expert_of = torch.arange(per_rank, device=routed.device).repeat(comm.ep_size)
+        repeats = torch.tensor([c for row in received for c in row], device=routed.device)
+        by_expert = torch.repeat_interleave(expert_of, repeats, output_size=sum(recv)).argsort(stable=True)
+        local_counts = [sum(row[j] for row in received) for j in range(per_rank)]
+        y = self.experts(got[by_expert], local_counts, comm.expert_grad_scale)
+        y = y[by_expert.argsort()]
+        return all_to_all_single(y.new_empty(routed.shape), y, send, recv, comm.ep_group)
+
+    def reset_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.aux_loss.zero_()
+
+
+def moe_layers(modules: list[nn.Module]) -> list[MoE]:
+    return [m for module in modules for m in module.modules() if isinstance(m, MoE)]
+
+
+def configure(modules: list[nn.Module], *, balanced: bool, aux_scale: float) -> None:
+    """The trial's routing mode and the auxiliary loss's share of a step's loss on every layer."""
+    for m in moe_layers(modules):
+        m.balanced, m.aux_scale = balanced, aux_scale
+
+
+@torch.no_grad()
+def finish_step(modules: list[nn.Module], num_microbatches: int, dp: int) -> dict[int, torch.Tensor]:
+    """After the optimizer step: sum every layer's token counts over the stage's ranks (the global
+    batch), move the expert bias towards balance (DeepSeek-V3: b_i += gamma sign(mean load -
+    load_i)), and return per layer id (imbalance = max / mean tokens per expert, auxiliary loss
+    averaged over the global batch's micro-batches). Tensors: the memory oracle's are fake."""
+    layers = moe_layers(modules)
+    if not layers:
+        return {}
+    packed = torch.cat([torch.stack([m.tokens_per_expert for m in layers]).flatten(),
+                        torch.stack([m.aux_loss for m in layers])])  # fmt: skip
+    group = layers[0].comm.stage_group
+    if group is not None:
+        dist.all_reduce(packed, group=group)
+    counts = packed[: -len(layers)].view(len(layers), -1)
+    aux = packed[-len(layers) :] / (num_microbatches * dp)
+    out = {}
+    for i, (m, c) in enumerate(zip(layers, counts, strict=True)):
+        if m.router.expert_bias is not None:
+            m.router.expert_bias += m.cfg.moe_bias_update_rate * torch.sign(c.mean() - c)
+        m.reset_stats()
+        out[m.layer_id] = torch.stack([c.amax() / c.mean(), aux[i]])
+    return out
