@@ -16,6 +16,7 @@ RULE_CROSS_NODE_TP = "tp spans nodes (space.allow_cross_node_tp is false)"
 RULE_CROSS_NODE_TENSOR = "tp x tp_col spans nodes (space.allow_cross_node_tp is false)"
 RULE_CROSS_NODE_EP = "ep spans nodes (space.allow_cross_node_ep is false)"
 RULE_QK_NORM_PROJ = "qk_norm 'proj' needs tp 1"
+RULE_TP_COL_HEADS = "tp_col > 1 needs the plain attention heads"
 
 
 def ep_values(model: GPTConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
@@ -136,11 +137,20 @@ class SearchSpace:
                 f"ep ({config.ep}) > gpus_per_node ({self.gpus_per_node}): the expert group's all-to-alls "
                 "would cross nodes on every MoE layer (set space.allow_cross_node_ep to search it)",
             ))  # fmt: skip
-        if self.model.qk_norm == "proj" and config.tp > 1:  # mirrors the trainer's refusal
+        # What the trainer does not build (trainer.config.trainer_problems), as rules of the space.
+        if self.model.qk_norm == "proj" and tensor > 1:
             out.append((
                 RULE_QK_NORM_PROJ,
-                f"qk_norm 'proj' (one norm over all heads' q and k, OLMoE) needs tp 1, got tp {config.tp}: "
-                "a tensor-parallel rank holds only its heads",
+                f"qk_norm 'proj' (one norm over all heads' q and k, OLMoE) needs tp 1, got tp {config.tp}"
+                + (f" x tp_col {config.tp_col}" if config.tp_col > 1 else "")
+                + ": a tensor-parallel rank holds only its heads",
+            ))  # fmt: skip
+        if config.tp_col > 1 and (self.model.qk_norm != "none" or self.model.attention_head_dim is not None):
+            out.append((
+                RULE_TP_COL_HEADS,
+                f"tp_col ({config.tp_col}) > 1 with qk_norm {self.model.qk_norm!r} or attention_head_dim "
+                f"{self.model.attention_head_dim} is not built in the trainer (2D tensor parallelism splits "
+                "heads by hidden/heads); use tp_col 1",
             ))  # fmt: skip
         if config.zero_stage == 1:  # the perf model can price it; the bundled trainer cannot run it
             out.append((

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from trainer.config import MODEL_PRESETS, GPTConfig, ParallelConfig
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig, trainer_problems
 from tuner import moe
 from tuner.cli import app
 from tuner.memmodel import _rank, phase_bytes
@@ -92,6 +92,25 @@ def test_qk_norm_over_all_heads_needs_tp_1() -> None:
         _space(olmoe), ParallelConfig(tp=2, dp_replicate=4, num_microbatches=16, sequence_parallel=True)
     )
     assert "needs tp 1, got tp 2" in rules[RULE_QK_NORM_PROJ]
+
+
+QWEN3_DENSE_SMALL = dataclasses.replace(MODEL_PRESETS["llama-small"], qk_norm="head", attention_head_dim=64)
+
+
+@pytest.mark.parametrize("preset", ["olmoe-1b-7b", "qwen3-30b-a3b", "moe-tiny-ds", "qwen3-dense-small"])
+def test_every_valid_layout_is_one_the_trainer_builds(preset: str) -> None:
+    """The space's rules cover trainer.config.trainer_problems: no valid layout (tp, tp_col, pp, ep,
+    ...) is one a trial would refuse as not built; and one the trainer refuses is invalid here."""
+    model = QWEN3_DENSE_SMALL if preset == "qwen3-dense-small" else MODEL_PRESETS[preset]
+    space = _space(model, gpus=8, tp=[1, 2, 4], tp_col=[1, 2], pp=[1, 2], zero_stage=[0, 2, 3])
+    enum = space.enumerate()
+    assert enum.valid
+    for config in enum.valid:
+        assert trainer_problems(BenchmarkConfig(model=model, parallel=config)) == [], config.describe()
+    for refused in (ParallelConfig(tp=2, dp_shard=4, zero_stage=2, sequence_parallel=True, num_microbatches=16),
+                    ParallelConfig(tp_col=2, dp_shard=4, zero_stage=2, num_microbatches=16)):  # fmt: skip
+        if trainer_problems(BenchmarkConfig(model=model, parallel=refused)):
+            assert space.explain(refused), refused.describe()
 
 
 def test_training_moe_fields_validate_with_the_field_named() -> None:
