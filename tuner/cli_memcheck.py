@@ -38,6 +38,13 @@ def check(
         raise PlanError(
             f"the memory oracle needs torch (pip install 'parallel-tuner[trainer]'): {e}"
         ) from None
+    routing = study.training.moe_routing if study.gpt().moe else None
+    if routing == "learned":
+        # Learned routing's tokens per expert depend on the data: the oracle simulates balanced
+        # routing (trainer/memcheck.py), and the model is priced the same way beside it.
+        study = study.model_copy(
+            update={"training": study.training.model_copy(update={"moe_routing": "balanced"})}
+        )
     cfg = benchmark_config(study, config)
     gpu = cfg.device == "cuda"
     report = memcheck(
@@ -56,6 +63,7 @@ def check(
                       for r in report.ranks],
             "device": report.device, "dtype": report.dtype, "microbatches_simulated": report.microbatches_simulated,
             "seconds": report.seconds,
+            **({"moe_routing": "balanced (the study's learned routing is data dependent)"} if routing == "learned" else {}),
         },
         "predicted": {
             "tensor_bytes": (est.memory_bytes - c.workspace_bytes) / c.memory_scale, "memory_bytes": est.memory_bytes,
@@ -77,7 +85,7 @@ def verify_candidates(study: StudySpec, result: dict[str, Any], constants: Model
 def _config_of(knobs: dict[str, Any]) -> ParallelConfig:
     """A candidate's ParallelConfig (plan lists dp; the space splits it by zero stage)."""
     dp, zero = knobs["dp"], knobs["zero_stage"]
-    rest = {k: v for k, v in knobs.items() if k != "dp"}
+    rest = {k: v for k, v in knobs.items() if k not in ("dp", "edp")}  # edp follows from dp, tp and ep
     return ParallelConfig(**rest, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1)
 
 
@@ -92,8 +100,10 @@ def print_check(config: ParallelConfig, result: dict[str, Any]) -> None:
     simulated = (
         f", micro-batches extended from {o['microbatches_simulated']}" if o["microbatches_simulated"] else ""
     )
+    routing = f", routing {o['moe_routing']}" if "moe_routing" in o else ""
     typer.echo(f"{config.describe()}: peak {_size(o['tensor_bytes'])} of tensors on rank {o['worst_rank']} "
-               f"({where}) during {o['phase']} [{o['device']} {o['dtype']}{simulated}; {o['seconds']:.0f} s]")  # fmt: skip
+               f"({where}) during {o['phase']} [{o['device']} {o['dtype']}{simulated}{routing}; "
+               f"{o['seconds']:.0f} s]")  # fmt: skip
     for name, value in o["breakdown"].items():
         typer.echo(f"  {name:<20} {_size(value):>12}")
     verdict = "fits" if o["fits"] else "does NOT fit"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from tests.tuner.test_cli import tuner
-from trainer.config import BenchmarkConfig, GPTConfig, ParallelConfig
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig
 from trainer.memcheck import memcheck
 
 # A model small enough to simulate in seconds, with 8 heads so that the default space's tp 8 is valid.
@@ -49,3 +49,19 @@ def test_plan_verify_memory_checks_each_listed_layout() -> None:
 def test_memcheck_bad_pins_exit_2_without_traceback() -> None:
     proc = tuner("memcheck", *SHAPE, "--cluster", "cpu-local", "--gpus", "4", "--config", "tp=3")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_memcheck_of_a_mixture_of_experts_simulates_balanced_routing() -> None:
+    """A study of learned routing: the oracle needs tokens per expert it can know, so it and the
+    model beside it take balanced routing, and the output says so; the plan's candidate (with its
+    ep and edp) pins the layout."""
+    proc = tuner("memcheck", "--spec", "studies/tiny-moe-cpu.yaml", "--config", "ep=2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    p = ParallelConfig.from_dict(out["config"])
+    assert p.ep == 2 and out["oracle"]["moe_routing"].startswith("balanced")
+    model = MODEL_PRESETS["moe-tiny"]
+    direct = memcheck(
+        BenchmarkConfig(model=model, parallel=p, device="cpu", dtype="fp32", moe_routing="balanced")
+    )
+    assert out["oracle"]["tensor_bytes"] == direct.peak_bytes
