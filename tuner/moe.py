@@ -71,6 +71,17 @@ def expert_gemm_efficiency(m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec
     return n / (n + ridge_tokens(cluster, precision))
 
 
+def measured_imbalance(result: dict) -> float | None:
+    """I measured by a trial (BenchmarkResult.moe, as stored): each MoE layer's max/mean tokens per
+    expert, its median over the measured steps, averaged over the layers; None for a dense model,
+    a trial without steps or one routed balanced (its I is 1 by construction, not a measurement)."""
+    moe = result.get("moe") or {}
+    if moe.get("routing") != "learned":
+        return None
+    layers = [sorted(steps)[len(steps) // 2] for steps in (moe.get("imbalance") or {}).values() if steps]
+    return sum(layers) / len(layers) if layers else None
+
+
 def moe_layers_on(m: GPTConfig, layers: float) -> float:
     """MoE layers among a stage's `layers`: as many as there are (the slowest stage is priced as
     if the dense first layers were elsewhere: a MoE layer costs a rank at least as much)."""

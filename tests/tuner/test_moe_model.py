@@ -372,3 +372,37 @@ def test_plan_pins_ep() -> None:
     spec = load_spec(ROOT / "studies" / "qwen3-30b-a3b-h100.yaml")
     result = plan(spec, pins={"ep": 8}, top=5)
     assert result["candidates"] and all(c["config"]["ep"] == 8 for c in result["candidates"])
+
+
+def test_the_model_sampler_prices_the_imbalance_its_trials_measured() -> None:
+    """Learned routing: each trial's measured I (BenchmarkResult.moe, median over steps, mean over
+    layers) prices its own measurement, and their mean replaces the study's prior; balanced
+    routing measures nothing."""
+    from tuner.outcome import Outcome
+    from tuner.perfconstants import ModelConstants
+    from tuner.samplers import make_sampler
+
+    assert moe.measured_imbalance({}) is None
+    assert moe.measured_imbalance({"moe": {"routing": "balanced", "imbalance": {"1": [1.0]}}}) is None
+    learned = {"moe": {"routing": "learned", "imbalance": {"0": [3.0, 2.0, 9.0], "1": [2.0, 2.0, 2.0]}}}
+    assert moe.measured_imbalance(learned) == 2.5  # medians 3 and 2
+    candidates = [c for c in _space(SMALL).enumerate().valid if c.ep == 8][:20]
+    sampler = make_sampler("model", candidates, pricing=Pricing(SMALL, H100, "bf16", ModelConstants(), 1.3))
+    config = sampler.ask()
+    step = sampler.pricing.estimate(config).step_time_s
+    balanced = {"moe": {"routing": "balanced", "imbalance": {"0": [1.0]}}}
+    sampler.tell(config, Outcome(ok=True, tokens_per_s=1.0, step_time_s=step, result=balanced))
+    assert sampler.initial.moe_imbalance == 1.3 and sampler.measured[-1].moe_imbalance == 1.3
+    config = sampler.ask()
+    step = sampler.pricing.estimate(config).step_time_s
+    sampler.tell(config, Outcome(ok=True, tokens_per_s=1.0, step_time_s=step, result=learned))
+    assert sampler.initial.moe_imbalance == sampler.pricing.moe_imbalance == 2.5
+    assert sampler.measured[-1].moe_imbalance == 2.5
+    # the ranking is the measured I's (ep 8 of 16 experts: the busiest rank's experts slower than
+    # under the prior), with the constants calibrated on both trials
+    prior = dataclasses.replace(sampler.pricing, moe_imbalance=1.3)
+    for c in candidates:
+        assert sampler.log_tps[c] == math.log(sampler.pricing.estimate(c).tokens_per_s)
+        now, then = sampler.pricing.estimate(c).moe, prior.estimate(c).moe
+        assert now["imbalance_factor"] > then["imbalance_factor"]
+        assert now["experts_compute_s"] > then["experts_compute_s"]

@@ -3,11 +3,13 @@ best-predicted layout, recalibrate from every measurement, explore where the mod
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 from trainer.config import ParallelConfig
 from tuner.fitting import Measurement, calibrate
+from tuner.moe import measured_imbalance
 from tuner.outcome import FailureKind, Feedback, Outcome
 from tuner.pricing import Pricing
 from tuner.samplers.base import BaseSampler
@@ -25,7 +27,9 @@ class ModelSampler(BaseSampler):
     at PRIOR_SIGMA and shrinks as the calibrated model stops being surprised (and grows while it
     keeps being wrong). A layout that ran out of memory puts a wall at its predicted memory:
     layouts predicted to need as much or more are not proposed while others remain. Its estimates
-    (BaseSampler.estimate) are the current calibration's: what each proposal was chosen by."""
+    (BaseSampler.estimate) are the current calibration's: what each proposal was chosen by. A
+    mixture of experts with learned routing prices each trial at the imbalance it measured and
+    the rest at their mean (tuner.moe.measured_imbalance), not the study's prior."""
 
     name = "model"
 
@@ -37,6 +41,7 @@ class ModelSampler(BaseSampler):
         self.initial = pricing  # every recalibration starts from the study's constants
         self.measured: list[Measurement] = []
         self.surprises: list[float] = []  # log(measured / predicted before the trial), per trial
+        self.imbalances: list[float] = []  # a mixture of experts' I measured by each trial (learned routing)
         self.sigma = PRIOR_SIGMA
         self.memory_wall = math.inf
         self.families: set[tuple[int, int, int, int]] = set()  # (tp, pp, dp, ep) measured
@@ -72,9 +77,21 @@ class ModelSampler(BaseSampler):
             (PRIOR_POINTS * PRIOR_SIGMA**2 + sum(r * r for r in self.surprises))
             / (PRIOR_POINTS + len(self.surprises))
         )
-        self.measured.append(self.pricing.measurement(config, outcome.step_time_s))
+        # A mixture of experts with learned routing: the trial's own I prices its measurement, and
+        # the mean of the I measured so far replaces the study's prior (training.moe_imbalance).
+        imbalance = measured_imbalance(outcome.result)
+        priced = self.pricing
+        if imbalance is not None:
+            priced = dataclasses.replace(self.pricing, moe_imbalance=imbalance)
+            self.imbalances.append(imbalance)
+            self.initial = dataclasses.replace(
+                self.initial, moe_imbalance=sum(self.imbalances) / len(self.imbalances)
+            )
+        self.measured.append(priced.measurement(config, outcome.step_time_s))
         n = len(self.measured)
-        if n > 30 and n % 10:  # past 30 points recalibrate every 10th: each fit costs ~n estimates
+        if (
+            n > 30 and n % 10 and imbalance is None
+        ):  # past 30 points recalibrate every 10th: each fit costs ~n estimates
             return
         points = sorted(self.measured, key=lambda m: m.step_time_s)[:MAX_CALIBRATION_POINTS]
         self.pricing = self.initial.with_constants(calibrate(points, self.initial.constants))
