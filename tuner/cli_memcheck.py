@@ -85,7 +85,7 @@ def verify_candidates(study: StudySpec, result: dict[str, Any], constants: Model
 def _config_of(knobs: dict[str, Any]) -> ParallelConfig:
     """A candidate's ParallelConfig (plan lists dp; the space splits it by zero stage)."""
     dp, zero = knobs["dp"], knobs["zero_stage"]
-    rest = {k: v for k, v in knobs.items() if k not in ("dp", "edp")}  # edp follows from dp, tp and ep
+    rest = {k: v for k, v in knobs.items() if k != "dp"}
     return ParallelConfig(**rest, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1)
 
 

@@ -67,11 +67,11 @@ def _agrees(config: ParallelConfig, pins: dict[str, Any]) -> bool:
 
 def candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
     """One ranked layout: its knobs, what the model predicts, and the padded vocabulary it builds.
-    A mixture of experts' also has ep and edp, what its expert terms were priced from
-    (predicted.moe: tuner.perfmodel.moe_info) and its `experts:` line."""
+    A mixture of experts' also has ep, what its expert terms were priced from (predicted.moe:
+    tuner.perfmodel.moe_info, edp among them) and its `experts:` line."""
     out = _candidate_dict(config, est)
     if est.moe is not None:
-        out["config"] |= {"ep": config.ep, "edp": config.edp}
+        out["config"]["ep"] = config.ep
         out["predicted"]["moe"] = est.moe
         out["experts"] = experts_line(est.moe)
     return out

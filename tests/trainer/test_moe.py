@@ -227,6 +227,9 @@ def test_the_parity_tolerance_catches_a_wrong_expert_reduction() -> None:
 
 
 # (id, model, layout) with global batch 8; "moe" and "moe-ds" are tests/trainer/helpers.py MODELS.
+EP2_ZERO3_FULL_AC = P(
+    dp_shard=2, zero_stage=3, ep=2, activation_checkpoint="full", micro_batch_size=2, num_microbatches=2
+)
 CASES = [
     # ep over both tp and dp ranks; the router's partial gradients under FSDP2
     (
@@ -237,14 +240,7 @@ CASES = [
     (
         "ep2-dps2-zero3-ac-full",
         "moe",
-        P(
-            dp_shard=2,
-            zero_stage=3,
-            ep=2,
-            activation_checkpoint="full",
-            micro_batch_size=2,
-            num_microbatches=2,
-        ),
+        EP2_ZERO3_FULL_AC,
     ),
     ("ep4-dps4", "moe", P(dp_shard=4, zero_stage=2, ep=4, micro_batch_size=2)),
     # edp 2: the experts' own FSDP2 over the two ranks holding each expert
@@ -286,14 +282,7 @@ def test_expert_parallel_parity(name: str, model: str, layout: ParallelConfig, t
 MEMCHECK = [
     (
         "moe",
-        P(
-            dp_shard=2,
-            zero_stage=3,
-            ep=2,
-            activation_checkpoint="full",
-            micro_batch_size=2,
-            num_microbatches=2,
-        ),
+        EP2_ZERO3_FULL_AC,
     ),
     ("moe-ds", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=2, num_microbatches=2)),
     ("moe-ds", P(pp=2, ep=1, dp_replicate=1, micro_batch_size=1, num_microbatches=4)),

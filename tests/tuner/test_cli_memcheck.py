@@ -54,7 +54,7 @@ def test_memcheck_bad_pins_exit_2_without_traceback() -> None:
 def test_memcheck_of_a_mixture_of_experts_simulates_balanced_routing() -> None:
     """A study of learned routing: the oracle needs tokens per expert it can know, so it and the
     model beside it take balanced routing, and the output says so; the plan's candidate (with its
-    ep and edp) pins the layout."""
+    ep) pins the layout."""
     proc = tuner("memcheck", "--spec", "studies/tiny-moe-cpu.yaml", "--config", "ep=2", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
