@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import json
 import os
 import platform
 import re
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, ParallelConfig  # noqa: E402
 from trainer.launch import run_local  # noqa: E402
 from trainer.topology import summary  # noqa: E402
+from tuner.moe import measured_imbalance  # noqa: E402
 from tuner.space import SearchSpace  # noqa: E402
 from tuner.spec import SpaceSpec  # noqa: E402
 
@@ -54,6 +56,10 @@ COLUMNS = ["source", "table_id", "model_name", "num_layers", "hidden_size", "num
 # Our tables add one column to the shared format: 2D tensor parallelism's column degree (tp_col;
 # num_gpus = tp x tp_col x pp x dp). bench/validation_data.py reads it as 1 where it is absent.
 OWN_COLUMNS = [*COLUMNS, "tp_col"]
+# A mixture of experts' table adds two more: expert parallelism's degree (ep, folded into dp x tp:
+# num_gpus stays tp x pp x dp) and the model as JSON (model_config: GPTConfig.to_dict, the experts'
+# fields the shared columns have no place for). bench/validation_data.py reads both where present.
+MOE_COLUMNS = [*OWN_COLUMNS, "ep", "model_config"]
 SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2, 4], micro_batch_size=[1, 2, 4], zero_stage=[0, 3],
                   activation_checkpoint=["none"], sequence_parallel=[False], pp_schedule=["1f1b"])  # fmt: skip
 # `--space column`: strong scaling, where 2D tensor parallelism could win. With a global batch of
@@ -62,7 +68,13 @@ SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2, 4], micro_batch_size=[1, 2, 4], zero_s
 # Megatron's tp, or 2D as tp x tp_col (the column pairs inside a node, the row group across).
 COLUMN_SPACE = SpaceSpec(tp=[1, 2, 4, 8], tp_col=[1, 2, 4, 8], pp=[1, 2], micro_batch_size=[1, 2], zero_stage=[0],
                          activation_checkpoint=["none"], sequence_parallel=[False], pp_schedule=["1f1b"])  # fmt: skip
-SPACES = {"default": SPACE, "column": COLUMN_SPACE}
+# `--space moe` (a mixture of experts, e.g. --model moe-small): expert parallelism 1-8 folded into
+# dp x tp, inside a node (ep 2: the node's 2 ranks) or across 2-4 nodes (ep 4, 8), against FSDP or
+# replicated dense weights, tp 1-2 (SP, as EP with TP needs) and pp 1-2, at micro-batch 2.
+MOE_SPACE = SpaceSpec(tp=[1, 2], pp=[1, 2], ep=[1, 2, 4, 8], micro_batch_size=[2], zero_stage=[0, 3],
+                      activation_checkpoint=["none"], sequence_parallel=[False, True], pp_schedule=["1f1b"],
+                      allow_cross_node_ep=True)  # fmt: skip
+SPACES = {"default": SPACE, "column": COLUMN_SPACE, "moe": MOE_SPACE}
 RANKS_PER_NODE = 2  # scripts/slurm-local.sh advertises 2 CPUs on each node of a multi-node cluster
 TRIAL_TIMEOUT_S = 600  # a layout across 200 Mbit/s links takes 1-2 s per step; start-up ~20 s
 INFRA_ATTEMPTS = 3  # a job lost to the cluster (not the layout) runs again, at most this often
@@ -98,6 +110,11 @@ def table_row(
         placed = ok[0].placement
         rule = "" if placed.get("follows_rule") else " (NOT the placement rule's)"
         notes += f"; placement: {summary(placed)}{rule}"
+    if imbalances := [i for r in ok if (i := measured_imbalance(r.to_dict())) is not None]:
+        notes += (
+            "; routed imbalance (max / mean tokens per expert; median over steps, mean over layers) per run: "
+        )
+        notes += ", ".join(f"{i:.3f}" for i in imbalances)
     if status != "ok":
         notes += "; " + "; ".join(f"{r.status}: {r.error.strip()[-200:]}" for r in results if not r.ok)
     return {
@@ -114,7 +131,7 @@ def table_row(
         "alt_metric_name": "tokens_per_s" if ok else "", "alt_value": f"{ok[0].tokens_per_s:.1f}" if ok else "",
         "peak_memory_gb": f"{max(r.peak_memory_bytes for r in ok) / 1e9:.5f}" if ok else "",
         "notes": notes,
-    }  # fmt: skip
+    } | ({"ep": layout.ep, "model_config": json.dumps(model.to_dict())} if model.moe else {})  # fmt: skip
 
 
 @contextmanager
@@ -219,7 +236,7 @@ def main() -> None:
         "--space",
         choices=sorted(SPACES),
         default="default",
-        help="the layouts: default, or column (strong scaling with 2D tensor parallelism)",
+        help="the layouts: default, column (strong scaling with 2D tensor parallelism) or moe (expert parallelism)",
     )
     args = parser.parse_args()
     if args.report:
@@ -253,7 +270,7 @@ def main() -> None:
     started = time.monotonic()
     # Every node of the local cluster sees this machine's /tmp: the jobs' shared work dir.
     with args.out.open("w", newline="") as f, tempfile.TemporaryDirectory() as tmp, runner as run:
-        writer = csv.DictWriter(f, OWN_COLUMNS)
+        writer = csv.DictWriter(f, MOE_COLUMNS if model.moe else OWN_COLUMNS)
         writer.writeheader()
         for i, layout in enumerate(layouts):
             cfg = BenchmarkConfig(model=model, parallel=layout, warmup_steps=args.warmup_steps,

@@ -21,6 +21,7 @@ unless the source states the padded one; pad with `megatron_padded_vocab` as Meg
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -223,6 +224,7 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
     num_gpus, gbs = int(row["num_gpus"]), int(row["global_batch_size"])
     tp, pp, dp, mbs = (int(row[k]) for k in ("tp", "pp", "dp", "micro_batch_size"))
     tp_col = int(row.get("tp_col") or 1)  # our own tables' column degree (bench/measure_table.py)
+    ep = int(row.get("ep") or 1)  # a mixture of experts' table: folded into dp x tp (not in num_gpus)
     if tp * tp_col * pp * dp != num_gpus:
         col = f" * tp_col({tp_col})" if tp_col > 1 else ""
         raise ValueError(
@@ -244,7 +246,7 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
     checkpoint, sequence_parallel = _checkpointing(row["activation_checkpoint"])
     schedule, virtual_stages = _pp_schedule(row["framework"], pp)
     parallel = ParallelConfig(
-        tp=tp, tp_col=tp_col, pp=pp,
+        tp=tp, tp_col=tp_col, pp=pp, ep=ep,
         dp_replicate=dp if zero_stage == 0 else 1, dp_shard=1 if zero_stage == 0 else dp,
         micro_batch_size=mbs, num_microbatches=grad_accum, zero_stage=zero_stage,
         activation_checkpoint=checkpoint, sequence_parallel=sequence_parallel,
@@ -273,6 +275,8 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
 
 
 def _model(row: dict[str, str], dataset: str, assumptions: list[str]) -> GPTConfig:
+    if (config := row.get("model_config") or "").strip():  # our own MoE tables: the whole model
+        return GPTConfig.from_dict(json.loads(config))
     defaults = SHAPE_DEFAULTS.get(row["table_id"], {})
     shape: dict[str, int] = {}
     for name in ("num_layers", "num_heads"):
