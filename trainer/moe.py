@@ -18,6 +18,7 @@ Plain modules like trainer/model.py: expert parallelism is applied from outside
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -204,10 +205,12 @@ class GroupedExperts(nn.Module):
     def _grouped(self, x: torch.Tensor, counts: list[int], weights: list[torch.Tensor]) -> torch.Tensor:
         """One grouped GEMM per matrix over every expert: each group padded to GROUPED_MM_ALIGN rows."""
         padded = [-(-c // GROUPED_MM_ALIGN) * GROUPED_MM_ALIGN for c in counts]
-        starts = torch.tensor([0, *padded[:-1]], device=x.device).cumsum(0)
-        rows = torch.cat([torch.arange(c, device=x.device) + s for c, s in zip(counts, starts.tolist())])
-        xp = x.new_zeros(sum(padded), x.shape[1]).index_copy(0, rows, x)
-        offs = torch.tensor(padded, device=x.device).cumsum(0).to(torch.int32)
+        ends = list(itertools.accumulate(padded))  # on the host: counts are, no device sync
+        rows = torch.cat(
+            [torch.arange(e - p, e - p + c, device=x.device) for c, p, e in zip(counts, padded, ends)]
+        )
+        xp = x.new_zeros(ends[-1], x.shape[1]).index_copy(0, rows, x)
+        offs = torch.tensor(ends, device=x.device, dtype=torch.int32)
         w1, w2, *w3 = weights
         h = torch._grouped_mm(xp, w1, offs=offs)
         h = F.silu(h) * torch._grouped_mm(xp, w3[0], offs=offs) if w3 else F.gelu(h, approximate="tanh")
