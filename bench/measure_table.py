@@ -178,13 +178,13 @@ def report(path: Path) -> list[str]:
     """The lines `--report` prints for one table (see the module docstring)."""
     from scipy.stats import spearmanr
 
-    from bench.priors import inputs
+    from bench.priors import inputs, prior_imbalance
     from bench.validation_data import load_csv
     from tuner import perfmodel
 
     rows = load_csv(path)
-    predicted = [perfmodel.estimate(m.model, m.parallel, m.cluster, m.precision).step_time_s
-                 for m in map(inputs, rows)]  # fmt: skip
+    predicted = [perfmodel.estimate(m.model, m.parallel, m.cluster, m.precision, moe_imbalance=prior_imbalance(r)).step_time_s
+                 for r, m in zip(rows, map(inputs, rows), strict=True)]  # fmt: skip
     ok = [(r, p) for r, p in zip(rows, predicted, strict=True) if r.status == "ok"]
     best, best_pred = min(ok, key=lambda rp: rp[0].iteration_time_s)
     t_best = best.iteration_time_s
@@ -205,6 +205,11 @@ def report(path: Path) -> list[str]:
         f"{1 + sum(p < min(near) for p in predicted)}",
         f"  Spearman rho predicted vs measured over {len(ok)} layouts: {rho:.3f}",
     ]
+    if imbalances := [float(i) for r, _ in ok if (m := re.search(r"per run: ([0-9., ]+)", r.notes))
+                      for i in m[1].rstrip(", ").split(", ")]:  # fmt: skip
+        lines.append(f"  routed imbalance measured: median {statistics.median(imbalances):.2f} "
+                     f"({min(imbalances):.2f}-{max(imbalances):.2f}) over {len(imbalances)} runs; "
+                     f"the model priced {prior_imbalance(best):.2f} (the study default)")  # fmt: skip
     if pairs:
         rerun = spearmanr([a for a, _ in pairs], [b for _, b in pairs]).statistic
         lines.append(f"  repeats: |run1 - run2| / mean median {statistics.median(spreads):.1%}, "

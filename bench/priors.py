@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 from bench.validation_data import Measurement, load_csv  # noqa: E402
 from tuner import fitting, perfconstants  # noqa: E402
 from tuner.pricing import Pricing  # noqa: E402
-from tuner.spec import ClusterSpec  # noqa: E402
+from tuner.spec import ClusterSpec, TrainingSpec  # noqa: E402
 
 PRIORS = ("cold", "warm")
 OWN_DATASET = "own_tables"  # bench/own_tables/: measured by this project's trainer
@@ -54,9 +54,17 @@ def inputs(row: Measurement) -> fitting.Measurement:
 
 def pricing(row: Measurement, constants: perfconstants.ModelConstants | None = None) -> Pricing:
     """The pricing a study of the row's table would use: its model, cluster and dtype (fp16 tables
-    price as bf16: the same bytes and, on these GPUs, the same peak), `constants` (default: cold)."""
+    price as bf16: the same bytes and, on these GPUs, the same peak), `constants` (default: cold),
+    and a mixture of experts' imbalance (prior_imbalance)."""
     dtype = "fp32" if row.precision == "fp32" else "bf16"
-    return Pricing(row.model, ClusterSpec(**row.cluster), dtype, constants or cold(row))
+    return Pricing(row.model, ClusterSpec(**row.cluster), dtype, constants or cold(row), prior_imbalance(row))
+
+
+def prior_imbalance(row: Measurement) -> float:
+    """A mixture of experts' max/mean tokens per expert as a study prices it before any trial: the
+    study default (training.moe_imbalance; our MoE tables route as the model learns, learned
+    routing). 1 for a dense model."""
+    return TrainingSpec.model_fields["moe_imbalance"].default if row.model.moe else 1.0
 
 
 def cold(row: Measurement) -> perfconstants.ModelConstants:
