@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 from tests.trainer.helpers import GLOBAL_BATCH, MODELS, assert_valid_result, tiny_config
 from tests.trainer.test_parity import REL_TOL, assert_parity, reference_of
+from trainer import moe
 from trainer.benchmark import run
 from trainer.config import MODEL_PRESETS, BenchmarkResult, ParallelConfig, trainer_problems
 from trainer.launch import run_local
 from trainer.memcheck import memcheck
 from trainer.model import GPT, cross_entropy_loss
-from trainer import moe
 from trainer.moe import GroupedExperts, MoE, Router, finish_step, sequence_aux_loss
 
 P = ParallelConfig
