@@ -124,7 +124,8 @@ def table_row(
         "global_batch_size": layout.global_batch_size, "num_gpus": layout.world_size,
         "gpu_type": gpu_type, "gpus_per_node": gpus_per_node, "tp": layout.tp, "tp_col": layout.tp_col, "pp": layout.pp,
         "dp": layout.dp, "micro_batch_size": layout.micro_batch_size, "grad_accum_steps": layout.num_microbatches,
-        "activation_checkpoint": "yes" if layout.activation_checkpoint == "full" else "no",
+        "activation_checkpoint": ("yes" if layout.activation_checkpoint == "full" else "no")
+        + (", sequence parallel" if layout.sequence_parallel else ""),
         "zero_stage": layout.zero_stage, "framework": "parallel-tuner trainer (torch 2.13 gloo), fp32",
         "measured_metric_name": "iteration_time_s",
         "measured_value": f"{statistics.median(times):.5f}" if status == "ok" else "", "status": status,

@@ -330,10 +330,11 @@ def _checkpointing(text: str) -> tuple[str, bool]:
     t = text.strip().lower()
     if t.startswith("selective") and "sequence parallel" in t:  # Korthikanti et al. table 5
         return "selective", True
+    sp = t.endswith(", sequence parallel")  # our own tables (bench/measure_table.py)
     if t.startswith(("yes", "likely yes", "full")):  # "likely yes": tr11 scripts pass the flag
-        return "full", False
-    if t.startswith(("no ", "not enabled")) or t == "no":
-        return "none", False
+        return "full", sp
+    if t.startswith(("no ", "no,", "not enabled")) or t == "no":
+        return "none", sp
     raise ValueError(f"cannot read activation_checkpoint from {text!r}")
 
 

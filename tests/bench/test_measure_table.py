@@ -4,11 +4,12 @@ the runs are made-up results with the placement a 4-node job records (trainer/to
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from bench.measure_table import OWN_COLUMNS, cluster_label, table_row
+from bench.measure_table import MOE_COLUMNS, OWN_COLUMNS, cluster_label, report, table_row
 from bench.validation_data import CLUSTERS, load_csv
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult
 from trainer.config import ParallelConfig as P
@@ -22,13 +23,15 @@ def _result(layout: P, step_times_s: list[float]) -> BenchmarkResult:
                            peak_memory_bytes=5_000_000, placement=placement(layout, HOSTS))  # fmt: skip
 
 
-def _write_and_load(tmp_path: Path, layout: P, results: list[BenchmarkResult], mbit: int | None):
-    cfg = BenchmarkConfig(model=MODEL_PRESETS["gpt-tiny"], parallel=layout, warmup_steps=1, measure_steps=3)
+def _write_and_load(
+    tmp_path: Path, layout: P, results: list[BenchmarkResult], mbit: int | None, model: str = "gpt-tiny"
+):
+    cfg = BenchmarkConfig(model=MODEL_PRESETS[model], parallel=layout, warmup_steps=1, measure_steps=3)
     path = tmp_path / "own_test.csv"
-    row = table_row(layout, cfg, results, model_name="gpt-tiny", table_id=path.stem, source="test",
+    row = table_row(layout, cfg, results, model_name=model, table_id=path.stem, source="test",
                     gpu_type=cluster_label(4, mbit), gpus_per_node=2, with_placement=True)  # fmt: skip
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, OWN_COLUMNS)
+        writer = csv.DictWriter(f, MOE_COLUMNS if cfg.model.moe else OWN_COLUMNS)
         writer.writeheader()
         writer.writerow(row)
     (measurement,) = load_csv(path)
@@ -74,3 +77,29 @@ def test_a_zero3_row_reads_back_sharded_and_a_failed_run_fails_the_row(tmp_path:
     row, m = _write_and_load(tmp_path, layout, [ok, crashed], mbit=None)
     assert (row["status"], row["measured_value"], m.iteration_time_s) == ("fail", "", None)
     assert "error: Slurm job 7 ended FAILED" in m.notes
+
+
+def test_a_moe_row_reads_back_with_its_experts_and_ep(tmp_path: Path) -> None:
+    """A mixture of experts' table: ep (folded into dp x tp, not in num_gpus) and the whole model
+    (the experts' fields have no shared column); the runs' routed imbalance in the notes, which
+    --report reads beside the imbalance the model priced."""
+    layout = P(
+        tp=2, dp_shard=4, zero_stage=3, sequence_parallel=True, ep=4, micro_batch_size=2, num_microbatches=2
+    )
+    runs = [
+        dataclasses.replace(
+            _result(layout, [0.9]),
+            moe={"routing": "learned", "imbalance": {"0": [1.2, 1.4, 1.6], "1": [2.0, 2.0, 2.0]}},
+        )
+    ]
+    row, m = _write_and_load(tmp_path, layout, runs, mbit=200, model="moe-small")
+    assert (row["ep"], row["num_gpus"]) == (4, 8)
+    assert m.parallel == layout and m.model == MODEL_PRESETS["moe-small"]
+    assert (
+        "routed imbalance (max / mean tokens per expert; median over steps, mean over layers) per run: 1.700"
+        in m.notes
+    )
+    lines = report(tmp_path / "own_test.csv")
+    assert (
+        "routed imbalance measured: median 1.70 (1.70-1.70) over 1 runs; the model priced 1.30" in lines[-1]
+    )
