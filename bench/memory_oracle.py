@@ -1,16 +1,21 @@
 """The analytic memory model (tuner/memmodel.py) against the memory oracle (trainer/memcheck.py):
 22B, 175B and 1T on 1024-3072 A100-80GB GPUs, in Korthikanti/Narayanan-style layouts (the large
-suite); Llama 3.1 8B, 70B and 405B on 16-2048 H100-80GB GPUs (`--suite llama`).
+suite); Llama 3.1 8B, 70B and 405B on 16-2048 H100-80GB GPUs (`--suite llama`); the mixtures of
+experts Mixtral-8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B with expert parallelism, their fit judged
+on H100-80GB and on H200-141GB (`--suite moe`).
 
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --suite llama --json
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --suite moe --json
 
 For every layout the oracle builds the trainer at full size on fake tensors ("cuda" mode: bf16
 mixed precision, AdamW's foreach step, every step's peak) for the first and the last pipeline rank,
 with two micro-batch counts extended linearly to the layout's (trainer/memcheck.py). Layouts that
 differ only in their global batch share those simulations. Each simulation is recorded in
 --records (JSON lines), so a re-run simulates only what is missing and `--no-simulate` compares
-the model with the recorded oracle alone (tests/tuner/test_memmodel.py does that).
+the model with the recorded oracle alone (tests/tuner/test_memmodel.py does that). A mixture of
+experts is simulated with balanced routing (its tokens per expert are the data's otherwise; the
+model is asked at imbalance 1 to match) and its experts as grouped GEMMs (trainer/memcheck.py).
 
 Error: |analytic - oracle| / oracle of the tensor bytes on the fullest rank (the model's
 memory_bytes less its calibrated workspace_bytes, memory_scale 1). Fit: the same calibrated terms
@@ -130,9 +135,56 @@ LLAMA_SHAPES: dict[str, list[tuple]] = {
 }
 LLAMA_GPUS = {"llama3.1-8b": (16, 64), "llama3.1-70b": (64, 256), "llama3.1-405b": (1024, 2048)}
 LLAMA_GLOBAL_BATCHES = {"llama3.1-8b": (128, 512), "llama3.1-70b": (256, 1024), "llama3.1-405b": (1024, 2048)}
-SUITES = {  # name: (shapes, GPU counts, global batches, cluster, records)
-    "large": (SHAPES, GPUS, GLOBAL_BATCHES, CLUSTER, RECORDS),
-    "llama": (LLAMA_SHAPES, LLAMA_GPUS, LLAMA_GLOBAL_BATCHES, LLAMA_CLUSTER, LLAMA_RECORDS),
+# The MoE suite (issue 27), at 4096 tokens, shapes with expert parallelism as a ninth field (ep,
+# folded into dp x tp as the trainer does; SP wherever tp > 1, as EP with TP needs). Mixtral-8x7B
+# (8 experts of 14336, top 2) as Megatron's MoE recipes run it (tp 1, ep 8, pp 4-8; Megatron-LM
+# examples/mixtral) and around it tp 2-8 with smaller ep, interleaving and GPipe; Qwen3-30B-A3B
+# (128 thin experts, top 8) on 2 nodes: FSDP with ep 8-16 as torchtitan's qwen3 configs and
+# Megatron-Bridge's recipe (pp 2, ep 8) do, tp 2-4, a pipeline of 4; Qwen3-235B-A22B (94 layers,
+# uneven stages) on 16 nodes: Megatron-Bridge's pp 8-16 with ep 8 and tp 1-8, ep 16-32 across nodes.
+# One GPU count per model, three global batches (they share the simulations): 72 layouts; each
+# fit judged on both clusters (the oracle's bytes do not depend on the device).
+MOE_SHAPES: dict[str, list[tuple]] = {
+    "mixtral-8x7b": [
+        (1, 4, "1f1b", 1, 1, "selective", False, 2, 8),
+        (1, 8, "1f1b", 1, 1, "full", False, 3, 8),
+        (2, 4, "1f1b", 1, 1, "selective", True, 2, 4),
+        (4, 2, "1f1b", 1, 1, "full", True, 3, 8),
+        (1, 4, "interleaved_1f1b", 2, 1, "full", False, 0, 8),
+        (2, 8, "1f1b", 1, 2, "full", True, 2, 2),
+        (1, 2, "gpipe", 1, 1, "full", False, 3, 8),
+        (8, 1, "1f1b", 1, 1, "full", True, 3, 8),
+    ],
+    "qwen3-30b-a3b": [
+        (1, 1, "1f1b", 1, 1, "full", False, 3, 8),
+        (1, 2, "1f1b", 1, 1, "full", False, 2, 8),
+        (1, 4, "1f1b", 1, 2, "selective", False, 2, 4),
+        (2, 2, "1f1b", 1, 1, "selective", True, 2, 4),
+        (1, 1, "1f1b", 1, 2, "full", False, 3, 16),
+        (4, 1, "1f1b", 1, 1, "full", True, 3, 8),
+        (1, 4, "interleaved_1f1b", 2, 1, "none", False, 0, 4),
+        (2, 1, "1f1b", 1, 1, "selective", True, 3, 2),
+    ],
+    "qwen3-235b-a22b": [
+        (1, 8, "1f1b", 1, 1, "full", False, 2, 16),
+        (2, 8, "1f1b", 1, 1, "selective", True, 2, 8),
+        (4, 4, "1f1b", 1, 1, "full", True, 3, 8),
+        (1, 16, "1f1b", 1, 1, "selective", False, 0, 8),
+        (4, 8, "interleaved_1f1b", 2, 1, "full", True, 2, 8),
+        (1, 4, "1f1b", 1, 1, "full", False, 3, 32),
+        (2, 4, "1f1b", 1, 2, "full", True, 2, 16),
+        (2, 16, "gpipe", 1, 1, "full", True, 2, 4),
+    ],
+}
+MOE_GPUS = {"mixtral-8x7b": (64,), "qwen3-30b-a3b": (16,), "qwen3-235b-a22b": (128,)}
+MOE_GLOBAL_BATCHES = {"mixtral-8x7b": (128, 256, 512), "qwen3-30b-a3b": (64, 128, 256),
+                      "qwen3-235b-a22b": (256, 512, 1024)}  # fmt: skip
+MOE_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_moe.jsonl"
+MOE_CLUSTERS = ("h100-80gb", "h200-141gb")
+SUITES = {  # name: (shapes, GPU counts, global batches, clusters (fit judged on each), records)
+    "large": (SHAPES, GPUS, GLOBAL_BATCHES, (CLUSTER,), RECORDS),
+    "llama": (LLAMA_SHAPES, LLAMA_GPUS, LLAMA_GLOBAL_BATCHES, (LLAMA_CLUSTER,), LLAMA_RECORDS),
+    "moe": (MOE_SHAPES, MOE_GPUS, MOE_GLOBAL_BATCHES, MOE_CLUSTERS, MOE_RECORDS),
 }
 
 # The small suite: a model whose activations and parameters both weigh (8 layers, h 128, s 256),
@@ -180,14 +232,14 @@ def layouts(suite: str = "large") -> list[tuple[str, GPTConfig, ParallelConfig, 
     all_shapes, all_gpus, batches = SUITES[suite][:3]
     for name, shapes in all_shapes.items():
         for shape, gpus, gbs in itertools.product(shapes, all_gpus[name], batches[name]):
-            tp, pp, schedule, v, mbs, ac, sp, zero = shape
+            tp, pp, schedule, v, mbs, ac, sp, zero, ep = (*shape, 1)[:9]
             dp = gpus // (tp * pp)
             if gpus % (tp * pp) or gbs % (dp * mbs):
                 continue
             p = ParallelConfig(
                 tp=tp, pp=pp, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, micro_batch_size=mbs,
                 num_microbatches=gbs // (dp * mbs), zero_stage=zero, activation_checkpoint=ac, sequence_parallel=sp,
-                pp_schedule=schedule, virtual_stages=v,
+                pp_schedule=schedule, virtual_stages=v, ep=ep,
             )  # fmt: skip
             model = padded_model(MODEL_PRESETS[name], tp)
             if not p.problems(model):
@@ -198,7 +250,7 @@ def layouts(suite: str = "large") -> list[tuple[str, GPTConfig, ParallelConfig, 
 def compare(rows: list[dict[str, Any]], c: ModelConstants, cluster: ClusterSpec) -> dict[str, Any]:
     """Errors and fit agreement of the analytic model on oracle rows."""
     budget = cluster.device_memory_bytes * (1 - c.memory_margin)
-    errors, disagree, missed = [], [], []
+    errors, disagree, missed, fits = [], [], [], 0
     for row in rows:
         model, p = GPTConfig.from_dict(row["model"]), ParallelConfig.from_dict(row["parallel"])
         gpu = row["device"] == "cuda"
@@ -210,6 +262,7 @@ def compare(rows: list[dict[str, Any]], c: ModelConstants, cluster: ClusterSpec)
         errors.append(abs(row["error"]))
         oracle_fits = oracle * c.memory_scale + c.workspace_bytes <= budget
         model_fits = mem["memory_bytes"] <= budget
+        fits += oracle_fits
         if oracle_fits and not model_fits:
             disagree.append(row)
         if model_fits and not oracle_fits:
@@ -221,6 +274,7 @@ def compare(rows: list[dict[str, Any]], c: ModelConstants, cluster: ClusterSpec)
         "fit_disagreements": len(disagree),
         "missed_ooms": len(missed),
         "disagreements": [_label(r) for r in disagree + missed],
+        "oracle_fits": fits,
     }
 
 
@@ -267,8 +321,9 @@ def run_oracle(
     rows = []
     for i, (name, model, p, device) in enumerate(todo):
         cfg = BenchmarkConfig(
-            model=model, parallel=p, device=device, dtype="bf16" if device == "cuda" else "fp32"
-        )
+            model=model, parallel=p, device=device, dtype="bf16" if device == "cuda" else "fp32",
+            moe_routing="balanced" if model.moe else "learned",
+        )  # fmt: skip
         before = simulator.simulated_s
         try:
             report = memcheck(cfg, extrapolate=device == "cuda", simulator=simulator)
@@ -294,19 +349,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
-        "--suite", choices=("large", "llama", "small"), default="large", help="which layouts (default large)"
+        "--suite",
+        choices=("large", "llama", "moe", "small"),
+        default="large",
+        help="which layouts (default large)",
     )
     parser.add_argument(
         "--records",
         type=Path,
-        help=f"recorded simulations (JSON lines; default {RECORDS.name}, llama: {LLAMA_RECORDS.name})",
+        help=f"recorded simulations (JSON lines; default {RECORDS.name}, llama: {LLAMA_RECORDS.name}, "
+        f"moe: {MOE_RECORDS.name})",
     )
     parser.add_argument("--no-simulate", action="store_true", help="use the recorded simulations only")
-    parser.add_argument("--models", help="large and llama suites: comma-separated subset (default all)")
+    parser.add_argument("--models", help="large, llama and moe suites: comma-separated subset (default all)")
     parser.add_argument("--max-tp", type=int, help="only layouts with tp at most this")
     parser.add_argument("--rows", type=Path, help="also write every layout's row here (JSON)")
     args = parser.parse_args(argv)
-    shapes, _, _, cluster, records = SUITES.get(args.suite, SUITES["large"])
+    shapes, _, _, clusters, records = SUITES.get(args.suite, SUITES["large"])
     models = args.models.split(",") if args.models else list(shapes)
     todo = [
         x for x in layouts(args.suite)
@@ -317,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print("no layout has a recorded simulation; run without --no-simulate", file=sys.stderr)
         return 1
-    summary = compare(rows, ModelConstants(), ClusterSpec(**cluster_preset(cluster)))
+    fits = {name: compare(rows, ModelConstants(), ClusterSpec(**cluster_preset(name))) for name in clusters}
+    summary = fits[clusters[0]]  # the errors do not depend on the cluster, the fit does
+    if len(clusters) > 1:
+        summary |= {"fit_by_cluster": {n: {k: f[k] for k in ("fit_disagreements", "missed_ooms", "disagreements",
+                                                              "oracle_fits")} for n, f in fits.items()}}  # fmt: skip
     cold = [r["wall_s"] for r in rows if r["simulated_s"] > 0]  # simulated now, not recorded before
     names = dict.fromkeys(r["name"] for r in rows)
     summary |= {
@@ -328,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "simulated_now": len(cold),
         "wall_s": time.perf_counter() - started,
-        "cluster": cluster,
+        "cluster": clusters[0] if len(clusters) == 1 else list(clusters),
     }  # fmt: skip
     if args.rows:
         args.rows.write_text(json.dumps(rows, indent=1))
