@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.config import ParallelConfig
 from trainer.model import GPT
-from trainer.moe import MoEComm, moe_layers
+from trainer.moe import MoEComm, local, moe_layers
 from trainer.parallel_dims import ParallelDims
 from trainer.tp2d import apply_tp_2d
 
@@ -169,14 +169,21 @@ def apply_expert_dp(
 ) -> None:
     """The experts' data parallelism over edp (the ranks holding the same experts): FSDP2 when the
     layout shards (zero_stage 2 or 3), else replicated. Applied before the dense FSDP2, which then
-    leaves the experts' parameters to these (torchtitan's per-parameter meshes)."""
+    leaves the experts' parameters to these (torchtitan's per-parameter meshes). FSDP2 shards a
+    rank's [E / ep, ...] expert weights on the expert dim when edp divides E / ep, else on their
+    next dim (torchtitan's rule too): one expert a rank over 8 edp ranks would otherwise leave it
+    whole on the first and nothing on the others (FSDP2 pads an uneven dim 0)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    edp = edp_mesh.size()
     for moe in moe_layers([model]):
         if zero_stage > 0:
+            local_experts = local(moe.experts.w1).shape[0]  # E / ep after expert parallelism
+            dim = 0 if local_experts % edp == 0 else 1
             fully_shard(
-                moe.experts, mesh=edp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy
-            )
+                moe.experts, mesh=edp_mesh, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
+                shard_placement_fn=lambda param, dim=dim: Shard(dim),
+            )  # fmt: skip
         else:
             replicate(moe.experts, mesh=edp_mesh, mp_policy=mp_policy)
 

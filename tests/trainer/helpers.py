@@ -21,6 +21,8 @@ MODELS: dict[str, GPTConfig] = {
     # DeepSeek's router (sigmoid, groups, expert bias, aux loss) with a shared expert and a dense layer 0.
     "moe": MODEL_PRESETS["moe-tiny"],
     "moe-ds": MODEL_PRESETS["moe-tiny-ds"],
+    # Two experts, top-1: one expert a rank at ep 2, fewer than the ranks sharding it (edp 2).
+    "moe-few": dataclasses.replace(MODEL_PRESETS["moe-tiny"], num_experts=2, moe_top_k=1),
     # Qwen3's attention: heads wider than hidden / heads, RMSNorm of q and k per head.
     "moe-qwen3": dataclasses.replace(MODEL_PRESETS["moe-tiny"], attention_head_dim=32, qk_norm="head"),
 }

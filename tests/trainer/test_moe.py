@@ -270,6 +270,8 @@ CASES = [
     ("ep4-dps4", "moe", P(dp_shard=4, zero_stage=2, ep=4, micro_batch_size=2)),
     # edp 2: the experts' own FSDP2 over the two ranks holding each expert
     ("ep2-dps4-zero3", "moe", P(dp_shard=4, zero_stage=3, ep=2, micro_batch_size=2)),
+    # one expert a rank over edp 2: FSDP2 shards the experts' second dim (trainer/parallelize.py)
+    ("few-ep2-dps4-zero3", "moe-few", P(dp_shard=4, zero_stage=3, ep=2, micro_batch_size=2)),
     ("ep2-tp2-sp", "moe", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=8)),
     ("ep2-pp2", "moe", P(pp=2, dp_shard=2, zero_stage=2, ep=2, micro_batch_size=2, num_microbatches=2)),
     (
