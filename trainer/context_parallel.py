@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 def head_tail_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -113,7 +112,10 @@ class CPComm:
         outs = []
         for i, c in enumerate(head_tail_chunks(self.rank, self.size)):
             keys = (c + 1) * half
-            mask = causal_lower_right(half, keys)
+            # Query j of the chunk (position c x half + j) sees keys 0 .. c x half + j: a causal
+            # mask aligned to the lower right (torch's CausalBias does not run under a dispatch
+            # mode, which the CPU memory measurement is: a boolean mask of the same shape).
+            mask = torch.ones(half, keys, dtype=torch.bool, device=q.device).tril(keys - half)
             qc = q[:, :, i * half : (i + 1) * half]
             outs.append(F.scaled_dot_product_attention(qc, k[:, :, :keys], v[:, :, :keys], attn_mask=mask,
                                                        dropout_p=dropout_p))  # fmt: skip
