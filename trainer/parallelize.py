@@ -3,12 +3,11 @@
 The order is fixed (torchtitan's): TP first (1D Megatron-LM, or 2D over tp x tp_col), because it
 turns parameters into DTensors on the tensor-parallel axes; then CP, which gives each attention
 its context-parallel group and the model its tokens' positions (before activation checkpointing
-wraps the attention core); then EP, which splits a mixture of
-experts' routed experts over the ep axis of the sparse mesh (ParallelDims.build_sparse_mesh);
-then activation checkpointing, which wraps the (already parallel) blocks; then compile of
-each block; then FSDP2 / replicate on the dp axes (the experts over edp), which must see the
-final module tree. With cp > 1 the data-parallel mesh is dp x cp (ParallelDims.weight_axes): the
-cp ranks hold the same weights.
+wraps the attention core); then EP, which splits a mixture of experts' routed experts over the ep
+axis of the sparse mesh (ParallelDims.build_sparse_mesh); then activation checkpointing, which
+wraps the (already parallel) blocks; then compile of each block; then FSDP2 / replicate on the dp
+axes (the experts over edp), which must see the final module tree. With cp > 1 the data-parallel
+mesh is dp x cp (ParallelDims.weight_axes): the cp ranks hold the same weights.
 """
 
 from __future__ import annotations
