@@ -170,7 +170,8 @@ def test_the_parity_tolerance_catches_a_wrong_cp_reduction() -> None:
     all_to_all of GatherSequence's backward dropped: each rank keeps the gradient its own queries
     give its own keys) move the step-1 gradient norm far past REL_TOL. Emulated in one process:
     rank r's queries see the other ranks' keys and values detached. The right emulation (nothing
-    detached) equals one process's norm, so the emulation itself is faithful."""
+    detached) equals one process's norm, so the emulation itself is faithful. Measured: 0.19 %
+    off on gpt-tiny, 19 x REL_TOL."""
     cp, model = 2, TINY
     x = torch.randint(
         0, model.vocab_size, (GLOBAL_BATCH, model.seq_len), generator=torch.Generator().manual_seed(0)
