@@ -195,7 +195,9 @@ class Trainer:
         self.modules = [m for _, m in parts]
         # The auxiliary loss's gradient is each micro-batch's share: accumulation divides the loss
         # by the micro-batches itself; a pipeline schedule scales the gradients afterwards.
-        aux_scale = 1.0 if p.pp > 1 else 1.0 / p.num_microbatches
+        # With cp each rank's auxiliary loss is its share of its sequences' (trainer/moe.py); the
+        # gradients' mean over dp x cp would divide the sum of the shares by cp: scaled back by cp.
+        aux_scale = (1.0 if p.pp > 1 else 1.0 / p.num_microbatches) * p.cp
         configure_moe(self.modules, balanced=cfg.moe_routing == "balanced", aux_scale=aux_scale)
         self.moe_step: dict[int, torch.Tensor] = {}  # layer id -> (imbalance, aux loss) of the last step
         self.params = [q for m in self.modules for q in m.parameters()]

@@ -1031,10 +1031,4 @@ def trainer_problems(cfg: BenchmarkConfig) -> list[str]:
             f"compile with cp ({p.cp}) > 1 is not supported: the K/V all-gather is an autograd function "
             "around a process-group collective, which fullgraph compile of a block refuses; set compile false"
         )
-    if p.cp > 1 and model.moe_aux_loss_coef > 0:
-        out.append(
-            f"moe_aux_loss_coef > 0 with cp ({p.cp}) > 1 is not built: the sequence-wise auxiliary loss "
-            "counts each sequence's tokens per expert, which cp splits over ranks; set moe_aux_loss_coef 0 "
-            "or cp 1"
-        )
     return out

@@ -81,6 +81,8 @@ class ParallelDims:
             mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         elif self.cp > 1 and self.dp_replicate > 1:
             mesh["dp_replicate", "cp"]._flatten("dp_cp")
+        if self.cp > 1 and self.tp > 1:  # the ranks of one sequence (a mixture of experts' aux loss)
+            mesh["cp", "tp"]._flatten("cp_tp")
         return mesh
 
     @property

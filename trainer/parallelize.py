@@ -13,6 +13,7 @@ mesh is dp x cp (ParallelDims.weight_axes): the cp ranks hold the same weights.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -163,8 +164,8 @@ def apply_ep(model: GPT, mesh: DeviceMesh | None, sparse_mesh: DeviceMesh, dims:
         ep_group=ep_mesh.get_group() if dims.ep > 1 else None,
         ep_size=dims.ep,
         ep_rank=ep_mesh.get_local_rank() if dims.ep > 1 else 0,
-        tp_group=mesh["tp"].get_group() if dims.tp > 1 else None,
-        tp_size=dims.tp,
+        tp_group=_sequence_group(mesh, dims),
+        tp_size=dims.cp * dims.tp,
         stage_group=sparse_mesh["stage"].get_group() if dims.stage_size > 1 else None,
         # The experts' gradient is reduced by a mean over edp replicas, each of which summed the
         # contributions of all dp x cp x tp ranks' tokens; the dense weights' is a mean over dp x cp.
@@ -178,6 +179,13 @@ def apply_ep(model: GPT, mesh: DeviceMesh | None, sparse_mesh: DeviceMesh, dims:
                 experts.register_parameter(
                     name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))
                 )
+
+
+def _sequence_group(mesh: DeviceMesh | None, dims: ParallelDims) -> dist.ProcessGroup | None:
+    """The ranks holding parts of the same sequences: tp under sequence parallelism, cp, or both
+    (the sequence-wise auxiliary loss counts each sequence's tokens over them)."""
+    axis = {(True, True): "cp_tp", (True, False): "cp", (False, True): "tp"}.get((dims.cp > 1, dims.tp > 1))
+    return mesh[axis].get_group() if axis else None
 
 
 def apply_expert_dp(
