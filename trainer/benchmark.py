@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import BenchmarkConfig, BenchmarkResult, trainer_problems
+from trainer.context_parallel import shard_sequence
 from trainer.failures import FailureBoard, InvalidLayout, MemoryCapExceeded
 from trainer.metrics import LiveBytesTracker, cpu_name, grad_norm_, peak_tflops_of
 from trainer.model import GPT, cross_entropy_loss, init_param_
@@ -149,6 +150,9 @@ class Trainer:
             moe = cfg.model.moe and world_size > 1
             self.sparse_mesh = self.dims.build_sparse_mesh(device.type) if moe else None
         self.groups = [self.mesh.get_group(a) for a in self.dims.enabled_axes] if self.mesh else []
+        flattened = [a for a in self.dims.weight_axes if a not in self.dims.enabled_axes]  # dp x cp
+        self.groups += [self.mesh.get_group(a) for a in flattened]
+        self.cp_rank = self.mesh.get_local_rank("cp") if p.cp > 1 else 0
         set_timeouts(self.groups, cfg.init_timeout_s)
         self.low_precision = _dtype(cfg, device) == torch.bfloat16
         param_dtype = torch.bfloat16 if self.low_precision else torch.float32
@@ -191,7 +195,9 @@ class Trainer:
         self.modules = [m for _, m in parts]
         # The auxiliary loss's gradient is each micro-batch's share: accumulation divides the loss
         # by the micro-batches itself; a pipeline schedule scales the gradients afterwards.
-        aux_scale = 1.0 if p.pp > 1 else 1.0 / p.num_microbatches
+        # With cp each rank's auxiliary loss is its share of its sequences' (trainer/moe.py); the
+        # gradients' mean over dp x cp would divide the sum of the shares by cp: scaled back by cp.
+        aux_scale = (1.0 if p.pp > 1 else 1.0 / p.num_microbatches) * p.cp
         configure_moe(self.modules, balanced=cfg.moe_routing == "balanced", aux_scale=aux_scale)
         self.moe_step: dict[int, torch.Tensor] = {}  # layer id -> (imbalance, aux loss) of the last step
         self.params = [q for m in self.modules for q in m.parameters()]
@@ -222,15 +228,19 @@ class Trainer:
         return r * self.dims.dp_shard + s
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the global batch: every cp rank of a dp group gets the same
+        sequences, then keeps its two head-tail chunks of tokens and targets."""
         start = self.dp_rank * self.local_rows
         x, y = synthetic_batch(self.cfg, step, range(start, start + self.local_rows))
+        if self.dims.cp > 1:
+            x, y = (shard_sequence(t, self.dims.cp, self.cp_rank) for t in (x, y))
         return x.to(self.device), y.to(self.device)
 
     def _context(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         if self.dims.tp > 1:  # logits stay vocab-sharded; cross-entropy reduces across tp
             stack.enter_context(loss_parallel())
-        if self.low_precision and not self.dims.dp_axes:  # with FSDP2/replicate: mp_policy
+        if self.low_precision and not self.dims.weight_axes:  # with FSDP2/replicate: mp_policy
             stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
         return stack
 
@@ -264,9 +274,9 @@ class Trainer:
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         (model,) = self.modules
         n = self.cfg.parallel.num_microbatches
-        # Replicated DP: all-reduce once, after the last micro-batch (DDP's no_sync). Sharded DP
-        # reduce-scatters every micro-batch so that gradients stay sharded.
-        replicated_only = self.dims.dp_replicate > 1 and self.dims.dp_shard == 1
+        # Replicated DP (over dp_replicate and/or cp): all-reduce once, after the last micro-batch
+        # (DDP's no_sync). Sharded DP reduce-scatters every micro-batch so that gradients stay sharded.
+        replicated_only = bool(self.dims.weight_axes) and self.dims.dp_shard == 1
         total = torch.zeros((), device=self.device)
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
             if replicated_only:
@@ -369,11 +379,12 @@ def train(
                 break
 
     p = cfg.parallel
-    # Loss: mean over the global batch. Only last-stage ranks hold one; tp (x tp_col) ranks hold copies.
+    # Loss: mean over the global batch. Only last-stage ranks hold one; tp (x tp_col) ranks hold
+    # copies; cp ranks hold the means of equal shares of the same sequences.
     loss_sum = torch.stack(losses).to(torch.float64)
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
-    loss_values = (loss_sum / (p.tp * p.tp_col * p.dp)).tolist()
+    loss_values = (loss_sum / (p.tp * p.tp_col * p.dp * p.cp)).tolist()
     peak_bytes = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else cpu_peak
     per_rank = [0] * world_size
     per_rank[rank] = peak_bytes

@@ -539,10 +539,14 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
 }  # fmt: skip
 
 
+_LATER_AXES = ("tp_col", "ep", "cp")  # ParallelConfig.to_dict writes them only when > 1
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """One layout. world_size = tp * tp_col * pp * dp_replicate * dp_shard;
-    global_batch = micro_batch_size * num_microbatches * dp_replicate * dp_shard.
+    """One layout. world_size = tp * tp_col * pp * dp_replicate * dp_shard * cp;
+    global_batch = micro_batch_size * num_microbatches * dp_replicate * dp_shard (cp ranks share
+    their sequences: context parallelism does not change the batch).
 
     tp is the (row) tensor-parallel degree of Megatron-LM; tp_col a second, column degree
     (AxoNN's G_c, trainer/tp2d.py): each weight is split over tp x tp_col ranks.
@@ -552,7 +556,13 @@ class ParallelConfig:
     experts' routed experts are split over ep neighbouring ranks of each pipeline stage's
     dp x tp block, and each expert's replicas (expert data parallelism, edp = dp x tp / ep) are
     sharded (zero_stage > 0) or replicated like the dense weights (trainer/topology.py: expert_groups;
-    docs/parallelism.md)."""
+    docs/parallelism.md).
+
+    cp, context parallelism, splits every sequence over cp ranks (head-tail: 2 x cp chunks, rank r
+    holds chunks r and 2cp-1-r; trainer/context_parallel.py). Its mesh axis sits between dp_shard
+    and tp (torchtitan's [pp, dp_replicate, dp_shard, cp, tp]); the cp ranks hold the same weights,
+    so FSDP2 shards over dp_shard x cp and gradients are averaged over dp x cp; ep folds into
+    dp x cp x tp (torchtitan: ep divides dp_shard x cp x tp)."""
 
     tp: int = 1
     tp_col: int = 1
@@ -566,7 +576,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pp_schedule: PipelineSchedule = "1f1b"
     virtual_stages: int = 1  # pipeline stages per pp rank (interleaved 1F1B)
-    ep: int = 1  # expert parallelism, folded into dp x tp (a mixture of experts only)
+    ep: int = 1  # expert parallelism, folded into dp x cp x tp (a mixture of experts only)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
     @property
     def dp(self) -> int:
@@ -574,7 +585,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.tp_col * self.pp * self.dp
+        return self.tp * self.tp_col * self.pp * self.dp * self.cp
 
     @property
     def global_batch_size(self) -> int:
@@ -587,7 +598,7 @@ class ParallelConfig:
     @property
     def edp(self) -> int:
         """Expert data parallelism: the ranks of one pipeline stage holding the same experts."""
-        return self.dp * self.tp * self.tp_col // self.ep
+        return self.dp * self.cp * self.tp * self.tp_col // self.ep
 
     def problems(self, model: GPTConfig) -> list[str]:
         """Every reason this layout cannot run `model`; empty when it can."""
@@ -607,13 +618,14 @@ class ParallelConfig:
             "num_microbatches",
             "virtual_stages",
             "ep",
+            "cp",
         ):
             if getattr(self, name) < 1:
                 out.append((f"{name} must be >= 1", f"{name} must be >= 1, got {getattr(self, name)}"))
         if out:
             return out
         out += self._tp_violations(model) + self._pp_violations(model) + self._dp_violations()
-        out += self._moe_violations(model)
+        out += self._moe_violations(model) + self._cp_violations(model)
         if self.activation_checkpoint not in ACTIVATION_CHECKPOINTS:
             out.append((
                 "unknown activation_checkpoint",
@@ -657,7 +669,7 @@ class ParallelConfig:
             ))  # fmt: skip
         if self.sequence_parallel and self.tp == 1:
             out.append(("sequence_parallel needs tp > 1", "sequence_parallel needs tp > 1"))
-        if self.sequence_parallel and model.seq_len % self.tp:
+        if self.sequence_parallel and self.cp == 1 and model.seq_len % self.tp:
             out.append((
                 "sequence_parallel needs tp to divide seq_len",
                 f"sequence_parallel: tp ({self.tp}) must divide seq_len ({model.seq_len})",
@@ -720,11 +732,17 @@ class ParallelConfig:
                 "ep must divide num_experts",
                 f"ep ({self.ep}) must divide num_experts ({model.num_experts}): each rank holds whole experts",
             ))  # fmt: skip
-        if (self.dp * self.tp) % self.ep:
+        if self.cp == 1 and (self.dp * self.tp) % self.ep:
             out.append((
                 "ep must divide dp x tp",
                 f"ep ({self.ep}) must divide dp_replicate x dp_shard x tp ({self.dp * self.tp}): expert "
                 "parallelism borrows the ranks of data and tensor parallelism (torchtitan's and Megatron's folding)",
+            ))  # fmt: skip
+        if self.cp > 1 and (self.dp * self.cp * self.tp) % self.ep:
+            out.append((
+                "ep must divide dp x cp x tp",
+                f"ep ({self.ep}) must divide dp_replicate x dp_shard x cp x tp ({self.dp * self.cp * self.tp}): "
+                "expert parallelism borrows the ranks of data, context and tensor parallelism (torchtitan's folding)",
             ))  # fmt: skip
         if self.tp_col > 1:
             out.append((
@@ -738,6 +756,33 @@ class ParallelConfig:
                 f"a mixture of experts with tp ({self.tp}) > 1 needs sequence_parallel: each tensor-parallel "
                 "rank routes its own tokens (experts are not split over tp; Megatron requires sequence "
                 "parallelism when EP > 1 and TP > 1)",
+            ))  # fmt: skip
+        return out
+
+    def _cp_violations(self, model: GPTConfig) -> list[tuple[str, str]]:
+        """Context-parallel rules: 2 x cp equal chunks of every sequence (head-tail load
+        balancing), sequence parallelism splitting each rank's seq_len / cp tokens over tp, and no
+        2D tensor parallelism (not built with cp)."""
+        if self.cp == 1:
+            return []
+        out = []
+        if model.seq_len % (2 * self.cp):
+            out.append((
+                "cp needs seq_len divisible by 2 x cp",
+                f"cp ({self.cp}) needs seq_len ({model.seq_len}) divisible by 2 x cp ({2 * self.cp}): head-tail "
+                "load balancing gives each rank two of 2 x cp equal chunks of every sequence",
+            ))  # fmt: skip
+        elif self.sequence_parallel and (model.seq_len // self.cp) % self.tp:
+            out.append((
+                "sequence_parallel needs tp to divide seq_len / cp",
+                f"sequence_parallel with cp ({self.cp}): tp ({self.tp}) must divide seq_len / cp "
+                f"({model.seq_len} / {self.cp} = {model.seq_len // self.cp}), the tokens each cp rank holds",
+            ))  # fmt: skip
+        if self.tp_col > 1:
+            out.append((
+                "cp needs tp_col 1",
+                f"cp ({self.cp}) > 1 with tp_col ({self.tp_col}) > 1 is not implemented: use cp with 1D tensor "
+                "parallelism (tp_col 1)",
             ))  # fmt: skip
         return out
 
@@ -782,13 +827,15 @@ class ParallelConfig:
             parts.append("sp")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """tp_col and ep appear only when > 1, so a layout without those axes keeps the keys it had
-        before they existed (stored layout keys, golden scripts, old results)."""
+        """tp_col, ep and cp appear only when > 1, so a layout without those axes keeps the keys it
+        had before they existed (stored layout keys, golden scripts, old results)."""
         data = dataclasses.asdict(self)
-        for name in ("tp_col", "ep"):
+        for name in _LATER_AXES:
             if data[name] == 1:
                 del data[name]
         return data
@@ -855,8 +902,9 @@ class BenchmarkConfig:
         data = dataclasses.asdict(self)
         data["model"] = self.model.to_dict()
         parallel = dataclasses.asdict(self.parallel)
-        if self.parallel.ep == 1:
-            del parallel["ep"]
+        for name in ("ep", "cp"):
+            if parallel[name] == 1:
+                del parallel[name]
         data["parallel"] = parallel
         if not self.model.moe and self.moe_routing == "learned":
             del data["moe_routing"]
@@ -978,4 +1026,9 @@ def trainer_problems(cfg: BenchmarkConfig) -> list[str]:
         )
     if p.tp_col > 1 and (model.qk_norm != "none" or model.attention_head_dim is not None):
         out.append("2D tensor parallelism (tp_col > 1) with qk_norm or attention_head_dim is not built")
+    if p.cp > 1 and cfg.compile:
+        out.append(
+            f"compile with cp ({p.cp}) > 1 is not supported: the K/V all-gather is an autograd function "
+            "around a process-group collective, which fullgraph compile of a block refuses; set compile false"
+        )
     return out

@@ -62,12 +62,13 @@ def as_in_a_real_world(cfg: BenchmarkConfig) -> Iterator[None]:
 def stage_boundary(cfg: BenchmarkConfig) -> _TensorMeta:
     """What one pipeline stage sends the next per micro-batch: the residual stream, (b, s, h), or
     (b, s/tp, h) with sequence parallelism, (b, s, h/tp_col) with 2D tensor parallelism (its
-    column-split stream); in the parameters' dtype under FSDP2/replicate's mixed precision, fp32
-    otherwise (autocast leaves the residual adds in fp32)."""
+    column-split stream), s being a context-parallel rank's seq_len / cp tokens; in the
+    parameters' dtype under FSDP2/replicate's mixed precision (over dp x cp), fp32 otherwise
+    (autocast leaves the residual adds in fp32)."""
     p, m = cfg.parallel, cfg.model
-    seq = m.seq_len // (p.tp if p.sequence_parallel else 1)
+    seq = m.seq_len // p.cp // (p.tp if p.sequence_parallel else 1)
     hidden = m.hidden_size // p.tp_col
-    low = cfg.dtype == "bf16" and p.dp > 1
+    low = cfg.dtype == "bf16" and p.dp * p.cp > 1
     return _TensorMeta(
         shape=torch.Size((p.micro_batch_size, seq, hidden)),
         stride=(seq * hidden, hidden, 1),

@@ -67,7 +67,7 @@ class MemcheckError(RuntimeError):
 @dataclass(frozen=True)
 class RankMemory:
     rank: int
-    coords: dict[str, int]  # mesh coordinate per axis (pp, dp_replicate, dp_shard, tp)
+    coords: dict[str, int]  # mesh coordinate per axis (trainer/topology.py MESH_AXES)
     phases: dict[str, dict[str, int]]  # PHASES -> CATEGORIES -> bytes live at the phase's peak
     seconds: float  # simulation time (both simulations when extrapolated)
     steps: list[dict[str, dict[str, int]]] = field(default_factory=list)  # "cuda": phases per step

@@ -8,6 +8,10 @@ Hugging Face checkpoint's q and k weights load as they are.
 
 Layers live in a ModuleDict keyed by layer id and the embedding, final norm and head may be None,
 so a pipeline stage is this same class with parts removed (torchtitan's layout).
+
+Context parallelism (trainer/context_parallel.py) sets, from outside, the global positions of the
+tokens this rank holds (`GPT.positions`, for RoPE and learned positions) and a `CPComm` on each
+attention, which then gathers K/V over the cp ranks; without it (cp 1) they are None.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import GPTConfig
+from trainer.context_parallel import CPComm
 from trainer.moe import MoE, local
 
 INIT_STD = 0.02  # GPT-2
@@ -38,11 +43,16 @@ class Embeddings(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.positions == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
+        self.positions: torch.Tensor | None = None  # context parallelism: the tokens' global positions
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            if self.positions is not None:
+                positions = self.positions.to(idx.device)
+            else:
+                positions = torch.arange(idx.shape[1], device=idx.device)
+            x = x + self.pos(positions)
         return self.drop(x)
 
 
@@ -65,9 +75,15 @@ def rope_inv_freq(cfg: GPTConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled).float()
 
 
-def rope_cos_sin(cfg: GPTConfig, device: torch.device | None = None) -> torch.Tensor:
-    """cos and sin of every position's angles, stacked: (2, seq_len, head_dim), fp32."""
-    positions = torch.arange(cfg.seq_len, dtype=torch.float32, device=device)
+def rope_cos_sin(
+    cfg: GPTConfig, device: torch.device | None = None, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """cos and sin of every position's angles, stacked: (2, seq_len, head_dim), fp32; of the given
+    `positions` only (context parallelism: a rank's tokens), in their order."""
+    if positions is None:
+        positions = torch.arange(cfg.seq_len, dtype=torch.float32, device=device)
+    else:
+        positions = positions.to(device=device, dtype=torch.float32)
     angles = torch.outer(positions, rope_inv_freq(cfg).to(device))
     angles = torch.cat((angles, angles), dim=-1)
     return torch.stack((angles.cos(), angles.sin()))
@@ -88,9 +104,12 @@ class CoreAttention(nn.Module):
     def __init__(self, dropout: float):
         super().__init__()
         self.dropout = dropout
+        self.cp: CPComm | None = None  # context parallelism: local queries, the whole sequence's K/V
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
+        if self.cp is not None:
+            return self.cp.attention(q, k, v, p)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
@@ -117,6 +136,7 @@ class Attention(nn.Module):
         self.core = CoreAttention(cfg.dropout)
         self.wo = nn.Linear(cfg.q_size, h, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
+        self.cp: CPComm | None = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -130,6 +150,8 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         if self.rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.cp is not None:  # every cp rank's keys and values, KV heads only (before GQA's repeat)
+            k, v = self.cp.gather(k), self.cp.gather(v)
         if k.shape[1] != q.shape[1]:  # GQA: each KV head repeated for its group of query heads
             k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
         y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)
@@ -192,6 +214,16 @@ class GPT(nn.Module):
             self.head.weight = self.embed.tok.weight
         # Rotary cos/sin, shared by every layer of this stage (not a parameter, not saved).
         self.register_buffer("rope", rope_cos_sin(cfg) if cfg.positions == "rope" else None, persistent=False)
+        self.positions: torch.Tensor | None = None  # set_positions (context parallelism)
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """Hold only the tokens at these global positions (context parallelism): the rotary table
+        and the learned position embeddings follow them."""
+        self.positions = positions
+        if self.embed is not None:
+            self.embed.positions = positions
+        if self.rope is not None:
+            self.rope = rope_cos_sin(self.cfg, self.rope.device, positions)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V); a pipeline stage maps whatever it holds."""
@@ -208,7 +240,7 @@ class GPT(nn.Module):
     def init_buffers(self) -> None:
         """Recompute the buffers where the parameters are (after to_empty() from meta)."""
         if self.rope is not None:
-            self.rope = rope_cos_sin(self.cfg, self.rope.device)
+            self.rope = rope_cos_sin(self.cfg, self.rope.device, self.positions)
         for name, buffer in self.named_buffers():
             if name.endswith(("expert_bias", "tokens_per_expert", "aux_loss")):
                 buffer.zero_()

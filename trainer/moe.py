@@ -37,9 +37,11 @@ class MoEComm:
     """How one MoE layer talks to its peers (set by trainer/parallelize.py; one process: defaults).
 
     ep_group: the expert-parallel group (experts split E / ep per rank, tokens all-to-all'd);
-    tp_group: the tensor-parallel group under sequence parallelism (each rank routes 1/tp of each
-    sequence; the auxiliary loss counts over whole sequences); stage_group: every rank of this
-    pipeline stage (dp x tp: the global batch's token counts, for the expert bias and imbalance);
+    tp_group: the ranks holding parts of the same sequences (tp_size of them): the tensor-parallel
+    group under sequence parallelism (each rank routes 1/tp of each sequence), the context-parallel
+    group, or cp x tp; the auxiliary loss counts over whole sequences. stage_group: every rank of
+    this pipeline stage (dp x cp x tp: the global batch's token counts, for the expert bias and
+    imbalance);
     expert_grad_scale: edp / dp, so that the expert-DP mean (over edp replicas, each summing the
     contributions of ep x ... ranks) equals the dense data-parallel mean."""
 

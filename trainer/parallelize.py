@@ -1,16 +1,19 @@
-"""Apply tensor, expert and data parallelism, activation checkpointing and compile to a GPT.
+"""Apply tensor, context, expert and data parallelism, activation checkpointing and compile to a GPT.
 
 The order is fixed (torchtitan's): TP first (1D Megatron-LM, or 2D over tp x tp_col), because it
-turns parameters into DTensors on the tensor-parallel axes; then EP, which splits a mixture of
-experts' routed experts over the ep axis of the sparse mesh (ParallelDims.build_sparse_mesh);
-then activation checkpointing, which wraps the (already parallel) blocks; then compile of
-each block; then FSDP2 / replicate on the dp axes (the experts over edp), which must see the
-final module tree.
+turns parameters into DTensors on the tensor-parallel axes; then CP, which gives each attention
+its context-parallel group and the model its tokens' positions (before activation checkpointing
+wraps the attention core); then EP, which splits a mixture of experts' routed experts over the ep
+axis of the sparse mesh (ParallelDims.build_sparse_mesh); then activation checkpointing, which
+wraps the (already parallel) blocks; then compile of each block; then FSDP2 / replicate on the dp
+axes (the experts over edp), which must see the final module tree. With cp > 1 the data-parallel
+mesh is dp x cp (ParallelDims.weight_axes): the cp ranks hold the same weights.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainer.config import ParallelConfig
+from trainer.context_parallel import CPComm
 from trainer.model import GPT
 from trainer.moe import MoEComm, local, moe_layers
 from trainer.parallel_dims import ParallelDims
@@ -48,6 +52,8 @@ def parallelize_gpt(
         apply_tp_2d(model, mesh[dims.tensor_axes])
     elif dims.tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel=parallel.sequence_parallel)
+    if dims.cp > 1:
+        apply_cp(model, mesh["cp"])
     if sparse_mesh is not None:
         apply_ep(model, mesh, sparse_mesh, dims)
     if parallel.activation_checkpoint != "none":
@@ -57,9 +63,9 @@ def parallelize_gpt(
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if sparse_mesh is not None and dims.edp > 1:
         apply_expert_dp(model, sparse_mesh["edp"], parallel.zero_stage, mp_policy)
-    if dims.dp_axes:
-        dp_mesh = mesh[dims.dp_axes]
-        if dims.dp_shard > 1:  # FSDP2, or HSDP when dp_replicate > 1 too
+    if dims.weight_axes:
+        dp_mesh = mesh[dims.weight_axes]
+        if dims.dp_shard > 1:  # FSDP2 (over dp_shard x cp), or HSDP when dp_replicate > 1 too
             apply_fsdp(model, dp_mesh, reshard_after_forward=parallel.zero_stage == 3, mp_policy=mp_policy)
         else:
             apply_replicate(model, dp_mesh, mp_policy=mp_policy)
@@ -129,6 +135,17 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
                 _replicate_params(part, tp_mesh)
 
 
+def apply_cp(model: GPT, cp_mesh: DeviceMesh) -> None:
+    """Context parallelism (trainer/context_parallel.py): this rank holds two head-tail chunks of
+    every sequence; positions (RoPE, learned) follow them and each attention gathers K/V over the
+    cp group."""
+    comm = CPComm(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), model.cfg.seq_len)
+    model.set_positions(comm.positions)
+    for block in model.layers.values():
+        block.attn.cp = comm
+        block.attn.core.cp = comm
+
+
 def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
     for sub in module.modules():
         for name, param in list(sub.named_parameters(recurse=False)):
@@ -140,18 +157,18 @@ def apply_ep(model: GPT, mesh: DeviceMesh | None, sparse_mesh: DeviceMesh, dims:
     of each [E, ...] weight: E / ep per rank; no expert-TP, docs/parallelism.md), tokens sent to
     their experts' ranks and back by all-to-all (trainer/moe.py). The layers also get the groups
     over which they count tokens: the tensor-parallel group (sequence-wise auxiliary loss) and
-    the stage's dp x tp ranks (the global batch's load, for the expert bias and imbalance)."""
-    dp = dims.dp_replicate * dims.dp_shard
+    the stage's dp x cp x tp ranks (the global batch's load, for the expert bias and imbalance)."""
+    dp = dims.dp_replicate * dims.dp_shard * dims.cp  # the dense weights' gradient: a mean over dp x cp
     ep_mesh = sparse_mesh["ep"]
     comm = MoEComm(
         ep_group=ep_mesh.get_group() if dims.ep > 1 else None,
         ep_size=dims.ep,
         ep_rank=ep_mesh.get_local_rank() if dims.ep > 1 else 0,
-        tp_group=mesh["tp"].get_group() if dims.tp > 1 else None,
-        tp_size=dims.tp,
-        stage_group=sparse_mesh["stage"].get_group() if dp * dims.tp > 1 else None,
+        tp_group=_sequence_group(mesh, dims),
+        tp_size=dims.cp * dims.tp,
+        stage_group=sparse_mesh["stage"].get_group() if dims.stage_size > 1 else None,
         # The experts' gradient is reduced by a mean over edp replicas, each of which summed the
-        # contributions of all dp x tp ranks' tokens; the dense weights' is a mean over dp.
+        # contributions of all dp x cp x tp ranks' tokens; the dense weights' is a mean over dp x cp.
         expert_grad_scale=dims.edp / dp,
     )
     for moe in moe_layers([model]):
@@ -162,6 +179,13 @@ def apply_ep(model: GPT, mesh: DeviceMesh | None, sparse_mesh: DeviceMesh, dims:
                 experts.register_parameter(
                     name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]))
                 )
+
+
+def _sequence_group(mesh: DeviceMesh | None, dims: ParallelDims) -> dist.ProcessGroup | None:
+    """The ranks holding parts of the same sequences: tp under sequence parallelism, cp, or both
+    (the sequence-wise auxiliary loss counts each sequence's tokens over them)."""
+    axis = {(True, True): "cp_tp", (True, False): "cp", (False, True): "tp"}.get((dims.cp > 1, dims.tp > 1))
+    return mesh[axis].get_group() if axis else None
 
 
 def apply_expert_dp(

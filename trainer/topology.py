@@ -1,7 +1,7 @@
 """Where a layout's ranks sit: the one rule the trainer's mesh follows and the planner assumes.
 
-Ranks are numbered in mesh order, `MESH_AXES` outermost first (pp, dp_replicate, dp_shard, tp,
-tp_col: tensor parallelism innermost, torchtitan's order, with the column axis next to the row
+Ranks are numbered in mesh order, `MESH_AXES` outermost first (pp, dp_replicate, dp_shard, cp,
+tp, tp_col: tensor parallelism innermost and context parallelism next to it, torchtitan's order, with the column axis next to the row
 axis as in AxoNN, so that a tp x tp_col group is one block of neighbours), and placed on nodes in blocks: rank r runs on node
 r // ranks_per_node. That is Slurm's default task distribution (`--distribution=block`, which
 the job scripts and steps ask for explicitly) and torchrun's on one node. So a group of an axis
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from trainer.config import ParallelConfig
 
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp", "tp_col")  # outer to inner
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "tp_col")  # outer to inner
 
 
 def axis_sizes(p: ParallelConfig) -> dict[str, int]:
@@ -28,10 +28,12 @@ def axis_sizes(p: ParallelConfig) -> dict[str, int]:
 
 
 def axis_strides(p: ParallelConfig) -> dict[str, int]:
-    """Rank distance between neighbours of each axis: tp_col 1, tp tp_col, dp_shard t (the
-    tensor-parallel ranks, t = tp x tp_col), dp_replicate t x dp_shard, pp t x dp. Two groups span
-    several axes: "dp" (both data-parallel axes, dp ranks at stride t) and, with tp_col > 1,
-    "tensor" (the row x column group: t neighbouring ranks)."""
+    """Rank distance between neighbours of each axis: tp_col 1, tp tp_col, cp t (the
+    tensor-parallel ranks, t = tp x tp_col), dp_shard t x cp, dp_replicate t x cp x dp_shard, pp
+    t x cp x dp. Groups spanning several axes: "dp" (both data-parallel axes, dp ranks at stride
+    t x cp), with tp_col > 1 "tensor" (the row x column group: t neighbouring ranks), and with
+    cp > 1 and dp > 1 "dp_cp" (the ranks holding the same weights: FSDP2's and the gradients'
+    group, dp x cp ranks at stride t)."""
     sizes, strides, inner = axis_sizes(p), {}, 1
     for axis in reversed(MESH_AXES):
         strides[axis] = inner
@@ -41,8 +43,8 @@ def axis_strides(p: ParallelConfig) -> dict[str, int]:
 
 def expert_groups(p: ParallelConfig) -> dict[str, tuple[int, int]]:
     """(size, stride) of the expert-parallel group ("ep": ep neighbouring ranks, the innermost of
-    each pipeline stage's dp x tp block) and of the expert data-parallel group ("edp": the
-    dp x tp / ep ranks holding the same experts, ep apart). The trainer's sparse mesh is
+    each pipeline stage's dp x cp x tp block) and of the expert data-parallel group ("edp": the
+    dp x cp x tp / ep ranks holding the same experts, ep apart). The trainer's sparse mesh is
     arange(world).reshape(pp, edp, ep) (trainer/parallel_dims.py), torchtitan's folding."""
     return {"ep": (p.ep, 1), "edp": (p.edp, p.ep)}
 
@@ -68,22 +70,26 @@ def nodes_spanned(size: int, stride: int, ranks_per_node: int) -> int:
 
 def expected_spans(p: ParallelConfig, ranks_per_node: int) -> dict[str, int]:
     """Nodes a group of each axis of degree > 1 spans, by the rule; the data-parallel axes also as
-    one group ("dp"), and the row x column tensor-parallel group ("tensor")."""
+    one group ("dp"), the row x column tensor-parallel group ("tensor") and the data x context
+    group ("dp_cp")."""
     return {axis: nodes_spanned(*size_stride(p, axis), ranks_per_node) for axis in group_axes(p)}
 
 
 def group_axes(p: ParallelConfig) -> list[str]:
-    """The groups the placement rule covers: each axis of degree > 1, "dp" when dp > 1 and
-    "tensor" when tp_col > 1."""
+    """The groups the placement rule covers: each axis of degree > 1, "dp" when dp > 1,
+    "tensor" when tp_col > 1 and "dp_cp" when both dp and cp > 1."""
     sizes = axis_sizes(p)
     out = [a for a in MESH_AXES if sizes[a] > 1]
-    return out + (["dp"] if p.dp > 1 else []) + (["tensor"] if p.tp_col > 1 else [])
+    out += (["dp"] if p.dp > 1 else []) + (["tensor"] if p.tp_col > 1 else [])
+    return out + (["dp_cp"] if p.dp > 1 and p.cp > 1 else [])
 
 
 def size_stride(p: ParallelConfig, axis: str) -> tuple[int, int]:
     """(ranks in one group, rank distance between its neighbours) of an axis or combined group."""
     if axis == "dp":
-        return p.dp, p.tp * p.tp_col
+        return p.dp, p.cp * p.tp * p.tp_col
+    if axis == "dp_cp":
+        return p.dp * p.cp, p.tp * p.tp_col
     if axis == "tensor":
         return p.tp * p.tp_col, 1
     return axis_sizes(p)[axis], axis_strides(p)[axis]
@@ -91,7 +97,7 @@ def size_stride(p: ParallelConfig, axis: str) -> tuple[int, int]:
 
 def groups(p: ParallelConfig, axis: str) -> list[list[int]]:
     """The ranks of every group of `axis` (or "dp": both data-parallel axes; "tensor": row x
-    column), in mesh order."""
+    column; "dp_cp": data x context), in mesh order."""
     size, stride = size_stride(p, axis)
     span = size * stride
     return [[block + offset + k * stride for k in range(size)]

@@ -46,7 +46,7 @@ def test_the_rules_groups_are_the_trainers_mesh_groups(layout: P) -> None:
 
 def test_groups_partition_the_world_and_strides_follow_the_mesh_order() -> None:
     p = LAYOUTS[0]
-    assert axis_strides(p) == {"tp_col": 1, "tp": 1, "dp_shard": 2, "dp_replicate": 2, "pp": 4}
+    assert axis_strides(p) == {"tp_col": 1, "tp": 1, "cp": 2, "dp_shard": 2, "dp_replicate": 2, "pp": 4}
     for axis in ("pp", "dp_replicate", "tp", "dp"):
         ranks = sorted(r for g in groups(p, axis) for r in g)
         assert ranks == list(range(p.world_size)), axis

@@ -1,0 +1,122 @@
+"""Context parallelism: every sequence split over the cp ranks, attention across them.
+
+Applied from outside like the other axes (trainer/parallelize.py: apply_cp); the model keeps no
+process group, only a `CPComm` on each attention when cp > 1.
+
+- Load balance (head-tail, torchtitan's "headtail" and Megatron-LM's default): the sequence is cut
+  into 2 x cp equal chunks and rank r holds chunks r and 2cp-1-r, so under the causal mask every
+  rank scores the same number of query-key pairs ((2cp + 1) x L^2 for chunks of L tokens) where a
+  plain split would leave the last rank cp times the first's work.
+- K/V all-gathered over the cp group before attention, not passed around a ring: torchtitan's
+  current choice (its context-parallel API gathers K/V since pytorch/torchtitan#3086); with GQA
+  only the KV heads travel (num_kv_heads, not num_heads). The gathered chunks are put back in
+  sequence order, and each local query chunk c attends to the keys of chunks 0..c with a causal
+  mask aligned to its lower right: the keys' global positions are their index.
+- Backward: each rank's dK/dV covers every rank's keys; they go back to their owners and are summed
+  there (a reduce-scatter). gloo has no reduce_scatter, so it is one all_to_all plus a local sum,
+  inside a torch.autograd.Function as trainer/moe.py does the experts' all-to-all.
+- Positions: RoPE and learned position embeddings use each token's global position
+  (`local_positions`); the trainer's batch keeps the rank's two chunks of tokens and targets.
+- The loss is each rank's mean over its tokens; the cp ranks hold the same weights and equal
+  token counts, so averaging gradients over dp x cp (FSDP2 / replicate on the folded mesh) gives
+  the global mean's gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def head_tail_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
+    """The two of 2 x cp sequence chunks rank `cp_rank` holds: r and 2cp-1-r."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def local_positions(seq_len: int, cp: int, cp_rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """Global positions of this rank's seq_len / cp tokens, in the order it holds them (its first
+    chunk, then its second)."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len ({seq_len}) must be divisible by 2 x cp ({2 * cp})")
+    size = seq_len // (2 * cp)
+    return torch.cat(
+        [torch.arange(c * size, (c + 1) * size, device=device) for c in head_tail_chunks(cp_rank, cp)]
+    )
+
+
+def shard_sequence(t: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of `t` along `dim` (the sequence), concatenated."""
+    chunks = t.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[c] for c in head_tail_chunks(cp_rank, cp)], dim=dim)
+
+
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older releases lack the new one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GatherSequence(torch.autograd.Function):
+    """(B, H, t, d) on each of the cp ranks -> (cp, B, H, t, d), every rank's in rank order.
+    Backward: each rank's gradient of rank j's slice goes to rank j (all_to_all) and is summed
+    there, a reduce-scatter on gloo."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        _all_gather(out, x.contiguous(), group=group)
+        return out.view(size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        received = torch.empty_like(grad)
+        dist.all_to_all_single(received, grad, group=ctx.group)
+        return received.sum(0), None, None
+
+
+def sequence_order(gathered: torch.Tensor) -> torch.Tensor:
+    """(cp, B, H, t, d), every rank's two chunks in rank order -> (B, H, cp x t, d) in sequence
+    order: chunk c < cp is rank c's first half, chunk 2cp-1-r rank r's second (head-tail)."""
+    cp, b, h, t, d = gathered.shape
+    halves = gathered.view(cp, b, h, 2, t // 2, d)
+    heads = halves[:, :, :, 0].permute(1, 2, 0, 3, 4)
+    tails = halves[:, :, :, 1].flip(0).permute(1, 2, 0, 3, 4)
+    return torch.cat([heads, tails], dim=2).view(b, h, cp * t, d)
+
+
+@dataclass
+class CPComm:
+    """One rank's view of its context-parallel group (set on every attention by apply_cp)."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    seq_len: int
+    positions: torch.Tensor = field(init=False)  # this rank's tokens' global positions
+
+    def __post_init__(self) -> None:
+        self.positions = local_positions(self.seq_len, self.size, self.rank)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's (B, H, t, d) keys or values -> (B, H, seq_len, d) in sequence order."""
+        return sequence_order(GatherSequence.apply(x, self.group, self.size))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """Causal attention of this rank's queries (B, H, t, d), its two chunks in order, over the
+        whole sequence's keys and values (B, H, seq_len, d): chunk c sees chunks 0..c, diagonal
+        included, so the scores computed are the causal ones and no more."""
+        half = q.shape[2] // 2
+        outs = []
+        for i, c in enumerate(head_tail_chunks(self.rank, self.size)):
+            keys = (c + 1) * half
+            # Query j of the chunk (position c x half + j) sees keys 0 .. c x half + j: a causal
+            # mask aligned to the lower right (torch's CausalBias does not run under a dispatch
+            # mode, which the CPU memory measurement is: a boolean mask of the same shape).
+            mask = torch.ones(half, keys, dtype=torch.bool, device=q.device).tril(keys - half)
+            qc = q[:, :, i * half : (i + 1) * half]
+            outs.append(F.scaled_dot_product_attention(qc, k[:, :, :keys], v[:, :, :keys], attn_mask=mask,
+                                                       dropout_p=dropout_p))  # fmt: skip
+        return torch.cat(outs, dim=2)
