@@ -204,7 +204,11 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
         f"space {result['space_size']}, valid {result['num_valid']}, predicted to fit {result['num_fit']}\n"
     )
     moe = m.moe  # a mixture of experts: an ep column
-    head = (f"{'tp':>5} {'pp':>3} {'dp':>5}" + (f" {'ep':>4}" if moe else "") + f" {'mbs':>3} {'nmb':>5} {'zero':>4} "
+    cp = any(
+        "cp" in cand["config"] for cand in result["candidates"]
+    )  # context parallelism searched: a cp column
+    head = (f"{'tp':>5} {'pp':>3} {'dp':>5}" + (f" {'cp':>3}" if cp else "") + (f" {'ep':>4}" if moe else "")
+            + f" {'mbs':>3} {'nmb':>5} {'zero':>4} "
             f"{'ckpt':>9} {'sp':>3} {'schedule':>18} {'vocab':>7} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")  # fmt: skip
     typer.echo(head)
     for cand in result["candidates"]:
@@ -217,8 +221,9 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
         flag = "" if p["fits"] else "  (does not fit)"
         tp = f"{k['tp']}x{k['tp_col']}" if k.get("tp_col", 1) > 1 else str(k["tp"])  # row x column
         ep = f" {k.get('ep', 1):>4}" if moe else ""
+        ctx = f" {k.get('cp', 1):>3}" if cp else ""
         typer.echo(
-            f"{tp:>5} {k['pp']:>3} {k['dp']:>5}{ep} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
+            f"{tp:>5} {k['pp']:>3} {k['dp']:>5}{ctx}{ep} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
             f"{k['zero_stage']:>4} {k['activation_checkpoint']:>9} {'y' if k['sequence_parallel'] else 'n':>3} "
             f"{sched:>18} {cand['vocab_size']:>7} {p['memory_bytes'] / 2**30:>8.1f} {p['tflops_per_device']:>8.1f} {p['mfu']:>6.1%} "
             f"{p['tokens_per_s']:>11.0f}{flag}"
@@ -263,7 +268,8 @@ def _layout(k: dict[str, Any]) -> str:
         if k["pp"] > 1
         else ""
     )
-    return (f"tp{tp} pp{k['pp']}{sched} dp{k['dp']} z{k['zero_stage']} mbs{k['micro_batch_size']}x{k['num_microbatches']}"
+    cp = f" cp{k['cp']}" if k.get("cp", 1) > 1 else ""
+    return (f"tp{tp} pp{k['pp']}{sched} dp{k['dp']}{cp} z{k['zero_stage']} mbs{k['micro_batch_size']}x{k['num_microbatches']}"
             + (f" ac={k['activation_checkpoint']}" if k["activation_checkpoint"] != "none" else "")
             + (" sp" if k["sequence_parallel"] else "") + (f" ep{k['ep']}" if k.get("ep", 1) > 1 else ""))  # fmt: skip
 

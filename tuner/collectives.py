@@ -188,7 +188,7 @@ def tensor_1d(
     t = p.tp
     if t <= 1:
         return Comm()
-    tokens_mb = p.micro_batch_size * m.seq_len
+    tokens_mb = p.micro_batch_size * m.seq_len / p.cp  # a rank's share of the sequence (tuner/cp.py)
     rpc = ranks_per_core(cluster, p.world_size)
     link = group_link(cluster, t, 1)
     per = allreduce(tokens_mb * m.hidden_size * act_bytes, t, link, c, rpc)
@@ -225,7 +225,7 @@ def tensor_2d(
     trainer/tp2d.py yet) is priced the same way: k and v's Y are kv_size/t wide (GQA), SwiGLU's
     gate reduces its ffn/t Y as MLP-up does, and its dX is summed with up's as q/k/v's are."""
     t, k, h, f = p.tp, p.tp_col, m.hidden_size, m.ffn_size
-    tokens = p.micro_batch_size * m.seq_len
+    tokens = p.micro_batch_size * m.seq_len / p.cp
     col, row = group_link(cluster, k, 1), group_link(cluster, t, k)
     rpc = ranks_per_core(cluster, p.world_size)
 

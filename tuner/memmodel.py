@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainer.config import GPTConfig, ParallelConfig
+from tuner.cp import gathered_kv_bytes, keys_per_query, local_tokens
 from tuner.moe import (
     imbalance_factor,
     local_expert_params,
@@ -69,7 +70,7 @@ def activation_bytes_per_token(
     input), SiLU's output, the up projection's output and their product (the down projection's
     input): 4 ffn/t where GELU keeps 2. Under autocast the gate and up projections each cast the
     second norm's output, as q, k and v cast the first's."""
-    h, a, t, s = m.hidden_size, m.num_heads, p.tp, m.seq_len
+    h, a, t = m.hidden_size, m.num_heads, p.tp
     res = residual or cb
     if p.tp_col > 1:
         return _activation_bytes_per_token_2d(m, p, cb, c, res)
@@ -86,7 +87,9 @@ def activation_bytes_per_token(
     sharded = (_attention_tensors(m) + _mlp_tensors(m) * m.ffn_size) * cb / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
     stats = 2 * _norm_stats_bytes(m) / shard  # two norms' statistics per token, fp32
-    scores = 0.0 if c.flash_attention else 5 * a * s / t * cb / 2  # Korthikanti's 5as/h x h, 16 bit
+    scores = (
+        0.0 if c.flash_attention else 5 * a * keys_per_query(m, p) / t * cb / 2
+    )  # Korthikanti's 5as/h x h, 16 bit
     return stream + sharded + lse + stats + scores
 
 
@@ -151,7 +154,7 @@ def _norm_2d_bytes(m: GPTConfig, res: int) -> int:
 def _activation_bytes_per_token_2d(
     m: GPTConfig, p: ParallelConfig, cb: int, c: ModelConstants, res: int
 ) -> float:
-    h, a, t, s, k = m.hidden_size, m.num_heads, p.tp, m.seq_len, p.tp_col
+    h, a, t, k = m.hidden_size, m.num_heads, p.tp, p.tp_col
     if p.activation_checkpoint == "full":
         return res * h / k
     norms = 2 * _norm_2d_bytes(m, res) * h / k
@@ -159,7 +162,7 @@ def _activation_bytes_per_token_2d(
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
     # per norm, fp32: LayerNorm's mean, rstd and two all-reduced sums; RMSNorm's rstd and sum of squares
     stats = 2 * 4 * (4 if m.norm == "layernorm" else 2)
-    scores = 0.0 if c.flash_attention else 5 * a * s / t * cb / 2
+    scores = 0.0 if c.flash_attention else 5 * a * keys_per_query(m, p) / t * cb / 2
     return norms + sharded + lse + stats + scores
 
 
@@ -283,8 +286,10 @@ def _rank(
 ) -> _Rank:
     low = precision != "fp32"
     cb = 2 if low else 4  # compute dtype: activations, FSDP2's gathered parameters
-    residual = 4 if low and p.dp == 1 else cb  # autocast (no FSDP2) leaves the residual adds in fp32
-    s, b, h, v, n, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.vocab_size, p.num_microbatches, p.tp
+    dp = p.dp * p.cp  # ranks holding the same weights (FSDP2 and replicate span context parallelism's)
+    residual = 4 if low and dp == 1 else cb  # autocast (no FSDP2) leaves the residual adds in fp32
+    s, h, v, n, t = m.seq_len, m.hidden_size, m.vocab_size, p.num_microbatches, p.tp
+    s_local = s // p.cp  # a rank's tokens of each sequence (tuner/cp.py)
     first, last = stage == 0, stage == p.pp - 1
     k = p.tp_col  # 2D: every weight over tp x tp_col, the residual stream over tp_col
     # The token embedding (and learned positions) on the first stage, the final norm and the head
@@ -297,16 +302,16 @@ def _rank(
     moe = _moe_rank(m, p, cb, stage, moe_imbalance) if m.moe else None
     if moe is not None:
         params = moe.dense_params + embed + head
-    tokens, shard = s * b, t if p.sequence_parallel else k
+    tokens, shard = local_tokens(m, p), t if p.sequence_parallel else k
     boundary = tokens * h / shard * residual  # what one stage sends the next per micro-batch
     chunks = range(stage, p.num_stages, p.pp)
     receiving = sum(i > 0 for i in chunks)  # chunks with a previous stage (receive activations)
     sending = sum(i < p.num_stages - 1 for i in chunks)  # ... with a next (receive gradients)
-    layer = activation_bytes_per_token(m, p, cb, c, residual, device) * tokens
-    if m.positions == "rope" and p.dp > 1 and low:
+    layer = activation_bytes_per_token(m, p, cb, c, residual, device) * tokens + gathered_kv_bytes(m, p, cb)
+    if m.positions == "rope" and dp > 1 and low:
         # FSDP2's and replicate's mixed precision casts every block's floating inputs, the cos/sin
         # buffer too: each layer keeps its bf16 copy (rotary's multiplications save it).
-        layer += 2 * s * m.head_dim * cb
+        layer += 2 * s_local * m.head_dim * cb
     # A received input is its receive buffer; a stage's output is kept for its backward (held by
     # its send when interleaved, counted in `sent`).
     own = sending * boundary if p.virtual_stages == 1 else 0.0
@@ -318,6 +323,7 @@ def _rank(
     if p.activation_checkpoint == "full":  # recomputing a layer brings its activations back
         plain = ParallelConfig(**{**p.to_dict(), "activation_checkpoint": "none"})
         recompute = activation_bytes_per_token(m, plain, cb, c, residual, device) * tokens
+        recompute += gathered_kv_bytes(m, plain, cb)
         if moe is not None and moe.num_moe:
             recompute += _moe_rank(m, plain, cb, stage, moe_imbalance).act_per_token * tokens
     # Transient: the fp32 copy of the bf16 logits (forward), or the log-softmax's gradient and the
@@ -327,7 +333,7 @@ def _rank(
     final_norm = tokens * h * (1 / shard + 1) * residual
     final_norm += tokens * h * (_norm_input_bytes(m, residual, device) - residual) / shard
     # Rotary positions: every stage module holds the cos/sin buffer, (2, s, head_dim) in fp32.
-    rope = 2 * s * m.head_dim * 4 * p.virtual_stages if m.positions == "rope" else 0
+    rope = 2 * s_local * m.head_dim * 4 * p.virtual_stages if m.positions == "rope" else 0
     unit = cb * _layer_params(m, t, k)
     flow = _flow_bytes(m, p, cb, residual, tokens) + recompute
     if moe is not None:
@@ -338,9 +344,9 @@ def _rank(
     else:
         params_all = params
     return _Rank(
-        params=params, d=p.dp_shard if p.zero_stage else 1, cb=cb,
+        params=params, d=p.dp_shard * p.cp if p.zero_stage else 1, cb=cb,
         # FSDP2's copies, or autocast's weight cache (which 2D's local views of the weights bypass)
-        whole=cb * params_all if p.dp > 1 or (low and k == 1) else 0.0,
+        whole=cb * params_all if dp > 1 or (low and k == 1) else 0.0,
         root=cb * (embed + head), unit=unit, layer=layer, layers=layers,
         # 2D: the embedding looks up its local block, its gradient is local too
         vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
@@ -414,7 +420,7 @@ def _forward_backward(
     # FSDP2's gathered weights are in the compute dtype, so are the gradients autograd gives them:
     # one layer's, until its post-backward folds them into the fp32 gradients. (Autocast's casts
     # hand theirs straight back to the fp32 parameters.)
-    fresh = r.unit if p.dp > 1 and r.cb < 4 else 0.0
+    fresh = r.unit if p.dp * p.cp > 1 and r.cb < 4 else 0.0
     held = r.layers + r.head
     moments = [  # (working copies, gradients, activations)
         (working, grads + fresh, held * (inflight - 1) + r.layers + r.flow),  # in a layer's backward

@@ -46,8 +46,9 @@ def imbalance_factor(m: GPTConfig, p: ParallelConfig, imbalance: float) -> float
 
 
 def routed_tokens(m: GPTConfig, p: ParallelConfig) -> float:
-    """T: the tokens of one micro-batch a rank routes (its sequence-parallel shard with tp > 1)."""
-    return p.micro_batch_size * m.seq_len / p.tp
+    """T: the tokens of one micro-batch a rank routes (its sequence-parallel shard with tp > 1, of
+    its context-parallel share with cp > 1)."""
+    return p.micro_batch_size * m.seq_len / (p.cp * p.tp)
 
 
 def tokens_per_expert(m: GPTConfig, p: ParallelConfig) -> float:

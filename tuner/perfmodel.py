@@ -32,6 +32,7 @@ from tuner.collectives import (
     tp_1d_collectives,
     wait_s,
 )
+from tuner.cp import causal_skip, keys_per_query, kv_traffic, local_tokens
 from tuner.devicelevels import MEMORY_TRAFFIC
 from tuner.memmodel import _layer_params, memory
 from tuner.moe import (
@@ -79,6 +80,10 @@ class StepTerms:
     # by the tier the ep group spans; 0 for a dense model.
     moe_a2a_intra_s: float = 0.0
     moe_a2a_inter_s: float = 0.0
+    # Context parallelism's K/V gathers and their gradients' return (tuner/cp.py), by the tier the
+    # cp group spans; 0 without it.
+    cp_comm_intra_s: float = 0.0
+    cp_comm_inter_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -97,6 +102,7 @@ TERM_LABELS = {
     "dp_comm_intra_s": "data-parallel comm (in node)", "dp_comm_inter_s": "data-parallel comm (across nodes)",
     "optimizer_s": "optimizer step", "shared_cores_s": "ranks sharing cores",
     "moe_a2a_intra_s": "expert all-to-all (in node)", "moe_a2a_inter_s": "expert all-to-all (across nodes)",
+    "cp_comm_intra_s": "context-parallel K/V (in node)", "cp_comm_inter_s": "context-parallel K/V (across nodes)",
 }  # fmt: skip
 
 
@@ -153,17 +159,18 @@ def _gemm_fwd_flops_per_token(m: GPTConfig) -> float:
     return 2 * m.num_layer_matmul_params
 
 
-def _attention_fwd_flops_per_token(m: GPTConfig) -> float:
+def _attention_fwd_flops_per_token(m: GPTConfig, p: ParallelConfig) -> float:
     """The attention core's 4*s*h per token forward (PaLM appendix B: 12Lhs over both passes);
     h is the width the scores and the weighted sum multiply over (GPTConfig.attention_score_width:
-    2 q_size, or latent attention's heads x (qk_nope + qk_rope + v))."""
-    return 2 * m.seq_len * m.attention_score_width
+    2 q_size, or latent attention's heads x (qk_nope + qk_rope + v)); s the keys a query is scored
+    against (context parallelism: tuner.cp.keys_per_query)."""
+    return 2 * keys_per_query(m, p) * m.attention_score_width
 
 
 def _compute_efficiency(m: GPTConfig, p: ParallelConfig, c: ModelConstants) -> float:
     """Fraction of peak a layer's GEMMs reach: small micro-batches or thin shards run slower.
-    size: a micro-batch's GEMM work per rank over h, b*s*h / (tp x tp_col)."""
-    size = p.micro_batch_size * m.seq_len * m.hidden_size / (p.tp * p.tp_col)
+    size: a micro-batch's GEMM work per rank over h, b*s*h / (tp x tp_col x cp)."""
+    size = local_tokens(m, p) * m.hidden_size / (p.tp * p.tp_col)
     return c.compute_efficiency * size / (size + c.compute_half_size)
 
 
@@ -202,9 +209,10 @@ def _elementwise_flops(m: GPTConfig, p: ParallelConfig, precision: str, c: Model
     the softmax over the s x s scores. Its traffic is of the order of the activations the layer
     stores (Korthikanti table 2, 16-bit, GPT's block: sbh (10 + 24/t + 5as/(ht)), with sequence
     parallelism sbh/t (34 + 5as/h); other blocks: _elementwise_units), moved in forward, twice in
-    backward, and again by recompute."""
-    s, b, h, a, t = m.seq_len, p.micro_batch_size, m.hidden_size, m.num_heads, p.tp
-    scores = 0.0 if c.flash_attention else 5 * a * s / h
+    backward, and again by recompute. Context parallelism: a rank's tokens, scored against
+    tuner.cp.keys_per_query keys each."""
+    h, a, t = m.hidden_size, m.num_heads, p.tp
+    scores = 0.0 if c.flash_attention else 5 * a * keys_per_query(m, p) / h
     replicated, sharded = _elementwise_units(m)
     stored = replicated + sharded
     # 2D tensor parallelism: the residual stream (the 10) is split over the column group, the
@@ -218,7 +226,7 @@ def _elementwise_flops(m: GPTConfig, p: ParallelConfig, precision: str, c: Model
         p.activation_checkpoint
     ]
     act_bytes = 1 if precision != "fp32" else 2  # table 2 counts 16-bit values as 2 bytes
-    return s * b * per_token * act_bytes * passes * c.elementwise_flops_per_byte
+    return local_tokens(m, p) * per_token * act_bytes * passes * c.elementwise_flops_per_byte
 
 
 @dataclass(frozen=True)
@@ -256,10 +264,12 @@ class _Compute:
 def _flash_attention_s(attn_fwd: float, p: ParallelConfig, c: ModelConstants, peak_flops: float) -> float:
     """One layer's attention core with flash attention, at its own efficiency. Counted as
     flash-attn's benchmark counts the rate it reports (tuner/devicelevels.py): a causal forward
-    computes half the score matrix, the backward 2.5 forwards (it recomputes the scores), and
-    recompute (full or selective) one more forward."""
+    computes half the score matrix (not under context parallelism's explicit mask: tuner.cp), the
+    backward 2.5 forwards (it recomputes the scores), and recompute (full or selective) one more
+    forward."""
     forwards = 3.5 + (0.0 if p.activation_checkpoint == "none" else 1.0)
-    return attn_fwd / 2 * forwards / (peak_flops * c.attention_efficiency)
+    share = 0.5 if causal_skip(p) else 1.0
+    return attn_fwd * share * forwards / (peak_flops * c.attention_efficiency)
 
 
 def _compute(
@@ -274,9 +284,9 @@ def _compute(
     (elementwise_flops_per_byte is per byte at that peak: an fp32 step moves twice the bytes, not
     at the fp32 peak's rate). A mixture of experts' MoE layers add tuner.moe.moe_step's work on
     `hardware` at the study's `imbalance`."""
-    tokens_mb = p.micro_batch_size * m.seq_len
+    tokens_mb = local_tokens(m, p)
     gemm_fwd = _gemm_fwd_flops_per_token(m) * tokens_mb / (p.tp * p.tp_col)
-    attn_fwd = _attention_fwd_flops_per_token(m) * tokens_mb / p.tp
+    attn_fwd = _attention_fwd_flops_per_token(m, p) * tokens_mb / p.tp
     own_s = _elementwise_flops(m, p, precision, c) / memory_peak_flops
     if c.flash_attention and c.attention_efficiency is not None:
         recompute = gemm_fwd if p.activation_checkpoint == "full" else 0.0
@@ -311,6 +321,8 @@ class _Rank:
     optimizer_s: float
     # a mixture of experts' all-to-alls per micro-batch (tuner/moe.py)
     a2a_mb: Comm = field(default_factory=Comm)
+    # context parallelism's K/V gathers and gradient returns per micro-batch (tuner/cp.py)
+    cp_mb: Comm = field(default_factory=Comm)
 
     @property
     def stage_mb(self) -> float:
@@ -321,6 +333,7 @@ class _Rank:
             + self.wait_mb
             + self.overhead_mb
             + self.a2a_mb.total
+            + self.cp_mb.total
         )
 
     def step_s(self, microbatches: int) -> float:
@@ -353,9 +366,10 @@ def _rank_step(
     dw_mb: the weight-gradient GEMMs' share of compute_mb (what 2D tensor parallelism overlaps);
     `layers` and `vocab_share` (of the V x h parameters) are the rank's: the slowest stage's
     (layers and all of it), or a pipeline's average rank's (L / pp layers, 1 / pp of it)."""
-    s, h, t, pp, v, mb, d = (m.seq_len, m.hidden_size, p.tp, p.pp, p.virtual_stages, p.num_microbatches, p.dp)
+    h, t, pp, v, mb = m.hidden_size, p.tp, p.pp, p.virtual_stages, p.num_microbatches
+    d = p.dp * p.cp  # ranks holding the same weights: context parallelism's too (tuner/cp.py)
     tc = t * p.tp_col  # ranks that share each weight (the tensor-parallel block)
-    tokens_mb = p.micro_batch_size * s
+    tokens_mb = local_tokens(m, p)
     act_bytes = 2 if precision != "fp32" else 4
     if p.tp_col > 1:
         tp_mb, tp_hidden = tensor_2d(m, p, cluster, act_bytes, c, layers, dw_mb)
@@ -378,7 +392,8 @@ def _rank_step(
     # A mixture of experts' all-to-alls block the stage like its compute (no overlap is priced).
     moe_layers = moe_layers_on(m, layers) if m.moe else 0
     a2a_mb = a2a(m, p, cluster, precision, c) * moe_layers if m.moe else Comm()
-    bubble = (pp - 1) / v * (compute_mb + floor_mb + tp_mb.total + wait_mb + a2a_mb.total)
+    cp_mb = kv_traffic(m, p, cluster, precision, c) * layers  # blocks each layer's attention
+    bubble = (pp - 1) / v * (compute_mb + floor_mb + tp_mb.total + wait_mb + a2a_mb.total + cp_mb.total)
     p2p = Comm()
     if pp > 1:
         # scatter/gather: sec. 4.1; 2D: the residual stream is split over the column group
@@ -388,7 +403,7 @@ def _rank_step(
         if m.tie_embeddings:  # the two copies' fp32 gradients summed between the first and the last
             # stage once a step, this rank's shard (trainer/pipeline.py TiedEmbeddings; Megatron's
             # embedding group), blocking before clipping
-            shard = tc * (p.dp_shard if p.zero_stage else 1)
+            shard = tc * (p.dp_shard * p.cp if p.zero_stage else 1)
             ends = group_link(cluster, 2, (pp - 1) * tc * d)
             p2p = p2p + allreduce(m.vocab_size * h / shard * 4, 2, ends, c, rpc)
 
@@ -443,7 +458,7 @@ def _rank_step(
     optimizer_s = opt_params * OPTIMIZER_BYTES_PER_PARAM * c.elementwise_flops_per_byte / memory_peak_flops
 
     return _Rank(compute_mb, floor_mb, tp_mb, tp_hidden, wait_mb, c.microbatch_overhead_s, bubble, p2p,
-                 dp_comm, dp_exposed, optimizer_s, a2a_mb)  # fmt: skip
+                 dp_comm, dp_exposed, optimizer_s, a2a_mb, cp_mb)  # fmt: skip
 
 
 def _on_node_links(cluster: ClusterSpec) -> ClusterSpec:
@@ -524,6 +539,7 @@ def estimate(
         pp_p2p_intra_s=k.p2p.intra, pp_p2p_inter_s=k.p2p.inter, dp_comm_intra_s=k.dp_exposed.intra,
         dp_comm_inter_s=k.dp_exposed.inter, optimizer_s=k.optimizer_s, shared_cores_s=shared,
         moe_a2a_intra_s=mb * k.a2a_mb.intra, moe_a2a_inter_s=mb * k.a2a_mb.inter,
+        cp_comm_intra_s=mb * k.cp_mb.intra, cp_comm_inter_s=mb * k.cp_mb.inter,
     )  # fmt: skip
     step = terms.total_s
     tokens_per_s = p.global_batch_size * m.seq_len / step

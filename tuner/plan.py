@@ -16,7 +16,7 @@ _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no":
 PIN_KEYS = {
     "tp": int, "tp_col": int, "pp": int, "dp": int, "micro_batch_size": int, "num_microbatches": int, "zero_stage": int,
     "activation_checkpoint": str, "sequence_parallel": lambda v: _BOOL[v.lower()],
-    "pp_schedule": lambda v: v.replace("-", "_"), "virtual_stages": int, "ep": int,
+    "pp_schedule": lambda v: v.replace("-", "_"), "virtual_stages": int, "ep": int, "cp": int,
 }  # fmt: skip
 PIN_ALIASES = {
     "mbs": "micro_batch_size",
@@ -26,7 +26,7 @@ PIN_ALIASES = {
 }
 # Pins that narrow the space's choices (the rest are derived and filtered afterwards).
 SPACE_PINS = {"tp", "tp_col", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint", "sequence_parallel",
-              "pp_schedule", "virtual_stages", "ep"}  # fmt: skip
+              "pp_schedule", "virtual_stages", "ep", "cp"}  # fmt: skip
 
 
 class PlanError(ValueError):
@@ -65,11 +65,14 @@ def _agrees(config: ParallelConfig, pins: dict[str, Any]) -> bool:
     return all(getattr(config, k) == v for k, v in pins.items() if k not in SPACE_PINS)
 
 
-def candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
+def candidate_dict(config: ParallelConfig, est: Estimate, with_cp: bool = False) -> dict[str, Any]:
     """One ranked layout: its knobs, what the model predicts, and the padded vocabulary it builds.
     A mixture of experts' also has ep, what its expert terms were priced from (predicted.moe:
-    tuner.perfmodel.moe_info, edp among them) and its `experts:` line."""
+    tuner.perfmodel.moe_info, edp among them) and its `experts:` line. cp where the study searches
+    context parallelism (`with_cp`) or the layout has it."""
     out = _candidate_dict(config, est)
+    if with_cp or config.cp > 1:
+        out["config"]["cp"] = config.cp
     if est.moe is not None:
         out["config"]["ep"] = config.ep
         out["predicted"]["moe"] = est.moe
@@ -170,7 +173,8 @@ def plan(
     if pins:
         spec = _pinned_spec(spec, pins)
     pricing = Pricing.for_study(spec, constants)  # the caller passes the database's constants
-    enum = SearchSpace.from_spec(spec).enumerate()
+    space = SearchSpace.from_spec(spec)
+    enum = space.enumerate()
     valid = [c for c in enum.valid if _agrees(c, pins)]
     if pins and not valid:
         if enum.valid:  # the space had layouts, none with the derived pins (dp, num_microbatches)
@@ -193,7 +197,7 @@ def plan(
         "num_fit": num_fit,
         "rejected": dict(enum.rejected.most_common()),
         "vocab": vocab_dict(model.vocab_size, sorted({c.tp for c in valid})),
-        "candidates": [candidate_dict(c, e) for c, e in shown[:top]],
+        "candidates": [candidate_dict(c, e, with_cp=space.cps != [1]) for c, e in shown[:top]],
         "column": column_comparison(scored),
         **({"hint": hint} if hint else {}),
     }

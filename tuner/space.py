@@ -15,6 +15,10 @@ RULE_BATCH = "global batch must be divisible by dp * micro_batch_size"
 RULE_CROSS_NODE_TP = "tp spans nodes (space.allow_cross_node_tp is false)"
 RULE_CROSS_NODE_TENSOR = "tp x tp_col spans nodes (space.allow_cross_node_tp is false)"
 RULE_CROSS_NODE_EP = "ep spans nodes (space.allow_cross_node_ep is false)"
+RULE_CROSS_NODE_CP = "cp spans nodes (space.allow_cross_node_cp is false)"
+# Megatron-LM's guidance: context parallelism from about 8k tokens (shared notes, docs/parallelism.md).
+CP_FROM_SEQ_LEN = 8192
+CP_MAX_DEFAULT = 16  # the default space's largest cp (Llama 3's 128k stage used 16)
 RULE_QK_NORM_PROJ = "qk_norm 'proj' needs tp 1"
 RULE_TP_COL_HEADS = "tp_col > 1 needs the plain attention heads"
 
@@ -31,6 +35,21 @@ def ep_values(model: GPTConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
     while ep <= min(model.num_experts, max_gpus):
         out.append(ep)
         ep *= 2
+    return out
+
+
+def cp_values(model: GPTConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
+    """The cp degrees a study searches: space.cp, or by default 1 below CP_FROM_SEQ_LEN tokens and
+    the powers of two up to CP_MAX_DEFAULT and the GPUs from it (those the rules refuse, e.g. a
+    sequence not divisible by 2 x cp, are rejected with their reason)."""
+    if space.cp is not None:
+        return list(space.cp)
+    if model.seq_len < CP_FROM_SEQ_LEN:
+        return [1]
+    out, cp = [], 1
+    while cp <= min(CP_MAX_DEFAULT, max_gpus):
+        out.append(cp)
+        cp *= 2
     return out
 
 
@@ -68,6 +87,7 @@ class SearchSpace:
         # A scaling study tries several device counts (space.num_gpus); by default, all of them.
         self.world_sizes = sorted(self.space.num_gpus or [num_gpus])
         self.eps = ep_values(model, self.space, max(self.world_sizes))
+        self.cps = cp_values(model, self.space, max(self.world_sizes))
 
     @classmethod
     def from_spec(cls, spec: StudySpec) -> SearchSpace:
@@ -84,7 +104,9 @@ class SearchSpace:
         schedules = [(sched, 1) for sched in s.pp_schedule if sched != "interleaved_1f1b"]
         if "interleaved_1f1b" in s.pp_schedule:
             schedules += [("interleaved_1f1b", v) for v in s.virtual_stages if v > 1]
-        for num_gpus, tp, tp_col, pp in itertools.product(self.world_sizes, s.tp, s.tp_col, s.pp):
+        for num_gpus, tp, tp_col, pp, cp in itertools.product(
+            self.world_sizes, s.tp, s.tp_col, s.pp, self.cps
+        ):
             scheds = schedules if pp > 1 else [("1f1b", 1)]
             sps = s.sequence_parallel if tp > 1 else [False]
             combos = list(
@@ -92,12 +114,13 @@ class SearchSpace:
                     scheds, s.micro_batch_size, s.zero_stage, s.activation_checkpoint, sps, self.eps
                 )
             )
-            if num_gpus % (tp * tp_col * pp):
+            if num_gpus % (tp * tp_col * pp * cp):
                 col = f" * tp_col ({tp_col})" if tp_col > 1 else ""
-                msg = f"tp ({tp}){col} * pp ({pp}) does not divide {num_gpus} GPUs"
+                ctx = f" * cp ({cp})" if cp > 1 else ""
+                msg = f"tp ({tp}){col} * pp ({pp}){ctx} does not divide {num_gpus} GPUs"
                 yield from itertools.repeat((RULE_GPUS, msg), len(combos))
                 continue
-            dp = num_gpus // (tp * tp_col * pp)
+            dp = num_gpus // (tp * tp_col * pp * cp)
             for (sched, v), mbs, zero, ac, sp, ep in combos:
                 if self.global_batch_size % (dp * mbs):
                     msg = f"global batch {self.global_batch_size} not divisible by dp ({dp}) * micro_batch_size ({mbs})"
@@ -106,7 +129,7 @@ class SearchSpace:
                 yield layout(
                     tp, pp, dp, micro_batch_size=mbs, num_microbatches=self.global_batch_size // (dp * mbs),
                     zero_stage=zero, activation_checkpoint=ac, sequence_parallel=sp, pp_schedule=sched,
-                    virtual_stages=v, tp_col=tp_col, ep=ep,
+                    virtual_stages=v, tp_col=tp_col, ep=ep, cp=cp,
                 )  # fmt: skip
 
     def violations(self, config: ParallelConfig) -> list[tuple[str, str]]:
@@ -115,7 +138,8 @@ class SearchSpace:
         if config.world_size not in self.world_sizes:
             sizes = " or ".join(map(str, self.world_sizes))
             col = "*tp_col" if config.tp_col > 1 else ""
-            out.append((RULE_GPUS, f"tp{col}*pp*dp = {config.world_size} != {sizes} GPUs in the study"))
+            ctx = "*cp" if config.cp > 1 else ""
+            out.append((RULE_GPUS, f"tp{col}*pp*dp{ctx} = {config.world_size} != {sizes} GPUs in the study"))
         if config.global_batch_size != self.global_batch_size:
             out.append((
                 RULE_BATCH,
@@ -136,6 +160,15 @@ class SearchSpace:
                 RULE_CROSS_NODE_EP,
                 f"ep ({config.ep}) > gpus_per_node ({self.gpus_per_node}): the expert group's all-to-alls "
                 "would cross nodes on every MoE layer (set space.allow_cross_node_ep to search it)",
+            ))  # fmt: skip
+        if config.cp > 1 and config.cp * tensor > self.gpus_per_node and not self.space.allow_cross_node_cp:
+            # cp ranks tp x tp_col apart (trainer/topology.py): past a node every layer's K/V
+            # gathers cross the network
+            out.append((
+                RULE_CROSS_NODE_CP,
+                f"cp ({config.cp}) x tp ({tensor}) = {config.cp * tensor} > gpus_per_node ({self.gpus_per_node}): "
+                "the context-parallel group's K/V gathers would cross nodes on every layer (set "
+                "space.allow_cross_node_cp to search it)",
             ))  # fmt: skip
         # What the trainer does not build (trainer.config.trainer_problems), as rules of the space.
         if self.model.qk_norm == "proj" and tensor > 1:

@@ -273,6 +273,13 @@ class SpaceSpec(_Strict):
     # An ep group is ep neighbouring ranks; across nodes its all-to-alls cross the network on
     # every MoE layer (tuner/moe.py prices them), so by default ep stays inside a node.
     allow_cross_node_ep: bool = False
+    # Context parallelism (each sequence split over cp ranks, trainer/context_parallel.py). None:
+    # [1] below CP_FROM_SEQ_LEN tokens (the K/V gathers buy nothing there, and a study's space
+    # stays what it was), the powers of two up to 16 and the study's GPUs from it (tuner.space).
+    cp: list[PositiveInt] | None = None
+    # A cp group is cp ranks tp apart; across nodes its K/V gathers cross the network on every
+    # layer (priced), which long sequences can afford: allowed by default.
+    allow_cross_node_cp: bool = True
 
     @field_validator("pp_schedule", mode="before")
     @classmethod
@@ -280,7 +287,7 @@ class SpaceSpec(_Strict):
         return [s.replace("-", "_") if isinstance(s, str) else s for s in v] if isinstance(v, list) else v
 
     @field_validator("tp", "tp_col", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint",
-                     "sequence_parallel", "pp_schedule", "virtual_stages", "num_gpus", "ep")  # fmt: skip
+                     "sequence_parallel", "pp_schedule", "virtual_stages", "num_gpus", "ep", "cp")  # fmt: skip
     @classmethod
     def _non_empty_unique(cls, v: list | None) -> list | None:
         if v is None:

@@ -102,13 +102,14 @@ def test_every_valid_layout_is_one_the_trainer_builds(preset: str) -> None:
     """The space's rules cover trainer.config.trainer_problems: no valid layout (tp, tp_col, pp, ep,
     ...) is one a trial would refuse as not built; and one the trainer refuses is invalid here."""
     model = QWEN3_DENSE_SMALL if preset == "qwen3-dense-small" else MODEL_PRESETS[preset]
-    space = _space(model, gpus=8, tp=[1, 2, 4], tp_col=[1, 2], pp=[1, 2], zero_stage=[0, 2, 3])
+    space = _space(model, gpus=8, tp=[1, 2, 4], tp_col=[1, 2], pp=[1, 2], zero_stage=[0, 2, 3], cp=[1, 2])
     enum = space.enumerate()
     assert enum.valid
     for config in enum.valid:
         assert trainer_problems(BenchmarkConfig(model=model, parallel=config)) == [], config.describe()
     for refused in (ParallelConfig(tp=2, dp_shard=4, zero_stage=2, sequence_parallel=True, num_microbatches=16),
-                    ParallelConfig(tp_col=2, dp_shard=4, zero_stage=2, num_microbatches=16)):  # fmt: skip
+                    ParallelConfig(tp_col=2, dp_shard=4, zero_stage=2, num_microbatches=16),
+                    ParallelConfig(cp=2, dp_shard=4, zero_stage=2, num_microbatches=16)):  # fmt: skip
         if trainer_problems(BenchmarkConfig(model=model, parallel=refused)):
             assert space.explain(refused), refused.describe()
 

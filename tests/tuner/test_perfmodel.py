@@ -421,4 +421,6 @@ def test_gqa_shrinks_only_the_k_and_v_projections() -> None:
     mha = dataclasses.replace(LLAMA_8B, num_kv_heads=None)
     saved = perfmodel._gemm_fwd_flops_per_token(mha) - perfmodel._gemm_fwd_flops_per_token(LLAMA_8B)
     assert saved == 2 * 2 * 4096 * (4096 - 1024)
-    assert perfmodel._attention_fwd_flops_per_token(mha) == perfmodel._attention_fwd_flops_per_token(LLAMA_8B)
+    assert perfmodel._attention_fwd_flops_per_token(
+        mha, ParallelConfig()
+    ) == perfmodel._attention_fwd_flops_per_token(LLAMA_8B, ParallelConfig())

@@ -1,0 +1,99 @@
+"""Context parallelism's price (trainer/context_parallel.py): each sequence split over cp ranks.
+
+A rank holds T = micro_batch_size x seq_len / cp tokens of each micro-batch (two of 2 x cp chunks,
+head-tail), so every per-token cost of a layer (GEMMs, memory-bound work, tensor- and pipeline-
+parallel traffic, a mixture of experts' routing) is priced at T; the cp ranks hold the same
+weights, so data parallelism's gradients and FSDP's shards span dp x cp ranks (tp apart).
+
+What context parallelism adds, per layer and micro-batch:
+- Attention over the whole sequence's keys: the trainer gathers K and V (KV heads only) from the
+  cp ranks and scores each local chunk c (of L = seq_len / 2cp tokens) against chunks 0..c under a
+  causal mask, so a rank scores (2cp + 1) L^2 query-key pairs per sequence, every rank alike (the
+  point of head-tail): `scored_pairs`. With an explicit mask no kernel skips the masked upper
+  triangle of the diagonal blocks (one process's causal flash attention skips half of s^2).
+- The K/V all-gather before attention (two calls, K and V: seq_len x kv_size / tp values a rank
+  receives each, (cp - 1) / cp of it over the cp group's link) and, in backward, their gradients
+  sent back to their owners (one all-to-all each, the same bytes; gloo has no reduce-scatter);
+  full recompute gathers again. Nothing of it overlaps compute in the trainer: it blocks the
+  layer like the experts' all-to-all (`kv_traffic`).
+- Memory: the gathered K and V of the whole sequence (repeated to every query head under GQA)
+  are what attention keeps for backward: (cp - 1) / cp of them beyond the rank's own
+  (tuner/memmodel.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainer.config import GPTConfig, ParallelConfig
+from tuner.collectives import Comm, Link, call_overhead_s, group_link, ranks_per_core
+from tuner.spec import ClusterSpec
+
+if TYPE_CHECKING:
+    from tuner.perfconstants import ModelConstants
+
+
+def local_tokens(m: GPTConfig, p: ParallelConfig) -> float:
+    """Tokens of one micro-batch a rank holds (before sequence parallelism splits them over tp)."""
+    return p.micro_batch_size * m.seq_len / p.cp
+
+
+def keys_per_query(m: GPTConfig, p: ParallelConfig) -> float:
+    """Keys each local query is scored against, on average: seq_len without context parallelism
+    (the score matrix as PaLM counts it; flash attention's causal half is its own discount),
+    scored_pairs / (seq_len / cp) with it."""
+    if p.cp == 1:
+        return float(m.seq_len)
+    return scored_pairs(m, p) / (m.seq_len / p.cp)
+
+
+def scored_pairs(m: GPTConfig, p: ParallelConfig) -> float:
+    """Query-key pairs a rank scores per sequence: chunk c of L tokens against chunks 0..c, for its
+    chunks r and 2cp-1-r: (r + 1 + 2cp - r) L^2 = (2cp + 1) L^2."""
+    chunk = m.seq_len / (2 * p.cp)
+    return (2 * p.cp + 1) * chunk * chunk
+
+
+def causal_skip(p: ParallelConfig) -> bool:
+    """Whether attention skips the masked half of its scores (is_causal: flash attention does);
+    under context parallelism the trainer passes an explicit mask, which no kernel skips."""
+    return p.cp == 1
+
+
+def kv_link(cluster: ClusterSpec, p: ParallelConfig) -> Link:
+    """The cp group: cp ranks tp x tp_col apart (trainer/topology.py)."""
+    return group_link(cluster, p.cp, p.tp * p.tp_col)
+
+
+def kv_bytes(m: GPTConfig, p: ParallelConfig, precision: str) -> float:
+    """One gathered K (or V) of a micro-batch on a rank: the whole sequence's KV heads over tp."""
+    act = 2 if precision != "fp32" else 4
+    return p.micro_batch_size * m.seq_len * m.kv_size / p.tp * act
+
+
+def kv_calls(p: ParallelConfig) -> int:
+    """Collectives per layer and micro-batch: K and V gathered (again under full recompute), their
+    gradients returned."""
+    return 2 * (1 + (1 if p.activation_checkpoint == "full" else 0)) + 2
+
+
+def kv_traffic(
+    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants
+) -> Comm:
+    """One layer's K/V gathers and gradient returns for one micro-batch, on the cp group's tier:
+    each call moves (cp - 1) / cp of kv_bytes over the link, in cp - 1 steps."""
+    if p.cp <= 1:
+        return Comm()
+    link = kv_link(cluster, p)
+    wire = (p.cp - 1) / p.cp * kv_bytes(m, p, precision) / (link.rate_gbps(c) * 1e9)
+    per_call = wire + (p.cp - 1) * link.hop_latency_us(c) * 1e-6
+    per_call += call_overhead_s(p.cp, c, ranks_per_core(cluster, p.world_size))
+    return Comm.on(link.tier, kv_calls(p) * per_call)
+
+
+def gathered_kv_bytes(m: GPTConfig, p: ParallelConfig, cb: int) -> float:
+    """What attention keeps for backward beyond the rank's own K and V, per layer and micro-batch:
+    the rest of the sequence's K and V, repeated to every query head (q_size wide, over tp)."""
+    if p.cp <= 1:
+        return 0.0
+    return 2 * p.micro_batch_size * m.seq_len * (1 - 1 / p.cp) * m.q_size / p.tp * cb
