@@ -61,7 +61,7 @@ def parallelize_gpt(
     if compile:
         apply_compile(model)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    if sparse_mesh is not None and dims.edp > 1:
+    if sparse_mesh is not None:
         apply_expert_dp(model, sparse_mesh["edp"], parallel.zero_stage, mp_policy)
     if dims.weight_axes:
         dp_mesh = mesh[dims.weight_axes]

@@ -299,7 +299,7 @@ def _rank(
     head_weight = 0.0 if m.tie_embeddings and first else v * h / t
     head = (head_weight + m.norm_params) / k if last else 0.0
     params = _stage_layers(m.num_layers, p, stage) * _layer_params(m, t, k) + embed + head
-    moe = _moe_rank(m, p, cb, stage, moe_imbalance) if m.moe else None
+    moe = _moe_rank(m, p, cb, stage, moe_imbalance, device) if m.moe else None
     if moe is not None:
         params = moe.dense_params + embed + head
     tokens, shard = local_tokens(m, p), t if p.sequence_parallel else k
@@ -325,7 +325,7 @@ def _rank(
         recompute = activation_bytes_per_token(m, plain, cb, c, residual, device) * tokens
         recompute += gathered_kv_bytes(m, plain, cb)
         if moe is not None and moe.num_moe:
-            recompute += _moe_rank(m, plain, cb, stage, moe_imbalance).act_per_token * tokens
+            recompute += _moe_rank(m, plain, cb, stage, moe_imbalance, device).act_per_token * tokens
     # Transient: the fp32 copy of the bf16 logits (forward), or the log-softmax's gradient and the
     # logits' (backward; loss_parallel computes the second in place).
     loss = max(4 + (cb if cb < 4 else 0), 8 if t == 1 else 4) * logits
@@ -372,7 +372,9 @@ class _MoERank:
     flow_per_token: float  # gradients flowing in a MoE layer's backward beyond a dense one's
 
 
-def _moe_rank(m: GPTConfig, p: ParallelConfig, cb: int, stage: int, imbalance: float) -> _MoERank:
+def _moe_rank(
+    m: GPTConfig, p: ParallelConfig, cb: int, stage: int, imbalance: float, device: DeviceKind
+) -> _MoERank:
     num_moe = _stage_moe_layers(m, p, stage)
     num_dense = _stage_layers(m.num_layers, p, stage) - num_moe
     moe_params = moe_layer_dense_params(m, p.tp)
@@ -385,7 +387,7 @@ def _moe_rank(m: GPTConfig, p: ParallelConfig, cb: int, stage: int, imbalance: f
     return _MoERank(
         num_moe=num_moe, dense_params=num_dense * _layer_params(m, p.tp) + num_moe * moe_params,
         experts=num_moe * experts, layer_params=moe_params + experts,
-        act_per_token=moe_activation_delta_per_token(m, p, cb, factor), flow_per_token=max(grads, 0.0) if num_moe else 0.0,
+        act_per_token=moe_activation_delta_per_token(m, p, cb, factor, grouped=device == "gpu"), flow_per_token=max(grads, 0.0) if num_moe else 0.0,
     )  # fmt: skip
 
 

@@ -191,19 +191,36 @@ def local_expert_params(m: GPTConfig, ep: int) -> float:
     return m.num_experts // ep * m.expert_params
 
 
-def moe_activation_delta_per_token(m: GPTConfig, p: ParallelConfig, cb: int, imbalance: float) -> float:
+def moe_activation_delta_per_token(
+    m: GPTConfig, p: ParallelConfig, cb: int, imbalance: float, grouped: bool = True
+) -> float:
     """Bytes a MoE layer keeps per token of a micro-batch beyond a dense layer's (full recompute:
-    0, the layer input only). The dense MLP's ffn-wide tensors are replaced by the experts': k
-    copies of each token's f-wide tensors (EP does not shrink them: a rank computes T x k copies
-    whatever ep is; the busiest rank x the imbalance factor), the shared expert's, the experts'
-    permuted inputs (busiest rank) and outputs before the combine (k h each), and the router's
-    fp32 logits and scores (2 x 4 E). All over tp (sequence parallelism: T tokens a rank)."""
+    0, the layer input only), as trainer/moe.py's autograd graph saves them (traced per tensor:
+    docs/perfmodel.md, "MoE activations"). Per routed assignment (k a token):
+    - on the rank running the experts (the busiest ep rank: x the imbalance factor; EP does not
+      shrink them, a rank computes T x k assignments whatever ep is): the experts' f-wide tensors
+      (SwiGLU 4, GELU 2), their input rows (the grouped GEMM's padded copy besides the gathered
+      rows that index_copy keeps: `grouped`, GPU kernels of compute capability >= 9; the CPU's and
+      an A100's loop over experts keeps the gathered rows only) and int64 row indices (1, with
+      expert parallelism 3: the regrouping and its inverse);
+    - back on the token's rank: the experts' output before and after the router's weight (the
+      multiply and the index_add that combines them keep one each), the weight in the compute
+      dtype and two int64 indices (the token of each assignment, the sort order);
+    - the router's: fp32 scores of every expert (4 E), the chosen experts' int64 ids, their fp32
+      weights and the sum that renormalises them.
+    The shared expert keeps a dense MLP's tensors at its width. All over tp (sequence parallelism:
+    T tokens a rank)."""
     if p.activation_checkpoint == "full":
         return 0.0
     tensors = 4 if m.mlp == "swiglu" else 2
-    k, h = m.moe_top_k, m.hidden_size
-    routed = tensors * k * m.expert_ffn_size * cb * imbalance
+    k, h, f = m.moe_top_k, m.hidden_size, m.expert_ffn_size
+    inputs = 2 if grouped else 1
+    row_indices = 8 * (3 if p.ep > 1 else 1)
+    experts_side = k * ((tensors * f + inputs * h) * cb + row_indices) * imbalance
+    token_side = k * (2 * h * cb + cb + 2 * 8)
+    renormalised = m.moe_router_score == "sigmoid" or m.moe_norm_topk
+    router = 4 * m.num_experts + 8 * k + (4 * k + 4 if renormalised else 0)
+    if m.moe_router_score == "sigmoid" and m.moe_aux_loss_coef > 0:
+        router += 4  # the auxiliary loss's normalising sum of the scores
     shared = tensors * m.moe_shared_ffn_hidden_size * cb
-    dispatch = (1 + imbalance) * k * h * cb
-    router = 8 * m.num_experts
-    return (routed + shared + dispatch + router - tensors * m.ffn_size * cb) / p.tp
+    return (experts_side + token_side + router + shared - tensors * m.ffn_size * cb) / p.tp
