@@ -2,7 +2,8 @@
 Megatron-LM `pretrain_gpt.py` arguments under torchrun, or an sbatch script that runs our own trainer.
 
 Only the layout and the model travel (tuner/export_model.py: the model by family;
-tuner/export_moe.py: attention variants and mixtures of experts): data,
+tuner/export_moe.py: attention variants and mixtures of experts; tuner/export_cp.py: context
+parallelism, and what each stack requires for it): data,
 tokenizer, optimizer and step counts belong to the run, not the layout. Where a stack has no
 equivalent of a knob the file says so in a comment instead of silently changing what was measured;
 where it cannot run the layout or build the model at all, export_layout refuses with the reason
