@@ -53,8 +53,9 @@ MODEL_ARGS = ["num_layers", "hidden_size", "num_attention_heads", "group_query_a
               "rotary_interleaved", "use_rope_scaling", "rope_scaling_factor",
               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias",
               "attention_dropout", "hidden_dropout", "tensor_model_parallel_size",
-              "pipeline_model_parallel_size", "data_parallel_size"]  # fmt: skip
-# A mixture of experts and the attention variants, as TransformerConfig holds them (None: not set).
+              "pipeline_model_parallel_size", "data_parallel_size", "context_parallel_size"]  # fmt: skip
+# A mixture of experts, the attention variants and context parallelism's communication, as
+# TransformerConfig holds them (None: not set).
 MOE_ARGS = ["num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
             "moe_layer_freq", "moe_router_score_function", "moe_router_pre_softmax",
             "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
@@ -62,7 +63,7 @@ MOE_ARGS = ["num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_sh
             "moe_aux_loss_coeff", "moe_router_force_load_balancing", "moe_grouped_gemm",
             "moe_token_dispatcher_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
             "qk_layernorm", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-            "qk_pos_emb_head_dim", "v_head_dim", "rope_type"]  # fmt: skip
+            "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "cp_comm_type"]  # fmt: skip
 
 
 def split_command(text: str) -> tuple[dict[str, str | None], int, list[str]]:
@@ -151,6 +152,7 @@ def main() -> int:
         if opts.json:
             continue
         print(f"ok {path}: tp {args.tensor_model_parallel_size} pp {args.pipeline_model_parallel_size} "
+              f"cp {args.context_parallel_size} "
               f"vpp {args.virtual_pipeline_model_parallel_size} dp {args.data_parallel_size} "
               f"sp {args.sequence_parallel} fsdp2 {args.use_torch_fsdp2} "
               f"dist-opt {args.use_distributed_optimizer}")  # fmt: skip

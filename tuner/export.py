@@ -2,7 +2,8 @@
 Megatron-LM `pretrain_gpt.py` arguments under torchrun, or an sbatch script that runs our own trainer.
 
 Only the layout and the model travel (tuner/export_model.py: the model by family;
-tuner/export_moe.py: attention variants and mixtures of experts): data,
+tuner/export_moe.py: attention variants and mixtures of experts; tuner/export_cp.py: context
+parallelism, and what each stack requires for it): data,
 tokenizer, optimizer and step counts belong to the run, not the layout. Where a stack has no
 equivalent of a knob the file says so in a comment instead of silently changing what was measured;
 where it cannot run the layout or build the model at all, export_layout refuses with the reason
@@ -29,6 +30,16 @@ from tuner.dispatch.sbatch import (
     layout_resources,
     preamble,
     trainer_command,
+)
+from tuner.export_cp import (
+    describe_cp,
+    megatron_cp_args,
+    megatron_cp_notes,
+    megatron_cp_unsupported,
+    torchtitan_cp_notes,
+    torchtitan_cp_parallelism,
+    torchtitan_cp_reshard,
+    torchtitan_cp_unsupported,
 )
 from tuner.export_model import (
     describe,
@@ -112,13 +123,15 @@ def _header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
     """Comment lines (without '# ') shared by every format: which study, layout, model, batch."""
     m, c = spec.gpt(), config
     nodes, per_node = layout_resources(benchmark_config(spec, config), spec.cluster.gpus_per_node)
-    return [
+    folded = "dp x cp x tp" if c.cp > 1 else "dp x tp"
+    lines = [
         f"{tool} for study {slug(spec.name)} (parallel-tuner, tuner/export.py): {c.describe()}",
         f"{c.world_size} ranks = tp {c.tp}"
         + (f" x tp_col {c.tp_col}" if c.tp_col > 1 else "")
         + f" x pp {c.pp} x dp_replicate {c.dp_replicate} x dp_shard "
         f"{c.dp_shard}"
-        + (f" (ep {c.ep} folded into dp x tp: expert data parallelism {c.edp})" if m.moe else "")
+        + (f" x cp {c.cp}" if c.cp > 1 else "")
+        + (f" (ep {c.ep} folded into {folded}: expert data parallelism {c.edp})" if m.moe else "")
         + f", on {nodes} node(s) x {per_node} of cluster {slug(spec.cluster.name)}",
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads"
         + (f" ({m.kv_heads} KV heads)" if m.kv_heads != m.num_heads else "")
@@ -126,6 +139,7 @@ def _header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
         f"batch: global {c.global_batch_size} = micro-batch {c.micro_batch_size} x {c.num_microbatches} "
         f"micro-batches x dp {c.dp}; precision {spec.training.precision}",
     ]
+    return lines + ([describe_cp(m, c)] if c.cp > 1 else [])
 
 
 def _comments(lines: list[str]) -> list[str]:
@@ -138,7 +152,7 @@ def _comments(lines: list[str]) -> list[str]:
 def _torchtitan_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
     """torchtitan derives the stage count from `pipeline_parallel_layers_per_stage` (ceil(layers /
     layers per stage)); beyond its default of 2 stages per rank some counts have no such value."""
-    reasons = torchtitan_unsupported(spec.gpt(), config)
+    reasons = torchtitan_unsupported(spec.gpt(), config) + torchtitan_cp_unsupported(spec.gpt(), config)
     if config.pp == 1 or config.virtual_stages <= 2:
         return reasons
     layers, stages = spec.gpt().num_layers, config.num_stages
@@ -148,7 +162,8 @@ def _torchtitan_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str
 
 
 def _megatron_unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
-    layers, c, reasons = spec.gpt().num_layers, config, megatron_unsupported(spec.gpt())
+    layers, c = spec.gpt().num_layers, config
+    reasons = megatron_unsupported(spec.gpt()) + megatron_cp_unsupported(spec.gpt(), config)
     if c.pp > 1 and layers % c.num_stages:
         reasons.append(
             f"num_layers ({layers}) is not a multiple of pp ({c.pp}) x virtual_stages ({c.virtual_stages}) "
@@ -272,10 +287,10 @@ def _torchtitan_parallelism(spec: StudySpec, config: ParallelConfig) -> list[str
     lines = [
         f"data_parallel_replicate_degree = {c.dp_replicate}",
         f"data_parallel_shard_degree = {c.dp_shard}",
-        f'fsdp_reshard_after_forward = "{TORCHTITAN_RESHARD[c.zero_stage]}"',
+        f'fsdp_reshard_after_forward = "{torchtitan_cp_reshard(c, TORCHTITAN_RESHARD[c.zero_stage])}"',
         f"tensor_parallel_degree = {c.tp}",
         f"enable_sequence_parallel = {c.sequence_parallel}",
-        "context_parallel_degree = 1",
+        *torchtitan_cp_parallelism(c),
         f"pipeline_parallel_degree = {c.pp}",
         *torchtitan_moe_parallelism(spec.gpt(), c),
     ]
@@ -320,13 +335,14 @@ def _no_cuda_graphs(spec: StudySpec, config: ParallelConfig) -> bool:
 def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
     """What torchtitan runs differently from the measured layout."""
     c, notes = config, []
-    notes.append(
-        f"zero_stage {c.zero_stage} -> fsdp_reshard_after_forward {TORCHTITAN_RESHARD[c.zero_stage]!r} "
-        "(ZeRO-3 reshards after forward, ZeRO-2 keeps parameters gathered until backward; "
-        "FSDP2 always shards optimizer state and gradients)."
-        if c.zero_stage
-        else "zero_stage 0: no sharding (data_parallel_shard_degree 1)."
-    )
+    if c.zero_stage:
+        notes.append(
+            f"zero_stage {c.zero_stage} -> fsdp_reshard_after_forward {TORCHTITAN_RESHARD[c.zero_stage]!r} "
+            "(ZeRO-3 reshards after forward, ZeRO-2 keeps parameters gathered until backward; "
+            "FSDP2 always shards optimizer state and gradients)."
+        )
+    elif c.cp == 1:  # with cp torchtitan shards anyway (torchtitan_cp_notes)
+        notes.append("zero_stage 0: no sharding (data_parallel_shard_degree 1).")
     if c.tp > 1:
         notes.append("tp: logits stay vocab-sharded into the loss (torchtitan's loss parallel), as measured.")
     if not _no_cuda_graphs(spec, c):
@@ -338,6 +354,7 @@ def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
         )
     if spec.training.precision == "fp16":
         notes.append("fp16 study: torchtitan's mixed precision is bfloat16 (the trainer measured bf16 too).")
+    notes += torchtitan_cp_notes(spec.gpt(), c, builds=torchtitan_builds(spec.gpt()))
     notes += torchtitan_moe_notes(spec.gpt(), c, _routing(spec, config))
     return notes + torchtitan_notes(spec.gpt(), padded_vocab(spec.gpt().vocab_size, c.tp))
 
@@ -352,6 +369,7 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
     args = [
         ("--tensor-model-parallel-size", c.tp),
         ("--pipeline-model-parallel-size", c.pp),
+        *megatron_cp_args(c),
     ]
     if _interleaved(c):
         args.append(("--num-layers-per-virtual-pipeline-stage", m.num_layers // c.num_stages))
@@ -385,7 +403,7 @@ def _megatron(spec: StudySpec, config: ParallelConfig) -> str:
     notes += multi_node
     env, env_note = _megatron_env(spec, config)
     notes += [*([env_note] if env_note else []), *_megatron_notes(spec, config)]
-    notes += megatron_moe_notes(m, c, _routing(spec, config))
+    notes += megatron_cp_notes(c) + megatron_moe_notes(m, c, _routing(spec, config))
     lines = _comments(
         [*_header(spec, config, f"Megatron-LM launch (flags of {MEGATRON_SOURCE})"), "", *notes]
     )
@@ -421,21 +439,33 @@ def _routing(spec: StudySpec, config: ParallelConfig) -> str:
 
 def _megatron_env(spec: StudySpec, config: ParallelConfig) -> tuple[str, str]:
     """(prefix of the torchrun command, why) for CUDA_DEVICE_MAX_CONNECTIONS, as validate_args
-    rules: --use-torch-fsdp2 asserts it is unset or > 1; otherwise tensor parallelism (sequence
-    parallelism needs tp > 1) asserts it is 1 on GPUs before Blackwell, which on later GPUs is
-    allowed and harmless. Expert parallelism adds no rule of its own (only a warning with
-    --overlap-moe-expert-parallel-comm, which is not exported); context parallelism is never exported."""
+    rules: --use-torch-fsdp2 asserts it is unset or > 1; otherwise tensor or context parallelism
+    (sequence parallelism needs tp > 1) asserts it is 1 on GPUs before Blackwell, which on later GPUs
+    is allowed and harmless. Expert parallelism adds no rule of its own (only a warning with
+    --overlap-moe-expert-parallel-comm, which is not exported)."""
     if _megatron_fsdp2(spec, config):
         return "env -u CUDA_DEVICE_MAX_CONNECTIONS ", (
             "CUDA_DEVICE_MAX_CONNECTIONS unset: --use-torch-fsdp2 requires it unset or > 1"
-            + (" (with tp > 1 Megatron warns that TP would rather have 1)." if config.tp > 1 else ".")
+            + (
+                f" (with {_tp_cp(config)} > 1 Megatron warns that {_tp_cp(config, upper=True)} would rather have 1)."
+                if config.tp > 1 or config.cp > 1
+                else "."
+            )
         )
-    if config.tp > 1:
+    if config.tp > 1 or config.cp > 1:
+        which = {"tp": "tensor parallelism", "cp": "context parallelism"}.get(_tp_cp(config),
+                                                                             "tensor and context parallelism")  # fmt: skip
         return "CUDA_DEVICE_MAX_CONNECTIONS=1 ", (
-            "CUDA_DEVICE_MAX_CONNECTIONS=1: tensor parallelism requires it on GPUs before Blackwell "
-            "(kernels then start in issue order, so TP communication overlaps compute)."
+            f"CUDA_DEVICE_MAX_CONNECTIONS=1: {which} {'require' if ' and ' in which else 'requires'} it on GPUs "
+            "before Blackwell "
+            f"(kernels then start in issue order, so {_tp_cp(config, upper=True)} communication overlaps compute)."
         )
     return "", ""
+
+
+def _tp_cp(config: ParallelConfig, *, upper: bool = False) -> str:
+    """'tp', 'cp' or 'tp and cp': which of the two that need CUDA_DEVICE_MAX_CONNECTIONS=1 are > 1."""
+    return " and ".join(name.upper() if upper else name for name in ("tp", "cp") if getattr(config, name) > 1)
 
 
 def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:

@@ -20,7 +20,7 @@ and scripts/check-megatron-export.py runs validate_args and builds its Transform
   for a study measured with balanced routing (BenchmarkConfig.moe_routing);
 - parallelism: --expert-model-parallel-size ep and --expert-tensor-parallel-size 1 (experts are
   never split over tp: trainer/config.py, ParallelConfig._moe_violations); Megatron's expert grid
-  ETP x EP x EDP x PP then has the trainer's expert data parallelism (edp = dp x tp / ep);
+  ETP x EP x EDP x PP then has the trainer's expert data parallelism (edp = dp x cp x tp / ep);
 - attention: --kv-channels for heads wider than hidden / heads, --qk-layernorm for per-head q/k
   norms (OLMoE's norms over the whole projections have no Megatron flag: refused), and
   --multi-latent-attention with its ranks and widths, plain RoPE (--rope-type rope; Megatron's
@@ -172,9 +172,14 @@ def megatron_moe_notes(m: GPTConfig, config: ParallelConfig, routing: str) -> li
     if not m.moe:
         return notes
     c = config
+    ranks, sizes = (
+        ("dp x cp x tp", f"dp {c.dp} x cp {c.cp} x tp {c.tp}")
+        if c.cp > 1
+        else ("dp x tp", f"dp {c.dp} x tp {c.tp}")
+    )
     notes.append(
-        f"experts: ep {c.ep} x etp 1 over the dp x tp ranks of each stage, so expert data parallelism is "
-        f"{c.edp} (dp {c.dp} x tp {c.tp} / ep {c.ep}), as measured; dropless routing (no capacity factor)."
+        f"experts: ep {c.ep} x etp 1 over the {ranks} ranks of each stage, so expert data parallelism is "
+        f"{c.edp} ({sizes} / ep {c.ep}), as measured; dropless routing (no capacity factor)."
     )
     if m.moe_aux_loss_coef:
         notes.append(
@@ -230,12 +235,13 @@ def torchtitan_moe_unsupported(m: GPTConfig, config: ParallelConfig) -> list[str
         reasons.append(f"dropout {m.dropout:g}: torchtitan's MoE models have no dropout")
     if m.qkv_bias:
         reasons.append("qkv_bias: torchtitan's qwen3 and deepseek_v3 have no bias on q, k and v")
-    shard = config.dp_shard * config.tp
+    shard = config.dp_shard * config.cp * config.tp
     if shard % config.ep:
+        cp_words = (" x context_parallel", f" x {config.cp}") if config.cp > 1 else ("", "")
         reasons.append(
-            f"ep ({config.ep}) must divide data_parallel_shard x tensor_parallel ({config.dp_shard} x {config.tp} = "
-            f"{shard}): torchtitan borrows expert ranks from those (distributed/parallel_dims.py), dp_replicate "
-            "stays outer"
+            f"ep ({config.ep}) must divide data_parallel_shard{cp_words[0]} x tensor_parallel ({config.dp_shard}"
+            f"{cp_words[1]} x {config.tp} = {shard}): torchtitan borrows expert ranks from those "
+            "(distributed/parallel_dims.py), dp_replicate stays outer"
         )
     if m.attention == "mla" and m.moe_shared_ffn_hidden_size % m.expert_ffn_size:
         reasons.append(
@@ -418,9 +424,15 @@ def torchtitan_moe_parallelism(m: GPTConfig, config: ParallelConfig) -> list[str
 def torchtitan_moe_notes(m: GPTConfig, config: ParallelConfig, routing: str) -> list[str]:
     if not m.moe:
         return []
+    borrowed = (
+        "data_parallel_shard x context_parallel x tensor_parallel"
+        if config.cp > 1
+        else ("data_parallel_shard x tensor_parallel")
+    )
     notes = [
-        f"experts: expert_parallel_degree {config.ep}, borrowed from data_parallel_shard x tensor_parallel "
-        f"(efsdp {config.dp_shard * config.tp // config.ep}); the experts' FSDP runs over efsdp, the rest over dp."
+        f"experts: expert_parallel_degree {config.ep}, borrowed from {borrowed} "
+        f"(efsdp {config.dp_shard * config.cp * config.tp // config.ep}); the experts' FSDP runs over efsdp, "
+        "the rest over dp."
     ]
     if m.moe_aux_loss_coef:
         notes.append(

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig
+from trainer.context_parallel import local_positions
 from trainer.pipeline import stage_layer_ranges
 from tuner.dispatch.sbatch import ROOT, SiteSettings
 from tuner.export import FORMATS, MEGATRON_SOURCE, TORCHTITAN_CONFIG_FN, TORCHTITAN_VERSION, export_layout
@@ -128,6 +129,14 @@ CASES = {
         ParallelConfig(pp=2, dp_shard=8, ep=8, num_microbatches=8, zero_stage=2),
         SITE,
     ),
+    # Llama 3.1 8B at 32k tokens on 16 x H100: tp2 + SP x cp4 (8 head-tail chunks of 4096 tokens) x dp_shard 2,
+    # ZeRO-2, full AC: gradients averaged over dp 2 x cp 4.
+    "llama8b_cp_h100": (
+        _spec("llama3.1-8b", {"preset": "h100-80gb", "num_nodes": 2}, 16, 8, "bf16", {"seq_len": 32768}),
+        ParallelConfig(tp=2, dp_shard=2, cp=4, num_microbatches=4, zero_stage=2, activation_checkpoint="full",
+                       sequence_parallel=True),
+        SITE,
+    ),
     # The CPU Llama (2 KV heads for 4 query heads) on 4 local "devices": tp2 x dp_replicate 2.
     "llama_tiny_cpu": (
         _spec("llama-tiny", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0, "cores_per_node": 4},
@@ -216,6 +225,15 @@ MORE_MOE = {
 # The same study measured with balanced routing (training.moe_routing; BenchmarkConfig.moe_routing).
 MOE_BALANCED = _spec("moe-tiny-ds", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0,
                                      "cores_per_node": 4}, 4, 8, "fp32", {"moe_routing": "balanced"})  # fmt: skip
+# Context parallelism beyond the golden case: with a pipeline and without sharding (zero_stage 0, which torchtitan
+# shards over cp all the same), and ep 4 over dp_shard 2 x cp 2 (torchtitan borrows it from dp_shard x cp x tp).
+CP_CASES = {
+    "cp_pipeline": (_spec("llama-small", {"preset": "cpu-local", "gpus_per_node": 8}, 8, 4, "fp32", space={"tp": [1, 2]}),
+                    ParallelConfig(pp=2, dp_replicate=2, cp=2, num_microbatches=2)),
+    "moe_cp": (_spec("moe-tiny-ds", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0,
+                                     "cores_per_node": 4}, 4, 4, "fp32"),
+               ParallelConfig(dp_shard=2, cp=2, ep=4, zero_stage=2, num_microbatches=2)),
+}  # fmt: skip
 # Layouts beyond the golden cases: more than 2 virtual stages per rank (pipeline_parallel_layers_per_stage)
 # and an uneven layer split; and the Llama presets.
 MORE_TORCHTITAN = {
@@ -226,6 +244,7 @@ MORE_TORCHTITAN = {
                ParallelConfig(pp=2, dp_replicate=4, num_microbatches=2)),
     **MORE_LLAMA,
     **MORE_MOE,
+    **CP_CASES,
 }  # fmt: skip
 
 
@@ -258,6 +277,14 @@ def _tied_with_pipeline(text: str) -> str:
     return text.replace(one, one.replace("1", "2") + "    config.training.disable_cuda_graphs = True\n")
 
 
+def _cp_attention(text: str, backend: str) -> str:
+    """The cp golden export edited to build its model with another attention backend than FlexAttention,
+    which torchtitan's context parallelism refuses: to show its own refusal."""
+    old = "config.model_spec = model_registry(FLAVOR)"
+    assert old in text
+    return text.replace(old, f'config.model_spec = model_registry(FLAVOR, attn_backend="{backend}")')
+
+
 def _ep_over_replicas(text: str) -> str:
     """The CPU MoE export (dp_shard 4, ep 4) edited to dp_replicate 2 x dp_shard 2, which the export
     itself refuses (ep 4 does not divide dp_shard 2): to show torchtitan's own refusal."""
@@ -284,6 +311,8 @@ def torchtitan_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
                                               if "disable_cuda_graphs" not in line), 24)  # fmt: skip
     modules["tied_pipeline_rule"] = (_tied_with_pipeline(modules["llama1b_tied"][0]), 16)
     modules["ep_replicate_rule"] = (_ep_over_replicas(modules["moe_tiny_ds"][0]), 4)
+    for backend in ("varlen", "sdpa"):
+        modules[f"cp_{backend}_rule"] = (_cp_attention(modules["llama8b_cp_h100"][0], backend), 32)
     modules["moe_balanced"] = (export_layout("torchtitan", MOE_BALANCED, MORE_MOE["moe_tiny_ds"][1]), 4)
     for flavor, (preset, _) in TORCHTITAN_FLAVORS.items():
         modules[f"flavor_{flavor}"] = (_torchtitan_flavor(flavor, MODEL_PRESETS[preset]), 1)
@@ -309,10 +338,12 @@ def test_torchtitan_parses_the_export_into_the_measured_layout(case: str, torcht
     assert {k: par[k] for k in ("tensor_parallel_degree", "pipeline_parallel_degree", "data_parallel_replicate_degree",
                                 "data_parallel_shard_degree", "context_parallel_degree")} == {
         "tensor_parallel_degree": c.tp, "pipeline_parallel_degree": c.pp, "data_parallel_replicate_degree": c.dp_replicate,
-        "data_parallel_shard_degree": c.dp_shard, "context_parallel_degree": 1}  # fmt: skip
+        "data_parallel_shard_degree": c.dp_shard, "context_parallel_degree": c.cp}  # fmt: skip
     assert par["enable_sequence_parallel"] is c.sequence_parallel
     assert par["expert_parallel_degree"] == c.ep
-    assert par["fsdp_reshard_after_forward"] == {0: "default", 2: "never", 3: "always"}[c.zero_stage]
+    # with cp > 1 torchtitan shards over dp_shard x cp even at zero_stage 0: 'never' is the nearest to replicas
+    reshard = {0: "never" if c.cp > 1 else "default", 2: "never", 3: "always"}[c.zero_stage]
+    assert par["fsdp_reshard_after_forward"] == reshard
     assert parsed["compile"]["enable_async_tensor_parallel"] is False
     assert parsed["activation_checkpoint"] == {"none": "NoneType", "full": "FullAC.Config",
                                                "selective": "SelectiveAC.Config"}[c.activation_checkpoint]  # fmt: skip
@@ -351,6 +382,58 @@ def test_torchtitan_export_says_where_its_base_reads_tokenizer_and_data(
     assert f"then run from the root of a torchtitan {TORCHTITAN_VERSION} source checkout:" in note
     assert f"tokenizer from {parsed['hf_assets_path']} and the {parsed['dataset']} dataset from " \
            f"{parsed['dataset_path']}, relative to the working directory" in note  # fmt: skip
+
+
+TORCHTITAN_CP_CASES = [case for case, (_, c) in TORCHTITAN_CASES.items() if c.cp > 1]
+
+
+@pytest.mark.parametrize("case", TORCHTITAN_CP_CASES)
+def test_torchtitan_splits_each_sequence_as_the_trainer_does(case: str, torchtitan_parsed: dict) -> None:
+    """context_parallel_load_balancer 'headtail': torchtitan's own cp_shard gives cp rank r the positions
+    our trainer gives it (chunks r and 2cp-1-r of 2 x cp), and its meshes and its check of the attention
+    under cp (FlexAttention: distributed/full_dtensor.py validate_config) accept the export."""
+    spec, c = TORCHTITAN_CASES[case]
+    parsed = torchtitan_parsed[case]
+    assert "error" not in parsed, parsed
+    assert parsed["parallelism"]["context_parallel_load_balancer"] == "headtail"
+    expected = [local_positions(spec.seq_len, c.cp, rank).tolist() for rank in range(c.cp)]
+    assert parsed["cp_positions"] == expected
+
+
+def test_torchtitan_context_parallelism_needs_flex_attention(torchtitan_parsed: dict) -> None:
+    """What the export requires and says: torchtitan 0.3.0 runs cp with FlexAttention only. Its own
+    refusals of the cp export built with varlen attention, and with SDPA (no longer a language-model
+    backend)."""
+    assert "Varlen attention is not supported with CP" in torchtitan_parsed["cp_varlen_rule"]["error"]
+    assert "sdpa is no longer supported for language models" in torchtitan_parsed["cp_sdpa_rule"]["error"]
+    spec, config, _ = CASES["llama8b_cp_h100"]
+    notes = " ".join(export_layout("torchtitan", spec, config).split("\n#"))
+    assert "cp requires FlexAttention in torchtitan 0.3.0" in notes
+    layout_only = _spec({"preset": "gpt-tiny"}, "h100-80gb", 4, 4, "bf16")
+    text = export_layout("torchtitan", layout_only, ParallelConfig(dp_replicate=2, cp=2, num_microbatches=2))
+    assert "the model you put in BASE must use it" in text
+
+
+def test_torchtitan_refuses_a_sequence_its_trainer_cannot_split() -> None:
+    """torchtitan's Trainer.__init__ wants seq_len divisible by 2 x cp x tp under sequence parallelism;
+    our trainer (and Megatron) only seq_len / cp divisible by tp: 12 tokens over cp 2 x tp 2 + SP."""
+    spec = _spec({"preset": "llama-tiny"}, {"preset": "cpu-local", "gpus_per_node": 4}, 4, 2, "fp32",
+                 {"seq_len": 12}, space={"tp": [1, 2]})  # fmt: skip
+    layout = ParallelConfig(tp=2, cp=2, sequence_parallel=True, num_microbatches=2)
+    assert export_layout("sbatch", spec, layout) and export_layout("megatron", spec, layout)
+    with pytest.raises(ValueError, match=r"torchtitan: .*seq_len \(12\) is not a multiple of 2 x cp \(2\) x tp "
+                                         r"\(2, sequence parallelism\) = 8"):  # fmt: skip
+        export_layout("torchtitan", spec, layout)
+
+
+def test_the_exports_say_cp_and_that_data_parallelism_spans_dp_x_cp() -> None:
+    for fmt in FORMATS:
+        header = [line for line in _export(fmt, "llama8b_cp_h100").splitlines() if line.startswith("#")]
+        assert any(
+            "16 ranks = tp 2 x pp 1 x dp_replicate 1 x dp_shard 2 x cp 4" in line for line in header
+        ), fmt
+        assert any("cp 4: each sequence of 32768 in 8 head-tail chunks of 4096" in line
+                   and "data parallelism spans dp x cp (2 x 4 = 8 ranks" in line for line in header), fmt  # fmt: skip
 
 
 def test_torchtitan_refuses_pipeline_parallelism_with_cuda_graphs(torchtitan_parsed: dict) -> None:
@@ -574,7 +657,7 @@ def _megatron_flags() -> tuple[str, set[str]]:
     return header, set(flags)
 
 
-# Every golden case and the other Llama presets (MORE_LLAMA).
+# Every golden case, the other Llama presets (MORE_LLAMA), the mixtures of experts and the cp layouts.
 # A dense Qwen3-shaped block: heads of 32 on a 64-wide stream (4 x 32 = 128) and per-head q/k norms.
 QWEN3_DENSE = (_spec({"preset": "llama-tiny", "qk_norm": "head", "attention_head_dim": 32}, "h100-80gb", 4, 8, "bf16",
                      space={"tp": [1, 2]}),
@@ -583,6 +666,7 @@ MEGATRON_CASES = {
     **{case: CASES[case][:2] for case in CASES},
     **MORE_LLAMA,
     **MORE_MOE,
+    **CP_CASES,
     "qwen3_dense": QWEN3_DENSE,
 }
 
@@ -694,6 +778,9 @@ def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path, meg
             spec.seq_len, 1.0, False)  # fmt: skip
         assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"],
                 args["data_parallel_size"]) == (config.tp, config.pp, config.dp)  # fmt: skip
+        assert args["context_parallel_size"] == config.cp, case
+        if config.cp > 1:  # the K/V all-gather our trainer measured, as TransformerConfig holds it
+            assert args["cp_comm_type"] == "all_gather", case
         assert args == args | _megatron_moe_expected(spec.gpt(), config), case
 
 
@@ -760,11 +847,12 @@ def test_megatron_export_passes_validate_args_rules(case: str) -> None:
     launcher, flags = _megatron_args(_megatron_export(case))
     connections = _connections(launcher)
     tp, pp = int(flags["--tensor-model-parallel-size"]), int(flags["--pipeline-model-parallel-size"])
+    cp = int(flags.get("--context-parallel-size") or 1)
     if "--use-torch-fsdp2" in flags:
         assert connections == "unset" or ((connections or "").isdigit() and int(connections) > 1)
         assert pp == 1 and "--use-distributed-optimizer" not in flags and "--fp16" not in flags
         assert {"--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"} <= set(flags)
-    elif tp > 1:  # before Blackwell (every GPU the presets name)
+    elif tp > 1 or cp > 1:  # before Blackwell (every GPU the presets name)
         assert connections == "1"
     else:
         assert connections is None
@@ -774,6 +862,8 @@ def test_megatron_export_passes_validate_args_rules(case: str) -> None:
         assert pp > 2 or "--no-overlap-p2p-communication" not in flags
     if "--sequence-parallel" in flags:
         assert tp > 1
+    if cp > 1:
+        assert int(flags["--seq-length"]) % (2 * cp) == 0 and flags["--cp-comm-type"] == "all_gather"
 
 
 def test_megatron_interleaved_zero3_pipeline_layout() -> None:
@@ -811,6 +901,37 @@ def test_megatron_other_layouts() -> None:
     assert launcher == ["torchrun", "--nproc-per-node=4", "--nnodes=2"]
     assert "--fp16" in hsdp and "--use-distributed-optimizer" in hsdp
     assert "--num-layers-per-virtual-pipeline-stage" not in hsdp
+
+
+def test_megatron_context_parallel_layouts() -> None:
+    """--context-parallel-size and the K/V all-gather; CUDA_DEVICE_MAX_CONNECTIONS=1 with cp alone too
+    (validate_args), and Megatron's data-parallel size without cp, its gradients over dp x cp."""
+    launcher, flags = _megatron_args(_export("megatron", "llama8b_cp_h100"))
+    assert launcher[0] == "CUDA_DEVICE_MAX_CONNECTIONS=1"
+    assert (flags["--context-parallel-size"], flags["--cp-comm-type"], flags["--seq-length"]) == (
+        "4",
+        "all_gather",
+        "32768",
+    )
+    spec, config = CP_CASES["moe_cp"]
+    text = export_layout("megatron", spec, config)
+    launcher, flags = _megatron_args(text)
+    assert launcher[0] == "CUDA_DEVICE_MAX_CONNECTIONS=1" and flags["--tensor-model-parallel-size"] == "1"
+    assert "context parallelism requires it on GPUs before Blackwell" in text
+    assert "Megatron's data-parallel size is 2 (world / (tp x pp x cp))" in text
+    assert "ep 4 x etp 1 over the dp x cp x tp ranks of each stage" in text
+
+
+def test_megatron_refuses_latent_attention_it_cannot_gather() -> None:
+    """Transformer Engine's all_gather context parallelism refuses k and v heads of different widths
+    (DeepSeek-V3: 128 + 64 rotary for k, 128 for v); torchtitan's deepseek_v3 runs it, as our trainer."""
+    spec = _spec("deepseek-v3", {"preset": "h100-80gb", "num_nodes": 8}, 64, 16, "bf16")
+    layout = ParallelConfig(tp=2, dp_shard=16, cp=2, ep=32, zero_stage=3, sequence_parallel=True,
+                            activation_checkpoint="full")  # fmt: skip
+    assert "context_parallel_degree = 2" in export_layout("torchtitan", spec, layout)
+    with pytest.raises(ValueError, match=r"megatron: .*k heads of 192, v heads of 128\): Transformer Engine's "
+                                         r"--cp-comm-type all_gather"):  # fmt: skip
+        export_layout("megatron", spec, layout)
 
 
 def test_megatron_fsdp2_of_an_fp16_study_runs_bf16() -> None:

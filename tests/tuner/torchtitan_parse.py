@@ -10,7 +10,9 @@ the activation checkpointing policy, the tokenizer and dataset paths it reads (a
 tokenizer is found from DIR), the gradient accumulation steps as the trainer derives them,
 with pp > 1 the layers of each pipeline stage as torchtitan's pipeline splits a model of
 NUM_LAYERS layers, and the `model` (model_facts): the model the config selects, checked against
-the layout as torchtitan's trainer checks it and built on the meta device.
+the layout as torchtitan's trainer checks it and built on the meta device. With context parallelism
+(context_parallel_degree > 1) also `cp_positions`: the token positions each cp rank holds, as
+torchtitan's own cp_shard cuts a sequence with the config's load balancer.
 """
 
 from __future__ import annotations
@@ -88,8 +90,10 @@ def moe_facts(config) -> dict:
     import torch
 
     with torch.device("meta"):
-        facts["num_params"] = sum(p.numel() for p in model.build().parameters())
-    return facts
+        built = model.build()
+    facts["num_params"] = sum(p.numel() for p in built.parameters())
+    error = check_cp_attention(config, built)
+    return {"error": error} if error else facts
 
 
 def model_facts(config) -> dict:
@@ -127,8 +131,56 @@ def model_facts(config) -> dict:
     except (ValueError, NotImplementedError) as e:
         return {"error": str(e)}
     with torch.device("meta"):
-        facts["num_params"] = sum(p.numel() for p in model.build().parameters())
-    return facts
+        built = model.build()
+    facts["num_params"] = sum(p.numel() for p in built.parameters())
+    error = check_cp_attention(config, built)
+    return {"error": error} if error else facts
+
+
+def check_cp_attention(config, model) -> str | None:
+    """torchtitan's own check of the attention a model runs under context parallelism
+    (distributed/full_dtensor.py: validate_config, which its parallelize functions call under the
+    default spmd_types backend): its refusal, or None."""
+    from torchtitan.distributed.full_dtensor import validate_config
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    par = config.parallelism
+    if par.context_parallel_degree == 1 or par.spmd_backend == "partial_dtensor":
+        return None
+    world = (par.data_parallel_replicate_degree * par.data_parallel_shard_degree * par.context_parallel_degree
+             * par.tensor_parallel_degree * par.pipeline_parallel_degree)  # fmt: skip
+    dims = ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
+                        cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
+                        pp=par.pipeline_parallel_degree, ep=par.expert_parallel_degree, world_size=world,
+                        spmd_backend=par.spmd_backend)  # fmt: skip
+    try:
+        validate_config(dims, model)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def cp_positions(par, seq_len: int) -> list[list[int]]:
+    """The positions of one sequence that each cp rank holds: torchtitan's cp_shard (what
+    prepare_context_parallel_input runs on inputs, labels and positions) on a 1-D cp mesh of a fake
+    process group, once per cp rank, with the config's load balancer."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.distributed.context_parallel import cp_shard
+
+    cp, out = par.context_parallel_degree, []
+    for rank in range(cp):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+        try:
+            mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+            (shard,), _ = cp_shard(mesh, (torch.arange(seq_len).unsqueeze(0),), None,
+                                   par.context_parallel_load_balancer)  # fmt: skip
+            out.append(shard[0].tolist())
+        finally:
+            dist.destroy_process_group()
+    return out
 
 
 def build_meshes(parallel_dims, par) -> None:
@@ -168,7 +220,7 @@ def parse(module: str, config_fn: str, num_layers: int) -> dict:
     from torchtitan.distributed.parallel_dims import ParallelDims
 
     par, train = config.parallelism, config.training
-    if par.expert_parallel_degree > 1:  # torchtitan's own device meshes, on a fake process group
+    if par.expert_parallel_degree > 1 or par.context_parallel_degree > 1:  # its own meshes, on a fake group
         try:
             build_meshes(ParallelDims, par)
         except (ValueError, AssertionError) as e:
@@ -196,6 +248,8 @@ def parse(module: str, config_fn: str, num_layers: int) -> dict:
     out["model"] = model_facts(config)
     if "error" in out["model"]:
         return out["model"]
+    if par.context_parallel_degree > 1:
+        out["cp_positions"] = cp_positions(par, train.seq_len)
     return out
 
 
