@@ -2,11 +2,13 @@
 22B, 175B and 1T on 1024-3072 A100-80GB GPUs, in Korthikanti/Narayanan-style layouts (the large
 suite); Llama 3.1 8B, 70B and 405B on 16-2048 H100-80GB GPUs (`--suite llama`); the mixtures of
 experts Mixtral-8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B with expert parallelism, their fit judged
-on H100-80GB and on H200-141GB (`--suite moe`).
+on H100-80GB and on H200-141GB (`--suite moe`); Llama 3.1 8B and 70B at 32k-128k tokens with
+context parallelism on H100-80GB (`--suite long`).
 
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --suite llama --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --suite moe --json
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --suite long --json
 
 For every layout the oracle builds the trainer at full size on fake tensors ("cuda" mode: bf16
 mixed precision, AdamW's foreach step, every step's peak) for the first and the last pipeline rank,
@@ -180,11 +182,40 @@ MOE_GPUS = {"mixtral-8x7b": (64,), "qwen3-30b-a3b": (16,), "qwen3-235b-a22b": (1
 MOE_GLOBAL_BATCHES = {"mixtral-8x7b": (128, 256, 512), "qwen3-30b-a3b": (64, 128, 256),
                       "qwen3-235b-a22b": (256, 512, 1024)}  # fmt: skip
 MOE_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_moe.jsonl"
+# The long-sequence suite (issue 28): Llama 3.1 8B and 70B at 32k-128k tokens on H100-80GB with
+# context parallelism as a tenth field (cp, folded with dp: FSDP2 over dp_shard x cp) and the
+# sequence length as an eleventh. 8B on 64 GPUs as the plan of issue 28 weighs it (FSDP with cp
+# 2-16, tp 1-4 with SP, a pipeline, replicated weights); 70B on 256 GPUs with tp 8 in a node and
+# cp 2-8 across nodes (Megatron's long-context recipes: tp 8, cp 2-8, pp 1-4), interleaving, no
+# recompute at 32k. Three global batches per model (1-8M tokens), sharing the simulations.
+LONG_SHAPES: dict[str, list[tuple]] = {
+    "llama3.1-8b": [
+        (1, 1, "1f1b", 1, 1, "full", False, 3, 1, 8, 131072),
+        (2, 1, "1f1b", 1, 1, "full", True, 3, 1, 16, 131072),
+        (1, 1, "1f1b", 1, 1, "selective", False, 2, 1, 4, 32768),
+        (2, 1, "1f1b", 1, 1, "none", True, 3, 1, 4, 65536),
+        (1, 2, "1f1b", 1, 1, "full", False, 2, 1, 4, 65536),
+        (4, 1, "1f1b", 1, 1, "full", True, 0, 1, 2, 32768),
+        (1, 4, "interleaved_1f1b", 2, 1, "selective", False, 2, 1, 2, 65536),
+    ],
+    "llama3.1-70b": [
+        (8, 1, "1f1b", 1, 1, "full", True, 3, 1, 4, 131072),
+        (8, 2, "1f1b", 1, 1, "full", True, 2, 1, 2, 65536),
+        (4, 4, "1f1b", 1, 1, "selective", True, 2, 1, 2, 32768),
+        (8, 1, "1f1b", 1, 1, "full", True, 3, 1, 8, 131072),
+        (2, 4, "interleaved_1f1b", 2, 1, "full", True, 2, 1, 4, 65536),
+        (8, 4, "1f1b", 1, 1, "none", True, 0, 1, 2, 32768),
+    ],
+}
+LONG_GPUS = {"llama3.1-8b": (64,), "llama3.1-70b": (256,)}
+LONG_GLOBAL_BATCHES = {"llama3.1-8b": (32, 64, 128), "llama3.1-70b": (64, 128, 256)}
+LONG_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_long.jsonl"
 MOE_CLUSTERS = ("h100-80gb", "h200-141gb")
 SUITES = {  # name: (shapes, GPU counts, global batches, clusters (fit judged on each), records)
     "large": (SHAPES, GPUS, GLOBAL_BATCHES, (CLUSTER,), RECORDS),
     "llama": (LLAMA_SHAPES, LLAMA_GPUS, LLAMA_GLOBAL_BATCHES, (LLAMA_CLUSTER,), LLAMA_RECORDS),
     "moe": (MOE_SHAPES, MOE_GPUS, MOE_GLOBAL_BATCHES, MOE_CLUSTERS, MOE_RECORDS),
+    "long": (LONG_SHAPES, LONG_GPUS, LONG_GLOBAL_BATCHES, (LLAMA_CLUSTER,), LONG_RECORDS),
 }
 
 # The small suite: a model whose activations and parameters both weigh (8 layers, h 128, s 256),
@@ -232,16 +263,20 @@ def layouts(suite: str = "large") -> list[tuple[str, GPTConfig, ParallelConfig, 
     all_shapes, all_gpus, batches = SUITES[suite][:3]
     for name, shapes in all_shapes.items():
         for shape, gpus, gbs in itertools.product(shapes, all_gpus[name], batches[name]):
-            tp, pp, schedule, v, mbs, ac, sp, zero, ep = (*shape, 1)[:9]
-            dp = gpus // (tp * pp)
-            if gpus % (tp * pp) or gbs % (dp * mbs):
+            # ep, cp and the sequence length are optional trailing fields (1, 1, the preset's)
+            tp, pp, schedule, v, mbs, ac, sp, zero, ep, cp, seq = (*shape, *(1, 1, None)[len(shape) - 8 :])
+            dp = gpus // (tp * pp * cp)
+            if gpus % (tp * pp * cp) or gbs % (dp * mbs):
                 continue
             p = ParallelConfig(
                 tp=tp, pp=pp, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, micro_batch_size=mbs,
                 num_microbatches=gbs // (dp * mbs), zero_stage=zero, activation_checkpoint=ac, sequence_parallel=sp,
-                pp_schedule=schedule, virtual_stages=v, ep=ep,
+                pp_schedule=schedule, virtual_stages=v, ep=ep, cp=cp,
             )  # fmt: skip
-            model = padded_model(MODEL_PRESETS[name], tp)
+            model = (
+                MODEL_PRESETS[name] if seq is None else dataclasses.replace(MODEL_PRESETS[name], seq_len=seq)
+            )
+            model = padded_model(model, tp)
             if not p.problems(model):
                 out.append((name, model, p, "cuda"))
     return out
@@ -350,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
         "--suite",
-        choices=("large", "llama", "moe", "small"),
+        choices=("large", "llama", "long", "moe", "small"),
         default="large",
         help="which layouts (default large)",
     )
@@ -358,10 +393,12 @@ def main(argv: list[str] | None = None) -> int:
         "--records",
         type=Path,
         help=f"recorded simulations (JSON lines; default {RECORDS.name}, llama: {LLAMA_RECORDS.name}, "
-        f"moe: {MOE_RECORDS.name})",
+        f"moe: {MOE_RECORDS.name}, long: {LONG_RECORDS.name})",
     )
     parser.add_argument("--no-simulate", action="store_true", help="use the recorded simulations only")
-    parser.add_argument("--models", help="large, llama and moe suites: comma-separated subset (default all)")
+    parser.add_argument(
+        "--models", help="large, llama, long and moe suites: comma-separated subset (default all)"
+    )
     parser.add_argument("--max-tp", type=int, help="only layouts with tp at most this")
     parser.add_argument("--rows", type=Path, help="also write every layout's row here (JSON)")
     args = parser.parse_args(argv)

@@ -87,6 +87,7 @@ def activation_bytes_per_token(
     sharded = (_attention_tensors(m) + _mlp_tensors(m) * m.ffn_size) * cb / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
     stats = 2 * _norm_stats_bytes(m) / shard  # two norms' statistics per token, fp32
+    sharded += _qk_norm_bytes(m, cb, res, device) / t
     scores = (
         0.0 if c.flash_attention else 5 * a * keys_per_query(m, p) / t * cb / 2
     )  # Korthikanti's 5as/h x h, 16 bit
@@ -129,6 +130,19 @@ def _flow_bytes(m: GPTConfig, p: ParallelConfig, cb: int, res: int, tokens: int)
     if m.mlp == "swiglu":
         return tokens * (2 * h / k * res + 2 * m.ffn_size / t * cb)
     return tokens * (2 * h / k + 4 * h / t) * res
+
+
+def _qk_norm_bytes(m: GPTConfig, cb: int, res: int, device: DeviceKind) -> int:
+    """What RMSNorm on q and k keeps per token (Qwen3's per head, OLMoE's over the projection),
+    before tp: its input, q and k of their KV heads (the norm precedes GQA's repeat), and the fp32
+    rstd of each normalised row. On CUDA `_fused_rms_norm` keeps the input itself; on CPU, and
+    under autocast (fp32 norm weights beside bf16 q and k, where CUDA runs the composite too),
+    the composite keeps an fp32 copy of the input and the fp32 normalised input."""
+    if m.qk_norm == "none":
+        return 0
+    per_value = 8 if device == "cpu" or res > cb else cb
+    rows = m.num_heads + m.num_kv_heads if m.qk_norm == "head" else 2
+    return per_value * (m.q_size + m.kv_size) + 4 * rows
 
 
 def _norm_input_bytes(m: GPTConfig, res: int, device: DeviceKind) -> int:

@@ -227,6 +227,23 @@ LLAMA_LAYOUTS = [
         ParallelConfig(pp=2, dp_replicate=2, micro_batch_size=2, num_microbatches=4),
         id="tied-pp2",
     ),
+    # Qwen3's RMSNorm on each head of q and k (wider heads than h / heads), OLMoE's over the projections
+    pytest.param(
+        dataclasses.replace(SMALL_LLAMA, attention_head_dim=64, qk_norm="head"),
+        ParallelConfig(
+            dp_shard=2,
+            zero_stage=2,
+            micro_batch_size=2,
+            num_microbatches=2,
+            activation_checkpoint="selective",
+        ),
+        id="qk-norm-head",
+    ),
+    pytest.param(
+        dataclasses.replace(SMALL_LLAMA, qk_norm="proj"),
+        ParallelConfig(micro_batch_size=2, num_microbatches=2),
+        id="qk-norm-proj-autocast",
+    ),
 ]
 
 
