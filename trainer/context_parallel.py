@@ -96,6 +96,9 @@ class CPComm:
     rank: int
     seq_len: int
     positions: torch.Tensor = field(init=False)  # this rank's tokens' global positions
+    # The additive causal masks of the rank's two chunks, made once and shared by every layer and
+    # micro-batch (SDPA keeps its mask for backward: made per call, each layer would keep its own).
+    masks: dict[tuple, torch.Tensor] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.positions = local_positions(self.seq_len, self.size, self.rank)
@@ -103,6 +106,19 @@ class CPComm:
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's (B, H, t, d) keys or values -> (B, H, seq_len, d) in sequence order."""
         return sequence_order(GatherSequence.apply(x, self.group, self.size))
+
+    def mask(self, half: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Query j of a chunk (position c x half + j) sees keys 0 .. c x half + j: a causal mask
+        aligned to the lower right (torch's CausalBias does not run under a dispatch mode, which
+        the memory oracle is), additive in the queries' dtype (SDPA would convert a boolean one
+        to that, a new tensor each call). Cached: (2cp + 1) (s / 2cp)^2 values a rank."""
+        key = (half, keys, dtype, device)
+        if key not in self.masks:
+            allowed = torch.ones(half, keys, dtype=torch.bool, device=device).tril(keys - half)
+            self.masks[key] = torch.zeros(half, keys, dtype=dtype, device=device).masked_fill_(
+                ~allowed, float("-inf")
+            )
+        return self.masks[key]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         """Causal attention of this rank's queries (B, H, t, d), its two chunks in order, over the
@@ -112,10 +128,7 @@ class CPComm:
         outs = []
         for i, c in enumerate(head_tail_chunks(self.rank, self.size)):
             keys = (c + 1) * half
-            # Query j of the chunk (position c x half + j) sees keys 0 .. c x half + j: a causal
-            # mask aligned to the lower right (torch's CausalBias does not run under a dispatch
-            # mode, which the CPU memory measurement is: a boolean mask of the same shape).
-            mask = torch.ones(half, keys, dtype=torch.bool, device=q.device).tril(keys - half)
+            mask = self.mask(half, keys, q.dtype, q.device)
             qc = q[:, :, i * half : (i + 1) * half]
             outs.append(F.scaled_dot_product_attention(qc, k[:, :, :keys], v[:, :, :keys], attn_mask=mask,
                                                        dropout_p=dropout_p))  # fmt: skip

@@ -54,10 +54,17 @@ def scored_pairs(m: GPTConfig, p: ParallelConfig) -> float:
     return (2 * p.cp + 1) * chunk * chunk
 
 
-def causal_skip(p: ParallelConfig) -> bool:
-    """Whether attention skips the masked half of its scores (is_causal: flash attention does);
-    under context parallelism the trainer passes an explicit mask, which no kernel skips."""
-    return p.cp == 1
+def attention_keys(m: GPTConfig, p: ParallelConfig) -> float:
+    """Keys a local query's attention FLOPs are counted against, in PaLM's count of a causal
+    layer: the whole score matrix, seq_len keys, of which a causal kernel (is_causal) computes
+    half. Under context parallelism the trainer's explicit masks make the kernel compute every
+    block it is given whole, 2 x keys_per_query in that count: (2cp + 1) / 2cp x seq_len, the
+    diagonal blocks' masked halves the extra (cp 2: 1.25 x the keys of cp 1 per local query). The
+    flash path halves both (tuner.perfmodel._flash_attention_s); the GEMM path (no attention
+    efficiency: CPU clusters) prices both as counted here."""
+    if p.cp == 1:
+        return float(m.seq_len)
+    return 2 * keys_per_query(m, p)
 
 
 def kv_link(cluster: ClusterSpec, p: ParallelConfig) -> Link:
@@ -93,7 +100,21 @@ def kv_traffic(
 
 def gathered_kv_bytes(m: GPTConfig, p: ParallelConfig, cb: int) -> float:
     """What attention keeps for backward beyond the rank's own K and V, per layer and micro-batch:
-    the rest of the sequence's K and V, repeated to every query head (q_size wide, over tp)."""
-    if p.cp <= 1:
+    the rest of the sequence's K and V, repeated to every query head (q_size wide, over tp).
+    Selective recompute keeps them too (the checkpointed core's inputs); full recompute keeps only
+    the layer input (its recompute holds them again: memmodel's `recompute`)."""
+    if p.cp <= 1 or p.activation_checkpoint == "full":
         return 0.0
     return 2 * p.micro_batch_size * m.seq_len * (1 - 1 / p.cp) * m.q_size / p.tp * cb
+
+
+def mask_bytes(m: GPTConfig, p: ParallelConfig, cb: int) -> float:
+    """The explicit causal masks of a rank's attention (trainer/context_parallel.py): chunk c of
+    L = s / 2cp queries against (c + 1) L keys, for the rank's two chunks (2cp + 1) L^2 values,
+    additive in the compute dtype. Made once per stage module and shared by its layers and
+    micro-batches (broadcast over the batch and the heads, so not over tp either), held from the
+    first forward on: virtual stages hold one set each."""
+    if p.cp <= 1:
+        return 0.0
+    chunk = m.seq_len / (2 * p.cp)
+    return (2 * p.cp + 1) * chunk * chunk * cb * p.virtual_stages

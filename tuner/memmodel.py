@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainer.config import GPTConfig, ParallelConfig
-from tuner.cp import gathered_kv_bytes, keys_per_query, local_tokens
+from tuner.cp import gathered_kv_bytes, keys_per_query, local_tokens, mask_bytes
 from tuner.moe import (
     imbalance_factor,
     local_expert_params,
@@ -368,7 +368,7 @@ def _rank(
         head=(final_norm if k == 1 else tokens * (8 + _norm_2d_bytes(m, residual)) * h / k)
         + (4 + (cb if p.pp > 1 else 0)) * logits if last else 0.0,
         flow=flow, loss=loss,
-        buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens + rope,
+        buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens + rope + mask_bytes(m, p, cb),
         sent=n * boundary * (receiving + sending) if p.virtual_stages > 1 else 0.0,
         experts=moe.experts if moe is not None else 0.0, ed=p.edp if moe is not None and p.zero_stage else 1,
     )  # fmt: skip

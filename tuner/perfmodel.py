@@ -32,7 +32,7 @@ from tuner.collectives import (
     tp_1d_collectives,
     wait_s,
 )
-from tuner.cp import causal_skip, keys_per_query, kv_traffic, local_tokens
+from tuner.cp import attention_keys, keys_per_query, kv_traffic, local_tokens
 from tuner.devicelevels import MEMORY_TRAFFIC
 from tuner.memmodel import _layer_params, memory
 from tuner.moe import (
@@ -163,8 +163,8 @@ def _attention_fwd_flops_per_token(m: GPTConfig, p: ParallelConfig) -> float:
     """The attention core's 4*s*h per token forward (PaLM appendix B: 12Lhs over both passes);
     h is the width the scores and the weighted sum multiply over (GPTConfig.attention_score_width:
     2 q_size, or latent attention's heads x (qk_nope + qk_rope + v)); s the keys a query is scored
-    against (context parallelism: tuner.cp.keys_per_query)."""
-    return 2 * keys_per_query(m, p) * m.attention_score_width
+    against, the whole causal square as PaLM counts it (context parallelism: tuner.cp.attention_keys)."""
+    return 2 * attention_keys(m, p) * m.attention_score_width
 
 
 def _compute_efficiency(m: GPTConfig, p: ParallelConfig, c: ModelConstants) -> float:
@@ -264,12 +264,11 @@ class _Compute:
 def _flash_attention_s(attn_fwd: float, p: ParallelConfig, c: ModelConstants, peak_flops: float) -> float:
     """One layer's attention core with flash attention, at its own efficiency. Counted as
     flash-attn's benchmark counts the rate it reports (tuner/devicelevels.py): a causal forward
-    computes half the score matrix (not under context parallelism's explicit mask: tuner.cp), the
-    backward 2.5 forwards (it recomputes the scores), and recompute (full or selective) one more
-    forward."""
+    computes half the score matrix (context parallelism's explicit masks: half of
+    tuner.cp.attention_keys' count, the blocks computed), the backward 2.5 forwards (it recomputes
+    the scores), and recompute (full or selective) one more forward."""
     forwards = 3.5 + (0.0 if p.activation_checkpoint == "none" else 1.0)
-    share = 0.5 if causal_skip(p) else 1.0
-    return attn_fwd * share * forwards / (peak_flops * c.attention_efficiency)
+    return attn_fwd * 0.5 * forwards / (peak_flops * c.attention_efficiency)
 
 
 def _compute(

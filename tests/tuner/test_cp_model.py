@@ -116,3 +116,54 @@ def test_the_plan_uses_cp_at_128k_and_not_at_8k() -> None:
     assert terms["cp_comm_intra_s"] + terms["cp_comm_inter_s"] > 0
     assert short["candidates"][0]["config"]["cp"] == 1
     assert any(c["config"]["cp"] > 1 for c in short["candidates"])  # searched, not chosen
+
+
+def test_full_recompute_keeps_no_gathered_keys_and_the_masks_are_made_once() -> None:
+    m = _at(131072)
+    full = ParallelConfig(cp=8, dp_shard=8, zero_stage=3, activation_checkpoint="full")
+    assert cp.gathered_kv_bytes(m, full, 2) == 0  # only the layer input; the recompute holds them again
+    none = dataclasses.replace(full, activation_checkpoint="none")
+    chunk = 131072 // 16
+    assert cp.mask_bytes(m, none, 2) == 17 * chunk * chunk * 2  # (2cp + 1) L^2 in bf16
+    # the same masks whatever the micro-batch and tp (broadcast over the batch and the heads)
+    assert cp.mask_bytes(m, dataclasses.replace(none, micro_batch_size=4, tp=2), 2) == cp.mask_bytes(
+        m, none, 2
+    )
+    assert cp.mask_bytes(m, dataclasses.replace(none, cp=1), 2) == 0
+    # one set per stage module: an interleaved rank holds one per virtual stage
+    interleaved = dataclasses.replace(none, pp=2, virtual_stages=2, pp_schedule="interleaved_1f1b")
+    assert cp.mask_bytes(m, interleaved, 2) == 2 * cp.mask_bytes(m, none, 2)
+
+
+# Small Llama layouts with context parallelism against the oracle, simulated here (seconds each):
+# the gathered K/V kept without full recompute, the explicit masks made once, FSDP2 over
+# dp_shard x cp, TP + SP, a pipeline.
+CP_LLAMA = dataclasses.replace(MODEL_PRESETS["llama-small"], num_layers=4, seq_len=2048)
+CP_LAYOUTS = [
+    pytest.param(ParallelConfig(cp=2, micro_batch_size=1, num_microbatches=2), id="cp2-none"),
+    pytest.param(ParallelConfig(cp=2, dp_shard=2, zero_stage=3, activation_checkpoint="full",
+                                micro_batch_size=1, num_microbatches=2), id="cp2-dps2-full"),
+    pytest.param(ParallelConfig(cp=4, tp=2, sequence_parallel=True, activation_checkpoint="selective",
+                                micro_batch_size=1, num_microbatches=2), id="cp4-tp2-selective"),
+    pytest.param(ParallelConfig(cp=2, pp=2, dp_replicate=2, activation_checkpoint="full", micro_batch_size=1,
+                                num_microbatches=4), id="cp2-pp2-full"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("parallel", CP_LAYOUTS)
+def test_cp_layouts_match_the_oracle(parallel: ParallelConfig) -> None:
+    from trainer.config import BenchmarkConfig
+    from trainer.memcheck import memcheck
+    from tuner.memmodel import phase_bytes
+    from tuner.perfconstants import ModelConstants
+
+    report = memcheck(BenchmarkConfig(model=CP_LLAMA, parallel=parallel, device="cuda"))
+    c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
+    for rank in report.ranks:
+        phases = phase_bytes(CP_LLAMA, parallel, "bf16", c, rank.coords["pp"], "gpu")
+        predicted = max(sum(parts.values()) for parts in phases.values())
+        assert abs(predicted - rank.peak_bytes) / rank.peak_bytes < 0.03, (
+            rank.rank,
+            predicted,
+            rank.peak_bytes,
+        )
