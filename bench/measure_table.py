@@ -3,6 +3,8 @@
     .venv/bin/python bench/measure_table.py --out bench/own_tables/own_gpt-tiny_8rank_gbs16.csv [--repeats 2]
     .venv/bin/python bench/measure_table.py --slurm --nodes 4 --inter-node-mbit 200 \\
         --warmup-steps 1 --measure-steps 3 --out bench/own_tables/own_gpt-tiny_4node_200mbit_gbs16.csv
+    .venv/bin/python bench/measure_table.py --space cp --model llama-tiny --seq-len 2048 --global-batch 8 \\
+        --out bench/own_tables/own_llama-tiny_8rank_cp_gbs8.csv
 
 Every valid layout of the space below, each run `repeats` times; the row keeps the median
 iteration time and says the spread in `notes`. Written in the column format of
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -45,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, ParallelConfig  # noqa: E402
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, GPTConfig, ParallelConfig  # noqa: E402
 from trainer.launch import run_local  # noqa: E402
 from trainer.topology import summary  # noqa: E402
 from tuner.moe import measured_imbalance  # noqa: E402
@@ -60,6 +63,10 @@ OWN_COLUMNS = [*COLUMNS, "tp_col"]
 # num_gpus stays tp x pp x dp) and the model as JSON (model_config: GPTConfig.to_dict, the experts'
 # fields the shared columns have no place for). bench/validation_data.py reads both where present.
 MOE_COLUMNS = [*OWN_COLUMNS, "ep", "model_config"]
+# A context-parallel table adds cp (each sequence split over cp ranks: num_gpus = tp x tp_col x pp x
+# dp x cp, the batch still micro-batch x grad_accum x dp) to those: its Llama-style model (GQA, SwiGLU,
+# RoPE) has no shared column either, so model_config says it; ep stays 1 for a dense model.
+CP_COLUMNS = [*MOE_COLUMNS, "cp"]
 SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2, 4], micro_batch_size=[1, 2, 4], zero_stage=[0, 3],
                   activation_checkpoint=["none"], sequence_parallel=[False], pp_schedule=["1f1b"])  # fmt: skip
 # `--space column`: strong scaling, where 2D tensor parallelism could win. With a global batch of
@@ -74,12 +81,27 @@ COLUMN_SPACE = SpaceSpec(tp=[1, 2, 4, 8], tp_col=[1, 2, 4, 8], pp=[1, 2], micro_
 MOE_SPACE = SpaceSpec(tp=[1, 2], pp=[1, 2], ep=[1, 2, 4, 8], micro_batch_size=[2], zero_stage=[0, 3],
                       activation_checkpoint=["none"], sequence_parallel=[False, True], pp_schedule=["1f1b"],
                       allow_cross_node_ep=True)  # fmt: skip
-SPACES = {"default": SPACE, "column": COLUMN_SPACE, "moe": MOE_SPACE}
+# `--space cp` (a long sequence, e.g. --model llama-tiny --seq-len 2048, so attention dominates):
+# context parallelism 1-8 against tp 1-2 (with SP) and data parallelism, dense weights replicated or
+# FSDP-sharded (ZeRO-3 over dp x cp), pp 1, micro-batch 1: with a global batch of 8 sequences, dp 8
+# down to 1 (cp 8: every sequence over all ranks, 8 micro-batches). On the 4-node cluster cp 4-8
+# (and cp 2 with tp 2) cross nodes: every layer's K/V gather on the shaped links.
+CP_SPACE = SpaceSpec(tp=[1, 2], pp=[1], cp=[1, 2, 4, 8], micro_batch_size=[1], zero_stage=[0, 3],
+                     activation_checkpoint=["none"], sequence_parallel=[True], pp_schedule=["1f1b"])  # fmt: skip
+SPACES = {"default": SPACE, "column": COLUMN_SPACE, "moe": MOE_SPACE, "cp": CP_SPACE}
 RANKS_PER_NODE = 2  # scripts/slurm-local.sh advertises 2 CPUs on each node of a multi-node cluster
 TRIAL_TIMEOUT_S = 600  # a layout across 200 Mbit/s links takes 1-2 s per step; start-up ~20 s
 INFRA_ATTEMPTS = 3  # a job lost to the cluster (not the layout) runs again, at most this often
 
 Runner = Callable[[BenchmarkConfig, Path], BenchmarkResult]
+
+
+def table_columns(model: GPTConfig, space: str) -> list[str]:
+    """A table's header: the shared columns plus tp_col, ep and the model for a mixture of experts,
+    cp (and ep and the model) for the context-parallel space."""
+    if space == "cp":
+        return CP_COLUMNS
+    return MOE_COLUMNS if model.moe else OWN_COLUMNS
 
 
 def cluster_label(num_nodes: int, inter_node_mbit: int | None) -> str:
@@ -100,7 +122,8 @@ def table_row(
     layout: ParallelConfig, cfg: BenchmarkConfig, results: list[BenchmarkResult], *, model_name: str,
     table_id: str, source: str, gpu_type: str, gpus_per_node: int, with_placement: bool,
 ) -> dict[str, object]:  # fmt: skip
-    """One layout's CSV row from its repeated runs: the median of the per-run median step times."""
+    """One layout's CSV row from its repeated runs: the median of the per-run median step times.
+    Every column of CP_COLUMNS; a table's writer keeps those of its header (table_columns)."""
     model, ok = cfg.model, [r for r in results if r.ok]
     times = [statistics.median(r.step_times_s) for r in ok]
     status = row_status(results)
@@ -132,7 +155,8 @@ def table_row(
         "alt_metric_name": "tokens_per_s" if ok else "", "alt_value": f"{ok[0].tokens_per_s:.1f}" if ok else "",
         "peak_memory_gb": f"{max(r.peak_memory_bytes for r in ok) / 1e9:.5f}" if ok else "",
         "notes": notes,
-    } | ({"ep": layout.ep, "model_config": json.dumps(model.to_dict())} if model.moe else {})  # fmt: skip
+        "ep": layout.ep, "cp": layout.cp, "model_config": json.dumps(model.to_dict()),
+    }  # fmt: skip
 
 
 @contextmanager
@@ -242,8 +266,10 @@ def main() -> None:
         "--space",
         choices=sorted(SPACES),
         default="default",
-        help="the layouts: default, column (strong scaling with 2D tensor parallelism) or moe (expert parallelism)",
+        help="the layouts: default, column (strong scaling with 2D tensor parallelism), moe (expert "
+        "parallelism) or cp (context parallelism)",
     )
+    parser.add_argument("--seq-len", type=int, help="the model's sequence length, for the preset's (e.g. cp)")
     args = parser.parse_args()
     if args.report:
         for path in args.report:
@@ -256,6 +282,8 @@ def main() -> None:
     if args.slurm and args.ranks != args.nodes * RANKS_PER_NODE:
         parser.error(f"--ranks {args.ranks} != --nodes {args.nodes} x {RANKS_PER_NODE} ranks per node")
     model = MODEL_PRESETS[args.model]
+    if args.seq_len:
+        model = dataclasses.replace(model, seq_len=args.seq_len)
     gpus_per_node = RANKS_PER_NODE if args.slurm else args.ranks
     layouts = (
         SearchSpace(model, args.ranks, gpus_per_node, args.global_batch, SPACES[args.space]).enumerate().valid
@@ -276,7 +304,7 @@ def main() -> None:
     started = time.monotonic()
     # Every node of the local cluster sees this machine's /tmp: the jobs' shared work dir.
     with args.out.open("w", newline="") as f, tempfile.TemporaryDirectory() as tmp, runner as run:
-        writer = csv.DictWriter(f, MOE_COLUMNS if model.moe else OWN_COLUMNS)
+        writer = csv.DictWriter(f, table_columns(model, args.space), extrasaction="ignore")
         writer.writeheader()
         for i, layout in enumerate(layouts):
             cfg = BenchmarkConfig(model=model, parallel=layout, warmup_steps=args.warmup_steps,

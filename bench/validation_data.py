@@ -225,10 +225,12 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
     tp, pp, dp, mbs = (int(row[k]) for k in ("tp", "pp", "dp", "micro_batch_size"))
     tp_col = int(row.get("tp_col") or 1)  # our own tables' column degree (bench/measure_table.py)
     ep = int(row.get("ep") or 1)  # a mixture of experts' table: folded into dp x tp (not in num_gpus)
-    if tp * tp_col * pp * dp != num_gpus:
+    cp = int(row.get("cp") or 1)  # a context-parallel table: in num_gpus, not in the batch
+    if tp * tp_col * pp * dp * cp != num_gpus:
         col = f" * tp_col({tp_col})" if tp_col > 1 else ""
+        ctx = f" * cp({cp})" if cp > 1 else ""
         raise ValueError(
-            f"tp({tp}){col} * pp({pp}) * dp({dp}) = {tp * tp_col * pp * dp} != num_gpus({num_gpus})"
+            f"tp({tp}){col} * pp({pp}) * dp({dp}){ctx} = {tp * tp_col * pp * dp * cp} != num_gpus({num_gpus})"
         )
     if row["grad_accum_steps"].strip():
         grad_accum = int(row["grad_accum_steps"])
@@ -246,7 +248,7 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
     checkpoint, sequence_parallel = _checkpointing(row["activation_checkpoint"])
     schedule, virtual_stages = _pp_schedule(row["framework"], pp)
     parallel = ParallelConfig(
-        tp=tp, tp_col=tp_col, pp=pp, ep=ep,
+        tp=tp, tp_col=tp_col, pp=pp, ep=ep, cp=cp,
         dp_replicate=dp if zero_stage == 0 else 1, dp_shard=1 if zero_stage == 0 else dp,
         micro_batch_size=mbs, num_microbatches=grad_accum, zero_stage=zero_stage,
         activation_checkpoint=checkpoint, sequence_parallel=sequence_parallel,
@@ -275,7 +277,7 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
 
 
 def _model(row: dict[str, str], dataset: str, assumptions: list[str]) -> GPTConfig:
-    if (config := row.get("model_config") or "").strip():  # our own MoE tables: the whole model
+    if (config := row.get("model_config") or "").strip():  # our own MoE and CP tables: the whole model
         return GPTConfig.from_dict(json.loads(config))
     defaults = SHAPE_DEFAULTS.get(row["table_id"], {})
     shape: dict[str, int] = {}

@@ -9,11 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from bench.measure_table import MOE_COLUMNS, OWN_COLUMNS, cluster_label, report, table_row
+from bench.measure_table import (
+    CP_COLUMNS,
+    OWN_COLUMNS,
+    SPACES,
+    cluster_label,
+    report,
+    table_columns,
+    table_row,
+)
 from bench.validation_data import CLUSTERS, load_csv
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult
+from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, trainer_problems
 from trainer.config import ParallelConfig as P
 from trainer.topology import placement
+from tuner.space import SearchSpace
 
 HOSTS = [f"n{r // 2}" for r in range(8)]  # 4 nodes x 2 ranks, in blocks
 
@@ -24,14 +33,16 @@ def _result(layout: P, step_times_s: list[float]) -> BenchmarkResult:
 
 
 def _write_and_load(
-    tmp_path: Path, layout: P, results: list[BenchmarkResult], mbit: int | None, model: str = "gpt-tiny"
-):
-    cfg = BenchmarkConfig(model=MODEL_PRESETS[model], parallel=layout, warmup_steps=1, measure_steps=3)
+    tmp_path: Path, layout: P, results: list[BenchmarkResult], mbit: int | None, model: str = "gpt-tiny",
+    space: str = "default", seq_len: int | None = None,
+):  # fmt: skip
+    gpt = dataclasses.replace(MODEL_PRESETS[model], seq_len=seq_len or MODEL_PRESETS[model].seq_len)
+    cfg = BenchmarkConfig(model=gpt, parallel=layout, warmup_steps=1, measure_steps=3)
     path = tmp_path / "own_test.csv"
     row = table_row(layout, cfg, results, model_name=model, table_id=path.stem, source="test",
                     gpu_type=cluster_label(4, mbit), gpus_per_node=2, with_placement=True)  # fmt: skip
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, MOE_COLUMNS if cfg.model.moe else OWN_COLUMNS)
+        writer = csv.DictWriter(f, table_columns(cfg.model, space), extrasaction="ignore")
         writer.writeheader()
         writer.writerow(row)
     (measurement,) = load_csv(path)
@@ -103,3 +114,40 @@ def test_a_moe_row_reads_back_with_its_experts_and_ep(tmp_path: Path) -> None:
     assert (
         "routed imbalance measured: median 1.70 (1.70-1.70) over 1 runs; the model priced 1.30" in lines[-1]
     )
+
+
+def test_a_dense_row_keeps_the_shared_columns_and_tp_col() -> None:
+    assert table_columns(MODEL_PRESETS["gpt-tiny"], "default") == OWN_COLUMNS
+
+
+def test_the_cp_space_is_cp_x_tp_x_fsdp_and_the_trainer_builds_every_layout() -> None:
+    """`--space cp` at llama-tiny's shape with 2048 tokens, 8 ranks, global batch 8: cp 1-8 against tp
+    1-2 (SP) and replicated or FSDP-sharded data parallelism; cp 8 and tp 2 x cp 4 leave dp 1 (no
+    ZeRO-3 to choose), tp 2 x cp 8 needs 16 ranks."""
+    model = dataclasses.replace(MODEL_PRESETS["llama-tiny"], seq_len=2048)
+    for gpus_per_node in (8, 2):
+        valid = SearchSpace(model, 8, gpus_per_node, 8, SPACES["cp"]).enumerate().valid
+        assert sorted((c.tp, c.cp, c.dp, c.zero_stage) for c in valid) == [
+            (1, 1, 8, 0), (1, 1, 8, 3), (1, 2, 4, 0), (1, 2, 4, 3), (1, 4, 2, 0), (1, 4, 2, 3), (1, 8, 1, 0),
+            (2, 1, 4, 0), (2, 1, 4, 3), (2, 2, 2, 0), (2, 2, 2, 3), (2, 4, 1, 0),
+        ]  # fmt: skip
+        assert all(c.sequence_parallel == (c.tp > 1) and c.global_batch_size == 8 for c in valid)
+        for c in valid:
+            cfg = BenchmarkConfig(model=model, parallel=c, device="cpu")
+            assert not c.problems(model) and not trainer_problems(cfg), c.describe()
+
+
+def test_a_cp_row_reads_back_with_cp_and_its_llama_model(tmp_path: Path) -> None:
+    """A context-parallel table: cp in num_gpus (tp 2 x dp 2 x cp 2 = 8) but not in the batch, the
+    Llama-style model (GQA, SwiGLU, RoPE) and its long sequence from model_config, and --report
+    prices the layout with its cp."""
+    layout = P(tp=2, dp_shard=2, zero_stage=3, sequence_parallel=True, cp=2, num_microbatches=4)
+    row, m = _write_and_load(tmp_path, layout, [_result(layout, [1.5, 1.6]), _result(layout, [1.7])],
+                             mbit=200, model="llama-tiny", space="cp", seq_len=2048)  # fmt: skip
+    assert sorted(row) == sorted(CP_COLUMNS)
+    assert (row["tp"], row["dp"], row["cp"], row["num_gpus"], row["global_batch_size"]) == (2, 2, 2, 8, 8)
+    assert m.parallel == layout and m.model == dataclasses.replace(MODEL_PRESETS["llama-tiny"], seq_len=2048)
+    assert m.iteration_time_s == pytest.approx(1.625)  # median of the per-run medians 1.55 and 1.7
+    assert "placement: 4 nodes x 2 ranks" in m.notes
+    lines = report(tmp_path / "own_test.csv")
+    assert "measured best: tp2 pp1 dps2(z3) mbs1x4 sp cp2 1.625 s" in lines[1]

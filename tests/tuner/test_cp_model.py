@@ -167,3 +167,25 @@ def test_cp_layouts_match_the_oracle(parallel: ParallelConfig) -> None:
             predicted,
             rank.peak_bytes,
         )
+
+
+def test_the_external_samplers_tell_cp_layouts_apart() -> None:
+    """cp2 dpr4 and cp1 dpr8 (8 ranks, tp 1, micro-batch 1) share every other knob: optuna and
+    deephyper see cp as a knob whenever a candidate has it, so every layout stays reachable."""
+    from tuner.outcome import Outcome
+    from tuner.samplers.external import KNOBS, OptunaSampler
+
+    space = SpaceSpec(tp=[1, 2], pp=[1], cp=[1, 2, 4, 8], micro_batch_size=[1], zero_stage=[0, 3],
+                      sequence_parallel=[True], activation_checkpoint=["none"])  # fmt: skip
+    valid = SearchSpace(_at(8192), 8, 8, 8, space).enumerate().valid
+    assert {c.cp for c in valid} == {1, 2, 4, 8}
+    sampler = OptunaSampler(valid, seed=0, kind="tpe")
+    assert sampler.knobs[:3] == ("tp", "pp", "cp") and len(sampler.index) == len(valid)
+    assert sampler.choices["cp"] == [1, 2, 4, 8]
+    seen = set()
+    while (config := sampler.ask()) is not None:
+        seen.add(config)
+        sampler.tell(config, Outcome(ok=True, tokens_per_s=1.0 + len(seen), step_time_s=1.0))
+    assert seen == set(valid)
+    without_cp = [c for c in valid if c.cp == 1]
+    assert OptunaSampler(without_cp, seed=0).knobs == KNOBS  # a study without the axis: as before

@@ -262,3 +262,27 @@ def test_inconsistent_rows_are_skipped_with_a_reason(tmp_path: Path) -> None:
     assert set(reasons) == {4, 5, 6, 7} and all(s.path == "dlperf/t.csv" for s in data.skipped)
     assert "!= num_gpus(8)" in reasons[4] and "!= global_batch(16)" in reasons[5]
     assert "num_layers is not stated" in reasons[6] and "no iteration_time_ms value" in reasons[7]
+
+
+def test_a_cp_row_counts_cp_in_the_ranks_not_in_the_batch(tmp_path: Path) -> None:
+    """Our context-parallel tables (bench/measure_table.py --space cp): num_gpus = tp x pp x dp x cp,
+    global batch = micro-batch x grad_accum x dp; a row whose cp does not make up its ranks is
+    skipped with the cp in the reason, and one without the column reads as cp 1."""
+    rows = raw_rows("own_llama-tiny_8rank_cp_gbs8", DATA_DIR.parent)  # bench/own_tables/
+    row = next(r for r in rows if r["cp"] == "2")
+    folder = tmp_path / "own"
+    folder.mkdir()
+    with (folder / "t.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        writer.writeheader()
+        for changes in ({}, {"cp": "4"}, {"cp": ""}):
+            writer.writerow({**row, "table_id": "t", **changes})
+    data = load_validation(tmp_path)
+    (m,) = data.tables["t"]
+    assert (m.parallel.cp, m.parallel.dp, m.parallel.world_size, m.global_batch_size) == (2, 4, 8, 8)
+    assert m.parallel.num_microbatches == 2 and m.model.seq_len == 2048 and m.model.num_kv_heads == 2
+    reasons = [s.reason for s in data.skipped]
+    assert reasons == [
+        "tp(1) * pp(1) * dp(4) * cp(4) = 16 != num_gpus(8)",
+        "tp(1) * pp(1) * dp(4) = 4 != num_gpus(8)",
+    ]

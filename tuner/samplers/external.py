@@ -31,18 +31,21 @@ KNOBS = (
     "sequence_parallel",
     "schedule",
 )
-INT_KNOBS = ("tp", "tp_col", "pp", "ep")  # categorical ints; the others categorical strings
+INT_KNOBS = ("tp", "tp_col", "pp", "ep", "cp")  # categorical ints; the others categorical strings
 MAX_RETRIES = 16
 CBO_BATCH = 8
 
 
 def _knob_names(candidates: Sequence[ParallelConfig]) -> tuple[str, ...]:
-    """KNOBS, with 2D tensor parallelism's column degree after tp and expert parallelism's degree
-    after pp when a candidate has one (a study without them keeps the search space it always had)."""
+    """KNOBS, with 2D tensor parallelism's column degree after tp and expert and context
+    parallelism's degrees after pp when a candidate has one (a study without them keeps the search
+    space it always had). Without cp, cp2 dpr4 and cp1 dpr8 at a fixed device count would share
+    every knob: one key, and all but one of them unreachable."""
     names = KNOBS if all(c.tp_col == 1 for c in candidates) else ("tp", "tp_col", *KNOBS[1:])
-    if any(c.ep > 1 for c in candidates):
-        at = names.index("pp") + 1
-        names = (*names[:at], "ep", *names[at:])
+    for axis in ("cp", "ep"):  # ep ends up first after pp
+        if any(getattr(c, axis) > 1 for c in candidates):
+            at = names.index("pp") + 1
+            names = (*names[:at], axis, *names[at:])
     return names
 
 
