@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from tests.tuner.oracle_check import assert_every_rank_matches_the_oracle
 from trainer.config import MODEL_PRESETS, ParallelConfig
 from trainer.context_parallel import head_tail_chunks
 from tuner import cp
@@ -153,20 +154,10 @@ CP_LAYOUTS = [
 @pytest.mark.parametrize("parallel", CP_LAYOUTS)
 def test_cp_layouts_match_the_oracle(parallel: ParallelConfig) -> None:
     from trainer.config import BenchmarkConfig
-    from trainer.memcheck import memcheck
-    from tuner.memmodel import phase_bytes
-    from tuner.perfconstants import ModelConstants
 
-    report = memcheck(BenchmarkConfig(model=CP_LLAMA, parallel=parallel, device="cuda"))
-    c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
-    for rank in report.ranks:
-        phases = phase_bytes(CP_LLAMA, parallel, "bf16", c, rank.coords["pp"], "gpu")
-        predicted = max(sum(parts.values()) for parts in phases.values())
-        assert abs(predicted - rank.peak_bytes) / rank.peak_bytes < 0.03, (
-            rank.rank,
-            predicted,
-            rank.peak_bytes,
-        )
+    assert_every_rank_matches_the_oracle(
+        BenchmarkConfig(model=CP_LLAMA, parallel=parallel, device="cuda"), 0.03
+    )
 
 
 def test_the_external_samplers_tell_cp_layouts_apart() -> None:

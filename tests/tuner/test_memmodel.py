@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from tests.tuner.oracle_check import assert_every_rank_matches_the_oracle
 from trainer.config import MODEL_PRESETS, GPTConfig, ParallelConfig
 from tuner.hardware import cluster_preset
 from tuner.memmodel import _in_flight, _rank, activation_bytes_per_token, model_state_bytes, phase_bytes
@@ -253,19 +254,8 @@ def test_the_llama_block_matches_the_oracle_on_every_stage(
     model: GPTConfig, parallel: ParallelConfig, device: str
 ) -> None:
     from trainer.config import BenchmarkConfig
-    from trainer.memcheck import memcheck
 
-    report = memcheck(BenchmarkConfig(model=model, parallel=parallel, device=device))
-    c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
-    precision, kind = ("bf16", "gpu") if device == "cuda" else ("fp32", "cpu")
-    for rank in report.ranks:
-        phases = phase_bytes(model, parallel, precision, c, rank.coords["pp"], kind)
-        predicted = max(sum(parts.values()) for parts in phases.values())
-        assert abs(predicted - rank.peak_bytes) / rank.peak_bytes < 0.03, (
-            rank.rank,
-            predicted,
-            rank.peak_bytes,
-        )
+    assert_every_rank_matches_the_oracle(BenchmarkConfig(model=model, parallel=parallel, device=device), 0.03)
 
 
 # Moments of a pipelined step the Llama suite found missing (bench/memory_oracle.py --suite llama),

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.tuner.oracle_check import assert_every_rank_matches_the_oracle
 from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig, trainer_problems
 from tuner import moe
 from tuner.cli import app
@@ -324,20 +325,8 @@ def test_moe_layouts_match_the_oracle(
         # tensor (autograd's select backward), which a recomputed layer's backward holds beside
         # the activations; the model does not count it (-5 to -8 % on these tiny layers).
         request.applymarker(pytest.mark.xfail(strict=True, reason="CPU expert loop's gradient transients"))
-    from trainer.memcheck import memcheck
-
     cfg = BenchmarkConfig(model=ORACLE_MOE, parallel=parallel, device=device, moe_routing="balanced")
-    report = memcheck(cfg)
-    c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
-    precision, kind = ("bf16", "gpu") if device == "cuda" else ("fp32", "cpu")
-    for rank in report.ranks:
-        phases = phase_bytes(ORACLE_MOE, parallel, precision, c, rank.coords["pp"], kind)
-        predicted = max(sum(parts.values()) for parts in phases.values())
-        assert abs(predicted - rank.peak_bytes) / rank.peak_bytes < 0.05, (
-            rank.rank,
-            predicted,
-            rank.peak_bytes,
-        )
+    assert_every_rank_matches_the_oracle(cfg, 0.05)
 
 
 def test_latent_attention_is_priced_from_its_widths() -> None:
@@ -444,7 +433,6 @@ def test_the_model_sampler_prices_the_imbalance_its_trials_measured() -> None:
     layers) prices its own measurement, and their mean replaces the study's prior; balanced
     routing measures nothing."""
     from tuner.outcome import Outcome
-    from tuner.perfconstants import ModelConstants
     from tuner.samplers import make_sampler
 
     assert moe.measured_imbalance({}) is None

@@ -1,0 +1,26 @@
+"""The analytic memory model against the memory oracle on every simulated rank: what
+tests/tuner/test_memmodel.py, test_moe_model.py and test_cp_model.py check for small layouts."""
+
+from __future__ import annotations
+
+from trainer.config import BenchmarkConfig
+from tuner.memmodel import phase_bytes
+from tuner.perfconstants import ModelConstants
+
+
+def assert_every_rank_matches_the_oracle(cfg: BenchmarkConfig, tolerance: float) -> None:
+    """memcheck(cfg) against phase_bytes of each simulated rank's pipeline stage (tensor bytes:
+    memory_scale 1, no workspace), within `tolerance` of the oracle's peak."""
+    from trainer.memcheck import memcheck
+
+    report = memcheck(cfg)
+    c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
+    precision, kind = ("bf16", "gpu") if cfg.device == "cuda" else ("fp32", "cpu")
+    for rank in report.ranks:
+        phases = phase_bytes(cfg.model, cfg.parallel, precision, c, rank.coords["pp"], kind)
+        predicted = max(sum(parts.values()) for parts in phases.values())
+        assert abs(predicted - rank.peak_bytes) / rank.peak_bytes < tolerance, (
+            rank.rank,
+            predicted,
+            rank.peak_bytes,
+        )
