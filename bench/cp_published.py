@@ -34,8 +34,10 @@ Published:
 - Megatron-Bridge performance summary archive (NVIDIA-NeMo/Megatron-Bridge
   docs/performance-summary-archive.md at 067f987), "25.11 NeMo Container", DGX-H100, FP8-CS: Llama
   3.1 405B on 1024 GPUs (GBS 512, MBS 1, 8,192 tokens, TP 8 PP 8 CP 2 VP 8, DDP) 292 tokens/s/GPU.
-  Megatron's CP: p2p ring of K/V overlapped with the previous block's attention, TE fused attention
-  skipping masked blocks.
+  Megatron's CP (NVIDIA/Megatron-LM docs/source/api-guide/context_parallel.rst at 1df56dc): the
+  K/V all-gather and reduce-scatter run as point-to-point sends in a ring, the computation the
+  causal mask makes unnecessary is removed, and each GPU keeps only its own chunk's K/V for
+  backward (gathering again there).
 Like with like: the model prices our trainer in bf16 with eager kernels, whose CP all-gathers K/V
 with nothing overlapped and passes an explicit mask that no kernel skips (docs/perfmodel.md
 "Context parallelism"); Float8 / FP8 rows are shown with that caveat. Megatron's data parallelism
