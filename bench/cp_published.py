@@ -24,7 +24,7 @@ Published:
   131,072 tokens, so 128 sequences a batch (16 x 2^20 / 131,072), 16 per DP rank. Their CP
   all-gathers K/V before attention (the "all-gather based pass-KV ... used in Llama3 training" of
   PyTorch's context-parallel tutorial, pytorch/tutorials prototype_source/context_parallel.rst),
-  as ours does, but attends with a kernel that skips masked blocks; their pipeline is a tuned
+  as ours does (their attention kernel is not described there); their pipeline is a tuned
   interleaved schedule with uneven stages (126 layers): priced as plain 1F1B over pp 16 with one
   micro-batch a sequence, ZeRO-2-like FSDP (they keep the gathered weights between passes), no
   recompute (unknown).
