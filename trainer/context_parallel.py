@@ -24,6 +24,9 @@ process group, only a `CPComm` on each attention when cp > 1.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +60,31 @@ def shard_sequence(t: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+@contextmanager
+def released_after(*tensors: torch.Tensor, timeout_s: float = 1.0) -> Iterator[None]:
+    """Return from a blocking collective only once the process group has let go of `tensors`.
+
+    gloo runs a collective on a worker thread that wakes the caller and only then drops its own
+    reference to the work and the tensors in it: a temporary passed in (a `.contiguous()` copy)
+    is freed by whichever of the two threads lets go last, a moment later or much later when the
+    worker waits for a core. A CPU rank's peak (trainer/metrics.py LiveBytesTracker) then depends
+    on the scheduler (one K copy over the oracle on one rank of a loaded CI run, cp2 pp2).
+    Holding the tensors until their use counts are back where they were makes the
+    caller the one that frees them. NCCL and the oracle's fake groups keep no CPU tensor past the
+    call: nothing to wait for."""
+    cpu = [t for t in tensors if t.device.type == "cpu"]
+    before = [_uses(t) for t in cpu]
+    yield
+    deadline = time.monotonic() + timeout_s
+    while any(_uses(t) > n for t, n in zip(cpu, before, strict=True)) and time.monotonic() < deadline:
+        time.sleep(0)
+
+
+def _uses(t: torch.Tensor) -> int:
+    """References to the tensor and to its storage (a work may hold either: the tensor, or views)."""
+    return t._use_count() + torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 class GatherSequence(torch.autograd.Function):
     """(B, H, t, d) on each of the cp ranks -> (cp, B, H, t, d), every rank's in rank order.
     Backward: each rank's gradient of rank j's slice goes to rank j (all_to_all) and is summed
@@ -65,15 +93,17 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
         ctx.group = group
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        _all_gather(out, x.contiguous(), group=group)
+        out, x = x.new_empty((size * x.shape[0], *x.shape[1:])), x.contiguous()
+        with released_after(out, x):
+            _all_gather(out, x, group=group)
         return out.view(size, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         received = torch.empty_like(grad)
-        dist.all_to_all_single(received, grad, group=ctx.group)
+        with released_after(received, grad):
+            dist.all_to_all_single(received, grad, group=ctx.group)
         return received.sum(0), None, None
 
 
