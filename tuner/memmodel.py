@@ -251,9 +251,10 @@ class _Rank:
     flow: float  # gradients flowing back inside a layer, with recompute its activations
     loss: float  # the loss's transient: logits in bf16 and fp32, or their gradients
     buffers: float  # pipeline receive buffers and the batch, all step long
-    sent: float  # sends not yet waited for (interleaved schedule)
+    boundary: float  # what a stage sends the next per micro-batch (and gets back as its gradient)
     experts: float = 0.0  # a mixture of experts' routed experts on the rank (E / ep a MoE layer)
     ed: int = 1  # how many ways FSDP2 shards them (the expert data parallelism; 1: replicated)
+    chunks: tuple[float, ...] = (1.0,)  # each local stage's share of the rank's layers (interleaved)
 
 
 def phase_bytes(
@@ -278,7 +279,7 @@ def phase_bytes(
         )
     weights, grads_fb, acts = _forward_backward(p, r, stage, grads)
     fb = {"weights": master + weights, "grads": grads_fb, "optimizer": adam,
-          "activations": acts + r.buffers + r.sent}  # fmt: skip
+          "activations": acts + r.buffers}  # fmt: skip
     # foreach AdamW: one fp32 temporary of every parameter (sqrt of v)
     step = {
         "weights": master,
@@ -327,7 +328,7 @@ def _rank(
         # buffer too: each layer keeps its bf16 copy (rotary's multiplications save it).
         layer += 2 * s_local * m.head_dim * cb
     # A received input is its receive buffer; a stage's output is kept for its backward (held by
-    # its send when interleaved, counted in `sent`).
+    # its send when interleaved: _interleaved_moments).
     own = sending * boundary if p.virtual_stages == 1 else 0.0
     layers = layer * _stage_layers(m.num_layers, p, stage) + (own - receiving * boundary) / p.virtual_stages
     if moe is not None:
@@ -369,8 +370,9 @@ def _rank(
         + (4 + (cb if p.pp > 1 else 0)) * logits if last else 0.0,
         flow=flow, loss=loss,
         buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens + rope + mask_bytes(m, p, cb),
-        sent=n * boundary * (receiving + sending) if p.virtual_stages > 1 else 0.0,
+        boundary=boundary,
         experts=moe.experts if moe is not None else 0.0, ed=p.edp if moe is not None and p.zero_stage else 1,
+        chunks=_chunk_shares(m.num_layers, p, stage),
     )  # fmt: skip
 
 
@@ -427,16 +429,18 @@ def _forward_backward(
     # no_sync), no DP; FSDP2 reduce-scatters each micro-batch otherwise.
     accumulates = p.pp > 1 or p.zero_stage == 0
     accumulated = 4 * r.params + r.vocab_grad + 4 * r.experts if accumulates else sharded_grads
-    n, inflight = p.num_microbatches, _in_flight(p, stage)
-    # Every forward before the first backward (GPipe; 1F1B on a stage with n <= pp - stage; one
-    # micro-batch): the peak can precede any gradient.
-    first_backward = inflight >= n
-    grads = 0.0 if first_backward else accumulated
     working = r.root + 2 * r.unit if p.zero_stage == 3 else r.whole  # zero 3 prefetches the next layer
     # FSDP2's gathered weights are in the compute dtype, so are the gradients autograd gives them:
     # one layer's, until its post-backward folds them into the fp32 gradients. (Autocast's casts
     # hand theirs straight back to the fp32 parameters.)
     fresh = r.unit if p.dp * p.cp > 1 and r.cb < 4 else 0.0
+    if p.virtual_stages > 1:
+        return _interleaved_moments(p, r, stage, accumulated, working, fresh)
+    n, inflight = p.num_microbatches, _in_flight(p, stage)
+    # Every forward before the first backward (GPipe; 1F1B on a stage with n <= pp - stage; one
+    # micro-batch): the peak can precede any gradient.
+    first_backward = inflight >= n
+    grads = 0.0 if first_backward else accumulated
     held = r.layers + r.head
     moments = [  # (working copies, gradients, activations)
         (working, grads + fresh, held * (inflight - 1) + r.layers + r.flow),  # in a layer's backward
@@ -451,6 +455,73 @@ def _forward_backward(
         # gathered until their next forward: all of them at its last layer
         moments.append((r.whole, accumulated + fresh, held * (inflight - 1) + r.layer + r.flow))
     return max(moments, key=sum)
+
+
+def _interleaved_moments(
+    p: ParallelConfig, r: _Rank, stage: int, accumulated: float, working: float, fresh: float
+) -> tuple[float, float, float]:
+    """_forward_backward's peak for an interleaved rank, walked through the rank's own order of
+    forwards and backwards (`interleaved_order`): its local stages differ (the head and its loss
+    on the last rank's last one, the embedding on the first rank's first), a local stage's
+    gradients exist once its first backward is done, and a rank's first backward comes after all of
+    its first local stage's forwards but only some of its later ones."""
+    last_rank = stage == p.pp - 1
+    root_params = r.root / r.cb  # the embedding (first rank, local stage 0) or the head (last rank, last)
+    layer_grads = accumulated - 4 * root_params - r.vocab_grad
+    home = len(r.chunks) - 1 if last_rank else 0
+    acts = [r.layers * f + (r.head if last_rank and j == home else 0.0) for j, f in enumerate(r.chunks)]
+    grads_of = [
+        layer_grads * f + ((4 * root_params + r.vocab_grad) if j == home else 0.0)
+        for j, f in enumerate(r.chunks)
+    ]
+    # torch's runtime waits for its sends at the end of the step: each holds what it sent, a
+    # local stage's output (also kept for its backward) or its input's gradient, until then.
+    to_next = [stage + j * p.pp < p.num_stages - 1 for j in range(len(r.chunks))]
+    to_previous = [stage + j * p.pp > 0 for j in range(len(r.chunks))]
+    held, grads, started = 0.0, 0.0, set()
+    moments: list[tuple[float, float, float]] = []
+    for kind, j in interleaved_order(p.pp, p.virtual_stages, p.num_microbatches, stage):
+        if kind == "F":
+            held += acts[j] + (r.boundary if to_next[j] else 0.0)
+            if last_rank and j == home:  # the loss, computed at the end of the last stage's forward
+                moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held + r.loss))
+            continue
+        others = held - acts[j]
+        moments.append((working, grads + fresh, others + r.layers * r.chunks[j] + r.flow))
+        if p.zero_stage == 3:  # a backward that does not sync leaves its layers gathered (see above)
+            moments.append((r.whole, grads + fresh, others + r.layer + r.flow))
+        held = others + (r.boundary if to_previous[j] else 0.0)
+        if j not in started:  # its gradients, whole and in fp32 until the step's last backward
+            started.add(j)
+            grads += grads_of[j]
+    return max(moments, key=sum)
+
+
+def interleaved_order(pp: int, v: int, n: int, rank: int) -> list[tuple[str, int]]:
+    """The forwards ("F") and backwards ("B") of pipeline rank `rank` in the order torch's
+    ScheduleInterleaved1F1B runs them, each with its local stage (0 .. v-1: stage rank + j pp):
+    a warm-up of (v - 1) x round + 2 (pp - 1 - rank) forwards, rounds of min(n, pp) micro-batches
+    per local stage (torch.distributed.pipelining.schedules._get_warmup_ops), then one forward and
+    one backward in turn, then the remaining backwards, the latest local stage first."""
+    rounds = max(1, n // pp)
+    per_round = n // rounds
+    total = v * n
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+    order: list[tuple[str, int]] = []
+    for op in range(total + warmup):
+        if op < total:
+            order.append(("F", (op // per_round) % v))
+        if op >= warmup:
+            order.append(("B", v - 1 - ((op - warmup) // per_round) % v))
+    return order
+
+
+def _chunk_shares(num_layers: int, p: ParallelConfig, stage: int) -> tuple[float, ...]:
+    """Each local stage's share of the layers of the rank at pipeline coordinate `stage`."""
+    base, extra = divmod(num_layers, p.num_stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(stage, p.num_stages, p.pp)]
+    total = sum(sizes)
+    return tuple(x / total for x in sizes) if total else tuple(1.0 / len(sizes) for _ in sizes)
 
 
 def _stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> int:
@@ -470,7 +541,10 @@ def _in_flight(p: ParallelConfig, stage: int) -> float:
         return 1.0
     if p.pp_schedule == "gpipe":
         return float(n)
-    if v > 1:
-        warmup = 2 * (pp - 1 - stage) + (v - 1) * pp + 1
-        return min(warmup, n * v) / v
+    if v > 1:  # the most local stages' forwards whose backward is still to come, torch's order
+        held = peak = 0
+        for kind, _ in interleaved_order(pp, v, n, stage):
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+        return peak / v
     return float(min(pp - stage, n))
