@@ -276,7 +276,7 @@ class Trainer:
         n = self.cfg.parallel.num_microbatches
         # Replicated DP (over dp_replicate and/or cp): all-reduce once, after the last micro-batch
         # (DDP's no_sync). Sharded DP reduce-scatters every micro-batch so that gradients stay sharded.
-        replicated_only = bool(self.dims.weight_axes) and self.dims.dp_shard == 1
+        replicated_only = bool(self.dims.weight_axes) and self.cfg.parallel.zero_stage == 0
         total = torch.zeros((), device=self.device)
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
             if replicated_only:

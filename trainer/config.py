@@ -561,7 +561,8 @@ class ParallelConfig:
     cp, context parallelism, splits every sequence over cp ranks (head-tail: 2 x cp chunks, rank r
     holds chunks r and 2cp-1-r; trainer/context_parallel.py). Its mesh axis sits between dp_shard
     and tp (torchtitan's [pp, dp_replicate, dp_shard, cp, tp]); the cp ranks hold the same weights,
-    so FSDP2 shards over dp_shard x cp and gradients are averaged over dp x cp; ep folds into
+    so FSDP2 shards over dp_shard x cp (over cp alone with dp_shard 1 and zero_stage > 0, as
+    torchtitan does) and gradients are averaged over dp x cp; ep folds into
     dp x cp x tp (torchtitan: ep divides dp_shard x cp x tp)."""
 
     tp: int = 1
@@ -800,10 +801,18 @@ class ParallelConfig:
                     f"dp_shard ({self.dp_shard}) > 1 needs zero_stage 2 or 3",
                 )
             ]
-        if self.dp_shard == 1 and self.zero_stage != 0:
+        if self.dp_shard == 1 and self.zero_stage != 0 and self.cp == 1:
             return [(
                 "zero_stage > 0 needs dp > 1",
-                f"zero_stage {self.zero_stage} needs dp_shard > 1 (got dp_shard 1)",
+                f"zero_stage {self.zero_stage} needs dp_shard > 1 or cp > 1 (FSDP2 shards over dp_shard x cp; "
+                "got dp_shard 1, cp 1)",
+            )]  # fmt: skip
+        if self.dp_shard == 1 and self.zero_stage != 0 and self.dp_replicate > 1:
+            return [(
+                "zero_stage over cp alone needs dp_replicate 1",
+                f"zero_stage {self.zero_stage} with dp_shard 1 shards over cp ({self.cp}) alone; with dp_replicate "
+                f"{self.dp_replicate} that would be HSDP over dp_replicate x cp, not built: set dp_shard "
+                f"{self.dp_replicate} and dp_replicate 1, or zero_stage 0",
             )]  # fmt: skip
         return []
 

@@ -65,7 +65,7 @@ def parallelize_gpt(
         apply_expert_dp(model, sparse_mesh["edp"], parallel.zero_stage, mp_policy)
     if dims.weight_axes:
         dp_mesh = mesh[dims.weight_axes]
-        if dims.dp_shard > 1:  # FSDP2 (over dp_shard x cp), or HSDP when dp_replicate > 1 too
+        if parallel.zero_stage > 0:  # FSDP2 (over dp_shard x cp, or cp alone), or HSDP with dp_replicate
             apply_fsdp(model, dp_mesh, reshard_after_forward=parallel.zero_stage == 3, mp_policy=mp_policy)
         else:
             apply_replicate(model, dp_mesh, mp_policy=mp_policy)

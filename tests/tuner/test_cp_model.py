@@ -138,7 +138,7 @@ def test_full_recompute_keeps_no_gathered_keys_and_the_masks_are_made_once() -> 
 
 # Small Llama layouts with context parallelism against the oracle, simulated here (seconds each):
 # the gathered K/V kept without full recompute, the explicit masks made once, FSDP2 over
-# dp_shard x cp, TP + SP, a pipeline.
+# dp_shard x cp and over cp alone, TP + SP, a pipeline.
 CP_LLAMA = dataclasses.replace(MODEL_PRESETS["llama-small"], num_layers=4, seq_len=2048)
 CP_LAYOUTS = [
     pytest.param(ParallelConfig(cp=2, micro_batch_size=1, num_microbatches=2), id="cp2-none"),
@@ -148,6 +148,9 @@ CP_LAYOUTS = [
                                 micro_batch_size=1, num_microbatches=2), id="cp4-tp2-selective"),
     pytest.param(ParallelConfig(cp=2, pp=2, dp_replicate=2, activation_checkpoint="full", micro_batch_size=1,
                                 num_microbatches=4), id="cp2-pp2-full"),
+    # FSDP2 over the cp ranks alone (dp_shard 1): the weights in cp shards
+    pytest.param(ParallelConfig(cp=4, zero_stage=3, activation_checkpoint="selective", micro_batch_size=1,
+                                num_microbatches=2), id="cp4-zero3-over-cp"),
 ]  # fmt: skip
 
 

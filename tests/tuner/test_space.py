@@ -28,7 +28,7 @@ def _obeys_every_rule(space: SearchSpace, c: ParallelConfig) -> bool:
             or (c.virtual_stages >= 2 and c.num_microbatches % max(1, c.num_microbatches // c.pp) == 0)
         )
         and (c.pp == 1 or c.pp_schedule != "1f1b" or c.num_microbatches >= c.pp)
-        and (c.zero_stage == 0) == (c.dp_shard == 1)
+        and ((c.zero_stage == 0 and c.dp_shard == 1) or (c.zero_stage > 0 and c.dp_shard * c.cp > 1))
         and c.zero_stage in (0, 2, 3)
     )
 
@@ -59,7 +59,10 @@ BROKEN = {
     ),
     "zero_stage 1 not offered by the trainer": lambda s, c: c.zero_stage == 1,
     "dp_shard > 1 needs zero_stage 2 or 3": lambda s, c: c.dp_shard > 1 and c.zero_stage == 0,
-    "zero_stage > 0 needs dp > 1": lambda s, c: c.dp_shard == 1 and c.zero_stage > 0,
+    "zero_stage > 0 needs dp > 1": lambda s, c: c.dp_shard == 1 and c.zero_stage > 0 and c.cp == 1,
+    "zero_stage over cp alone needs dp_replicate 1": lambda s, c: (
+        c.dp_shard == 1 and c.zero_stage > 0 and c.dp_replicate > 1
+    ),
 }
 
 pow2 = st.sampled_from([1, 2, 4, 8, 16])
