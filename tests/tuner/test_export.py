@@ -226,13 +226,17 @@ MORE_MOE = {
 MOE_BALANCED = _spec("moe-tiny-ds", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0,
                                      "cores_per_node": 4}, 4, 8, "fp32", {"moe_routing": "balanced"})  # fmt: skip
 # Context parallelism beyond the golden case: with a pipeline and without sharding (zero_stage 0, which torchtitan
-# shards over cp all the same), and ep 4 over dp_shard 2 x cp 2 (torchtitan borrows it from dp_shard x cp x tp).
+# shards over cp all the same), ep 4 over dp_shard 2 x cp 2 (torchtitan borrows it from dp_shard x cp x tp), and
+# ZeRO-3 over the cp ranks alone.
 CP_CASES = {
     "cp_pipeline": (_spec("llama-small", {"preset": "cpu-local", "gpus_per_node": 8}, 8, 4, "fp32", space={"tp": [1, 2]}),
                     ParallelConfig(pp=2, dp_replicate=2, cp=2, num_microbatches=2)),
     "moe_cp": (_spec("moe-tiny-ds", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0,
                                      "cores_per_node": 4}, 4, 4, "fp32"),
                ParallelConfig(dp_shard=2, cp=2, ep=4, zero_stage=2, num_microbatches=2)),
+    # FSDP over the cp ranks alone (dp_shard 1, zero 3): torchtitan's FSDP 1 x CP 8
+    "cp_fsdp_over_cp": (_spec("llama-small", {"preset": "cpu-local", "gpus_per_node": 8}, 8, 4, "fp32"),
+                        ParallelConfig(cp=8, zero_stage=3, num_microbatches=4)),
 }  # fmt: skip
 # Layouts beyond the golden cases: more than 2 virtual stages per rank (pipeline_parallel_layers_per_stage)
 # and an uneven layer split; and the Llama presets.
