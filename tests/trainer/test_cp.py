@@ -218,7 +218,11 @@ CASES = [
     ("cp2-dps2-zero3", "gpt", P(cp=2, dp_shard=2, zero_stage=3, micro_batch_size=4)),
     # FSDP2 over the cp ranks alone (dp_shard 1), as torchtitan shards over dp_shard x cp
     ("cp2-zero3-over-cp", "gpt", P(cp=2, zero_stage=3, micro_batch_size=8)),
-    ("llama-cp4-zero2-over-cp-pp2", "llama", P(cp=4, pp=2, zero_stage=2, micro_batch_size=2, num_microbatches=4)),
+    (
+        "llama-cp4-zero2-over-cp-pp2",
+        "llama",
+        P(cp=4, pp=2, zero_stage=2, micro_batch_size=2, num_microbatches=4),
+    ),
     ("llama-cp2-pp2", "llama", P(cp=2, pp=2, micro_batch_size=2, num_microbatches=4)),
     ("cp2-ac-full", "gpt", P(cp=2, activation_checkpoint="full", micro_batch_size=8)),
     ("llama-cp2-gqa-ac-selective", "llama", P(cp=2, activation_checkpoint="selective", micro_batch_size=8)),
