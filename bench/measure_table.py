@@ -199,6 +199,14 @@ def _per_run_medians(notes: str) -> list[float]:
     return [float(t) for t in m[1].rstrip(", ").split(", ")] if m else []
 
 
+def measured_layouts(path: Path) -> set[str]:
+    """The layouts (ParallelConfig.describe()) a finished table has rows for."""
+    from bench.priors import inputs
+    from bench.validation_data import load_csv
+
+    return {inputs(r).parallel.describe() for r in load_csv(path)}
+
+
 def report(path: Path) -> list[str]:
     """The lines `--report` prints for one table (see the module docstring)."""
     from scipy.stats import spearmanr
@@ -270,6 +278,11 @@ def main() -> None:
         "parallelism) or cp (context parallelism)",
     )
     parser.add_argument("--seq-len", type=int, help="the model's sequence length, for the preset's (e.g. cp)")
+    parser.add_argument(
+        "--add-missing",
+        action="store_true",
+        help="keep --out's rows and measure only the space's layouts it lacks (a space that grew)",
+    )
     args = parser.parse_args()
     if args.report:
         for path in args.report:
@@ -299,13 +312,21 @@ def main() -> None:
         "gpus_per_node": RANKS_PER_NODE if args.slurm else args.ranks, "with_placement": args.slurm,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    appending = args.add_missing and args.out.exists()
+    if appending:
+        layouts = [c for c in layouts if c.describe() not in measured_layouts(args.out)]
     print(f"{len(layouts)} layouts x {args.repeats} repeats on {meta['gpu_type']} -> {args.out}", flush=True)
     runner = slurm_runner(args.nodes, args.inter_node_mbit) if args.slurm else local_runner()
     started = time.monotonic()
     # Every node of the local cluster sees this machine's /tmp: the jobs' shared work dir.
-    with args.out.open("w", newline="") as f, tempfile.TemporaryDirectory() as tmp, runner as run:
+    with (
+        args.out.open("a" if appending else "w", newline="") as f,
+        tempfile.TemporaryDirectory() as tmp,
+        runner as run,
+    ):
         writer = csv.DictWriter(f, table_columns(model, args.space), extrasaction="ignore")
-        writer.writeheader()
+        if not appending:
+            writer.writeheader()
         for i, layout in enumerate(layouts):
             cfg = BenchmarkConfig(model=model, parallel=layout, warmup_steps=args.warmup_steps,
                                   measure_steps=args.measure_steps, device="cpu")  # fmt: skip

@@ -836,8 +836,10 @@ class ParallelConfig:
             parts.append("sp")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}")
+        if self.cp > 1:  # with dp_shard 1 and ZeRO, FSDP2 shards over the cp ranks alone: say so
+            parts.append(
+                f"cp{self.cp}" + (f"(z{self.zero_stage})" if self.dp_shard == 1 and self.zero_stage else "")
+            )
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

@@ -122,14 +122,14 @@ def test_a_dense_row_keeps_the_shared_columns_and_tp_col() -> None:
 
 def test_the_cp_space_is_cp_x_tp_x_fsdp_and_the_trainer_builds_every_layout() -> None:
     """`--space cp` at llama-tiny's shape with 2048 tokens, 8 ranks, global batch 8: cp 1-8 against tp
-    1-2 (SP) and replicated or FSDP-sharded data parallelism; cp 8 and tp 2 x cp 4 leave dp 1 (no
-    ZeRO-3 to choose), tp 2 x cp 8 needs 16 ranks."""
+    1-2 (SP) and replicated or FSDP-sharded data parallelism; cp 8 and tp 2 x cp 4 leave dp 1, where
+    ZeRO-3 shards over the cp ranks alone; tp 2 x cp 8 needs 16 ranks."""
     model = dataclasses.replace(MODEL_PRESETS["llama-tiny"], seq_len=2048)
     for gpus_per_node in (8, 2):
         valid = SearchSpace(model, 8, gpus_per_node, 8, SPACES["cp"]).enumerate().valid
         assert sorted((c.tp, c.cp, c.dp, c.zero_stage) for c in valid) == [
             (1, 1, 8, 0), (1, 1, 8, 3), (1, 2, 4, 0), (1, 2, 4, 3), (1, 4, 2, 0), (1, 4, 2, 3), (1, 8, 1, 0),
-            (2, 1, 4, 0), (2, 1, 4, 3), (2, 2, 2, 0), (2, 2, 2, 3), (2, 4, 1, 0),
+            (1, 8, 1, 3), (2, 1, 4, 0), (2, 1, 4, 3), (2, 2, 2, 0), (2, 2, 2, 3), (2, 4, 1, 0), (2, 4, 1, 3),
         ]  # fmt: skip
         assert all(c.sequence_parallel == (c.tp > 1) and c.global_batch_size == 8 for c in valid)
         for c in valid:
