@@ -14,6 +14,7 @@ from bench.measure_table import (
     OWN_COLUMNS,
     SPACES,
     cluster_label,
+    measured_layouts,
     report,
     table_columns,
     table_row,
@@ -151,3 +152,14 @@ def test_a_cp_row_reads_back_with_cp_and_its_llama_model(tmp_path: Path) -> None
     assert "placement: 4 nodes x 2 ranks" in m.notes
     lines = report(tmp_path / "own_test.csv")
     assert "measured best: tp2 pp1 dps2(z3) mbs1x4 sp cp2 1.625 s" in lines[1]
+
+
+@pytest.mark.parametrize("table", ["own_llama-tiny_8rank_cp_gbs8", "own_llama-tiny_4node_200mbit_cp_gbs8"])
+def test_the_cp_tables_cover_the_cp_space(table: str) -> None:
+    """Each committed cp table has a row for every layout of `--space cp` (measured_layouts, what
+    --add-missing skips): the two of ZeRO-3 over the cp ranks alone were added when the space grew."""
+    model = dataclasses.replace(MODEL_PRESETS["llama-tiny"], seq_len=2048)
+    gpus_per_node = 8 if "8rank" in table else 2
+    space = SearchSpace(model, 8, gpus_per_node, 8, SPACES["cp"]).enumerate().valid
+    path = Path(__file__).parents[2] / "bench" / "own_tables" / f"{table}.csv"
+    assert measured_layouts(path) == {c.describe() for c in space}
