@@ -314,7 +314,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     appending = args.add_missing and args.out.exists()
     if appending:
-        layouts = [c for c in layouts if c.describe() not in measured_layouts(args.out)]
+        done = measured_layouts(args.out)
+        layouts = [c for c in layouts if c.describe() not in done]
     print(f"{len(layouts)} layouts x {args.repeats} repeats on {meta['gpu_type']} -> {args.out}", flush=True)
     runner = slurm_runner(args.nodes, args.inter_node_mbit) if args.slurm else local_runner()
     started = time.monotonic()

@@ -500,9 +500,10 @@ def _interleaved_moments(
 def interleaved_order(pp: int, v: int, n: int, rank: int) -> list[tuple[str, int]]:
     """The forwards ("F") and backwards ("B") of pipeline rank `rank` in the order torch's
     ScheduleInterleaved1F1B runs them, each with its local stage (0 .. v-1: stage rank + j pp):
-    a warm-up of (v - 1) x round + 2 (pp - 1 - rank) forwards, rounds of min(n, pp) micro-batches
-    per local stage (torch.distributed.pipelining.schedules._get_warmup_ops), then one forward and
-    one backward in turn, then the remaining backwards, the latest local stage first."""
+    a warm-up of (v - 1) x round + 2 (pp - 1 - rank) forwards, rounds of n // max(1, n // pp)
+    micro-batches per local stage (pp when pp divides n; torch.distributed.pipelining.schedules
+    _get_warmup_ops), then one forward and one backward in turn, then the remaining backwards, the
+    latest local stage first."""
     rounds = max(1, n // pp)
     per_round = n // rounds
     total = v * n
@@ -518,17 +519,22 @@ def interleaved_order(pp: int, v: int, n: int, rank: int) -> list[tuple[str, int
 
 def _chunk_shares(num_layers: int, p: ParallelConfig, stage: int) -> tuple[float, ...]:
     """Each local stage's share of the layers of the rank at pipeline coordinate `stage`."""
-    base, extra = divmod(num_layers, p.num_stages)
-    sizes = [base + (1 if s < extra else 0) for s in range(stage, p.num_stages, p.pp)]
+    sizes = _local_stage_layers(num_layers, p, stage)
     total = sum(sizes)
     return tuple(x / total for x in sizes) if total else tuple(1.0 / len(sizes) for _ in sizes)
 
 
-def _stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> int:
-    """Layers on the rank at pipeline coordinate `stage` (trainer/pipeline.py: contiguous
-    ranges, earlier stages take the remainder; interleaved ranks hold stages r, r + pp, ...)."""
+def _local_stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> list[int]:
+    """Layers of each local stage of the rank at pipeline coordinate `stage` (trainer/pipeline.py:
+    contiguous ranges, earlier stages take the remainder; interleaved ranks hold stages r, r + pp,
+    ...)."""
     base, extra = divmod(num_layers, p.num_stages)
-    return sum(base + (1 if s < extra else 0) for s in range(stage, p.num_stages, p.pp))
+    return [base + (1 if s < extra else 0) for s in range(stage, p.num_stages, p.pp)]
+
+
+def _stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> int:
+    """Layers on the rank at pipeline coordinate `stage`, all its local stages."""
+    return sum(_local_stage_layers(num_layers, p, stage))
 
 
 def _in_flight(p: ParallelConfig, stage: int) -> float:
