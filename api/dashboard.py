@@ -78,7 +78,7 @@ def mount_dashboard(app: FastAPI) -> None:
     def config() -> dict:
         """What the page must know before its first read: whether reads need a token (so it asks
         for one instead of starting with a 401), and the model presets it can ask predictions for."""
-        from trainer.config import MODEL_PRESETS
+        from trainer.contract.presets import MODEL_PRESETS
 
         presets = sorted(MODEL_PRESETS, key=lambda k: MODEL_PRESETS[k].num_params)
         return {"read_auth": settings.read_auth, "model_presets": presets}

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 from sqlalchemy import insert  # noqa: E402
 
-from trainer.config import ParallelConfig  # noqa: E402
+from trainer.contract.parallel import ParallelConfig  # noqa: E402
 from tuner import store  # noqa: E402
 from tuner.db import Study, Trial, connect  # noqa: E402
 from tuner.outcome import FailureKind, TrialState  # noqa: E402

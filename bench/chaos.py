@@ -49,7 +49,7 @@ from sqlalchemy.exc import SQLAlchemyError  # noqa: E402
 
 from tests.postgres import PostgresServer, postgres_instance  # noqa: E402
 from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: E402
-from trainer.trial_dir import CONFIG_FILE  # noqa: E402
+from trainer.contract.trial_dir import CONFIG_FILE  # noqa: E402
 from tuner import store  # noqa: E402
 from tuner.db import connect, make_engine  # noqa: E402
 from tuner.dispatch import JobHandle  # noqa: E402

@@ -53,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.config import ParallelConfig  # noqa: E402
+from trainer.contract.parallel import ParallelConfig  # noqa: E402
 from tuner.perfmodel import Estimate  # noqa: E402
 from tuner.plan import fastest_fitting  # noqa: E402
 from tuner.pricing import Pricing  # noqa: E402

@@ -10,7 +10,7 @@ runs weak-scaled with 100 % efficiency to 1024 and 3072 MI250X GCDs. The paper's
 and batches per figure) could not be read here.
 
 Settings and their sources:
-- Models: trainer/config.py MODEL_PRESETS gpt-22b (48 layers, h 6144, 48 heads), gpt-175b (96,
+- Models: trainer/contract/presets.py MODEL_PRESETS gpt-22b (48 layers, h 6144, 48 heads), gpt-175b (96,
   12288, 96), gpt-1t (128, 25600, 160; the authors' script has 200 heads: the same FLOPs).
 - Cluster: tuner/hardware.py's frontier-mi250x preset (8 GCDs per node, 191.5 TFLOP/s bf16, 64 GB).
 - GCDs and global batches: 22B on 512 GCDs at global batch 1024 (issue 25); 175B on 1024 GCDs
@@ -57,7 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.config import ParallelConfig  # noqa: E402
+from trainer.contract.parallel import ParallelConfig  # noqa: E402
 from tuner.perfmodel import Estimate  # noqa: E402
 from tuner.plan import fastest_fitting  # noqa: E402
 from tuner.pricing import Pricing  # noqa: E402

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from trainer.config import MODEL_PRESETS  # noqa: E402
+from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
 from trainer.model import Block  # noqa: E402 (typing)
 
 CALL_BYTES = (1024, 65536)  # a layer norm's statistics; a gpt-small activation (128 x 128 fp32)

@@ -30,13 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.measure_table import OWN_COLUMNS  # noqa: E402
-from trainer.config import BenchmarkConfig, GPTConfig  # noqa: E402
+from trainer.contract.model import ModelConfig  # noqa: E402
+from trainer.contract.result import BenchmarkConfig  # noqa: E402
 from trainer.launch import run_local  # noqa: E402
 from tuner.space import SearchSpace  # noqa: E402
 from tuner.spec import SpaceSpec, padded_model  # noqa: E402
 
 MODEL_NAME = "gpt-deep"
-MODEL = GPTConfig(num_layers=16, hidden_size=64, num_heads=4, vocab_size=1024, seq_len=32)
+MODEL = ModelConfig(num_layers=16, hidden_size=64, num_heads=4, vocab_size=1024, seq_len=32)
 DEEP_SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2, 4, 8], micro_batch_size=[1, 2, 4], zero_stage=[0, 3],
                        activation_checkpoint=["none", "full"], sequence_parallel=[False], pp_schedule=["1f1b"])  # fmt: skip
 GPU_TYPE = "CPU ranks, gloo (2-core VM)"  # bench/validation_data.py CLUSTERS: the cpu-local spec

@@ -17,7 +17,7 @@ Where the ranks run:
   (tests/slurm_cluster.py: each node a network namespace with 2 advertised CPUs, links between
   nodes shaped to `--inter-node-mbit` or left unshaped; all nodes share this machine's cores).
   Each layout is one Slurm job (tuner/dispatch/slurm.py), one at a time, ranks in blocks per node
-  (trainer/topology.py); `notes` adds where the ranks landed (topology.summary).
+  (trainer/contract/topology.py); `notes` adds where the ranks landed (topology.summary).
 The `gpu_type` column names the cluster; bench/validation_data.py CLUSTERS has its spec.
 
 `--report CSV...` reads finished tables instead: per table the measured best layout and its
@@ -48,9 +48,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, GPTConfig, ParallelConfig  # noqa: E402
+from trainer.contract.model import ModelConfig  # noqa: E402
+from trainer.contract.parallel import ParallelConfig  # noqa: E402
+from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
+from trainer.contract.result import BenchmarkConfig, BenchmarkResult  # noqa: E402
+from trainer.contract.topology import summary  # noqa: E402
 from trainer.launch import run_local  # noqa: E402
-from trainer.topology import summary  # noqa: E402
 from tuner.moe import measured_imbalance  # noqa: E402
 from tuner.space import SearchSpace  # noqa: E402
 from tuner.spec import SpaceSpec  # noqa: E402
@@ -60,7 +63,7 @@ COLUMNS = ["source", "table_id", "model_name", "num_layers", "hidden_size", "num
 # num_gpus = tp x tp_col x pp x dp). bench/validation_data.py reads it as 1 where it is absent.
 OWN_COLUMNS = [*COLUMNS, "tp_col"]
 # A mixture of experts' table adds two more: expert parallelism's degree (ep, folded into dp x tp:
-# num_gpus stays tp x pp x dp) and the model as JSON (model_config: GPTConfig.to_dict, the experts'
+# num_gpus stays tp x pp x dp) and the model as JSON (model_config: ModelConfig.to_dict, the experts'
 # fields the shared columns have no place for). bench/validation_data.py reads both where present.
 MOE_COLUMNS = [*OWN_COLUMNS, "ep", "model_config"]
 # A context-parallel table adds cp (each sequence split over cp ranks: num_gpus = tp x tp_col x pp x
@@ -96,7 +99,7 @@ INFRA_ATTEMPTS = 3  # a job lost to the cluster (not the layout) runs again, at 
 Runner = Callable[[BenchmarkConfig, Path], BenchmarkResult]
 
 
-def table_columns(model: GPTConfig, space: str) -> list[str]:
+def table_columns(model: ModelConfig, space: str) -> list[str]:
     """A table's header: the shared columns plus tp_col, ep and the model for a mixture of experts,
     cp (and ep and the model) for the context-parallel space."""
     if space == "cp":
@@ -163,7 +166,7 @@ def table_row(
 def slurm_runner(num_nodes: int, inter_node_mbit: int | None) -> Iterator[Runner]:
     """A local Slurm cluster of `num_nodes` for the table's lifetime; each run one job on it."""
     from tests.slurm_cluster import slurm_cluster
-    from trainer.trial_dir import read_result
+    from trainer.contract.trial_dir import read_result
     from tuner.dispatch.sbatch import SiteSettings
     from tuner.dispatch.slurm import SlurmDispatcher
     from tuner.outcome import FailureKind

@@ -43,7 +43,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig  # noqa: E402
+from trainer.contract.model import ModelConfig  # noqa: E402
+from trainer.contract.parallel import ParallelConfig  # noqa: E402
+from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
+from trainer.contract.result import BenchmarkConfig  # noqa: E402
 from trainer.memcheck import RankMemory, Simulation, Simulator, memcheck  # noqa: E402
 from tuner.hardware import cluster_preset  # noqa: E402
 from tuner.memmodel import memory  # noqa: E402
@@ -221,7 +224,7 @@ SUITES = {  # name: (shapes, GPU counts, global batches, clusters (fit judged on
 # The small suite: a model whose activations and parameters both weigh (8 layers, h 128, s 256),
 # every schedule, ZeRO stage and recompute mode the trainer has, simulated whole in seconds, as a
 # GPU ("cuda": bf16) and a CPU trial (fp32, exactly what the trainer measures on CPU).
-SMALL = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
+SMALL = ModelConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
 SMALL_LAYOUTS = [
     dict(dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=1),
     dict(dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=3),
@@ -253,7 +256,7 @@ SMALL_LAYOUTS = [
 ]  # fmt: skip
 
 
-def layouts(suite: str = "large") -> list[tuple[str, GPTConfig, ParallelConfig, str]]:
+def layouts(suite: str = "large") -> list[tuple[str, ModelConfig, ParallelConfig, str]]:
     """Every (label, model, layout, device) of a suite, valid for the trainer."""
     if suite == "small":
         return [
@@ -287,7 +290,7 @@ def compare(rows: list[dict[str, Any]], c: ModelConstants, cluster: ClusterSpec)
     budget = cluster.device_memory_bytes * (1 - c.memory_margin)
     errors, disagree, missed, fits = [], [], [], 0
     for row in rows:
-        model, p = GPTConfig.from_dict(row["model"]), ParallelConfig.from_dict(row["parallel"])
+        model, p = ModelConfig.from_dict(row["model"]), ParallelConfig.from_dict(row["parallel"])
         gpu = row["device"] == "cuda"
         mem = memory(model, p, "bf16" if gpu else "fp32", c, "gpu" if gpu else "cpu")
         predicted = (mem["memory_bytes"] - c.workspace_bytes) / c.memory_scale
@@ -349,7 +352,7 @@ class RecordingSimulator(Simulator):
 
 
 def run_oracle(
-    todo: list[tuple[str, GPTConfig, ParallelConfig, str]], records: Path, simulate: bool
+    todo: list[tuple[str, ModelConfig, ParallelConfig, str]], records: Path, simulate: bool
 ) -> list[dict[str, Any]]:
     """One row per layout from the recorded simulations, simulating the missing ones."""
     simulator = RecordingSimulator(records, simulate=simulate)

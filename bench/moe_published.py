@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.config import ParallelConfig  # noqa: E402
+from trainer.contract.parallel import ParallelConfig  # noqa: E402
 from tuner.plan import fastest_fitting  # noqa: E402
 from tuner.pricing import Pricing  # noqa: E402
 from tuner.space import SearchSpace  # noqa: E402

@@ -17,7 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 from trainer.launch import run_local
 from tuner.hardware import cluster_preset
 from tuner.perfconstants import CPU_CONSTANTS

@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.measure_table import slurm_runner  # noqa: E402
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, ParallelConfig  # noqa: E402
+from trainer.contract.parallel import ParallelConfig  # noqa: E402
+from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
+from trainer.contract.result import BenchmarkConfig  # noqa: E402
 
 P = ParallelConfig
 LAYOUTS = {  # from data parallel only to a pipeline across all 4 nodes with tp inside each

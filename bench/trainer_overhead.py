@@ -24,7 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, ParallelConfig  # noqa: E402
+from trainer.contract.parallel import ParallelConfig  # noqa: E402
+from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
+from trainer.contract.result import BenchmarkConfig  # noqa: E402
 
 
 def bench_config(args: argparse.Namespace) -> BenchmarkConfig:

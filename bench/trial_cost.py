@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from trainer.contract.trial_dir import FORKSERVER_VAR, LAUNCHER_VAR  # noqa: E402
 from trainer.launch import LAUNCHERS  # noqa: E402
-from trainer.trial_dir import FORKSERVER_VAR, LAUNCHER_VAR  # noqa: E402
 from tuner import store  # noqa: E402
 from tuner.db import connect  # noqa: E402
 from tuner.outcome import PRUNED_RUNNING, TrialState  # noqa: E402

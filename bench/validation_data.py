@@ -12,7 +12,7 @@ global_batch == micro_batch * grad_accum * dp, or whose shape cannot be told, la
 `ValidationData.skipped` with the reason (`load_tables` drops that list; use `load_validation`).
 Rows with status "oom" / "fail" are kept, with `iteration_time_s` None.
 
-Torch-free: stdlib csv plus the trainer.config dataclasses. `ParallelConfig` is stored as the source
+Torch-free: stdlib csv plus the trainer/contract/ dataclasses. `ParallelConfig` is stored as the source
 ran it, even where our trainer would refuse it (ZeRO-1, an unpadded vocabulary): its constructor does
 not validate, and `problems()` is the caller's call. Vocabularies are the source's number, unpadded
 unless the source states the padded one; pad with `megatron_padded_vocab` as Megatron does.
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.spec import padded_vocab
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -152,7 +153,7 @@ SEQ_LEN_DEFAULTS = {"bigscience": 2048}
 class Measurement:
     table_id: str
     source: str
-    model: GPTConfig
+    model: ModelConfig
     parallel: ParallelConfig
     cluster: dict[str, Any]  # see CLUSTERS; a fresh dict per row
     precision: str  # "fp16" | "bf16" | "fp32"
@@ -276,9 +277,9 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
     )
 
 
-def _model(row: dict[str, str], dataset: str, assumptions: list[str]) -> GPTConfig:
+def _model(row: dict[str, str], dataset: str, assumptions: list[str]) -> ModelConfig:
     if (config := row.get("model_config") or "").strip():  # our own MoE and CP tables: the whole model
-        return GPTConfig.from_dict(json.loads(config))
+        return ModelConfig.from_dict(json.loads(config))
     defaults = SHAPE_DEFAULTS.get(row["table_id"], {})
     shape: dict[str, int] = {}
     for name in ("num_layers", "num_heads"):
@@ -297,7 +298,7 @@ def _model(row: dict[str, str], dataset: str, assumptions: list[str]) -> GPTConf
     else:
         raise ValueError("seq_len is not stated and no default is known for this table")
     ffn = row["ffn_hidden_size"].strip()
-    return GPTConfig(
+    return ModelConfig(
         num_layers=shape["num_layers"],
         hidden_size=int(row["hidden_size"]),
         num_heads=shape["num_heads"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner import store
 from tuner.dispatch import JobHandle
 from tuner.outcome import Outcome, StudyStatus, TrialState, feedback

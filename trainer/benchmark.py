@@ -27,8 +27,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from trainer.config import BenchmarkConfig, BenchmarkResult, trainer_problems
 from trainer.context_parallel import shard_sequence
+from trainer.contract.result import BenchmarkConfig, BenchmarkResult, trainer_problems
+from trainer.contract.topology import placement
+from trainer.contract.trial_dir import FAULT_VAR, STORE_FD_VAR, write_result
 from trainer.failures import FailureBoard, InvalidLayout, MemoryCapExceeded
 from trainer.metrics import LiveBytesTracker, cpu_name, grad_norm_, peak_tflops_of
 from trainer.model import GPT, cross_entropy_loss, init_param_
@@ -37,8 +39,6 @@ from trainer.moe import finish_step as finish_moe_step
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import data_parallel_modules, parallelize_gpt
 from trainer.stopping import measurement_stop
-from trainer.topology import placement
-from trainer.trial_dir import FAULT_VAR, STORE_FD_VAR, write_result
 
 
 def init_process_group(backend: str, rank: int, world_size: int, timeout: timedelta) -> None:

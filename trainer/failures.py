@@ -23,8 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
-from trainer.config import BenchmarkResult
-from trainer.trial_dir import atomic_write, rank_failure_file, rank_failure_files, write_result
+from trainer.contract.result import BenchmarkResult
+from trainer.contract.trial_dir import atomic_write, rank_failure_file, rank_failure_files, write_result
 
 # Messages of a collective that failed because a peer went away or timed out: the consequence
 # of a failure elsewhere, so never the root cause when another rank reported something else.

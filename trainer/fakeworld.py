@@ -39,7 +39,7 @@ from torch.distributed.pipelining._utils import (
 )
 from torch.utils import _foreach_utils
 
-from trainer.config import BenchmarkConfig
+from trainer.contract.result import BenchmarkConfig
 
 
 class FakeWorldError(RuntimeError):

@@ -19,8 +19,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from trainer.contract.trial_dir import TAG_VAR
 from trainer.launch import local_env
-from trainer.trial_dir import TAG_VAR
 
 TAG_ROOM = 128  # bytes of the placeholder tag, the longest trial tag a forked rank can carry
 BENCHMARK = ["-m", "trainer.benchmark"]

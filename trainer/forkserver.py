@@ -4,7 +4,7 @@ rank's start on the 2-core VM: torch, torch.distributed.tensor, torch._dynamo; d
 "Trial cost").
 
     server = ForkServer.start()     # the tuner's side (trainer/forkclient.py, torch-free)
-    env[SOCKET_VAR] = server.path   # trainer/trial_dir.py: the trials started with it fork their ranks
+    env[SOCKET_VAR] = server.path   # trainer/contract/trial_dir.py: the trials started with it fork their ranks
     server.close()
 
     python -m trainer.forkserver --socket PATH --parent PID      (what start() runs)
@@ -51,9 +51,9 @@ import time
 import traceback
 from pathlib import Path
 
+from trainer.contract.trial_dir import STORE_FD_VAR, TAG_VAR
 from trainer.forkclient import read_message
 from trainer.launch import proc_stat
-from trainer.trial_dir import STORE_FD_VAR, TAG_VAR
 
 IDLE_S = 120.0
 # Prefixes of environment variables read when Python starts or torch is imported: a trial whose

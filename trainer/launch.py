@@ -12,7 +12,7 @@ and a rank can outlive its launcher.
 The result is judged by the result file rank 0 writes, not by an exit code: a gloo rank can abort
 at exit after the result was written (about 6 in 140 CPU launches), and a failed trial exits 0 on
 purpose (trainer/failures.py). The files of work_dir (config.json, result.json, log.txt,
-launch.json) and the variables of a trial's environment: trainer/trial_dir.py.
+launch.json) and the variables of a trial's environment: trainer/contract/trial_dir.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from trainer.config import BenchmarkConfig, BenchmarkResult
-from trainer.trial_dir import (
+from trainer.contract.result import BenchmarkConfig, BenchmarkResult
+from trainer.contract.trial_dir import (
     CONFIG_FILE,
     LAUNCH_FILE,
     LAUNCHER_VAR,

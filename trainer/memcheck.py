@@ -43,10 +43,12 @@ from torch.distributed.tensor import DTensor
 
 from trainer import benchmark, moe
 from trainer.benchmark import Trainer, _dtype, memory_step, memory_tracker
-from trainer.config import BenchmarkConfig, GPTConfig, ParallelConfig, trainer_problems
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.result import BenchmarkConfig, trainer_problems
+from trainer.contract.topology import MESH_AXES, axis_sizes, axis_strides
 from trainer.fakeworld import as_in_a_real_world
 from trainer.metrics import LiveBytesTracker
-from trainer.topology import MESH_AXES, axis_sizes, axis_strides
 
 # What a rank's live bytes at its peak are, in this order of precedence (a storage counts once).
 # gathered_parameters: FSDP2's unsharded (all-gathered, compute-dtype) parameters; activations:
@@ -67,7 +69,7 @@ class MemcheckError(RuntimeError):
 @dataclass(frozen=True)
 class RankMemory:
     rank: int
-    coords: dict[str, int]  # mesh coordinate per axis (trainer/topology.py MESH_AXES)
+    coords: dict[str, int]  # mesh coordinate per axis (trainer/contract/topology.py MESH_AXES)
     phases: dict[str, dict[str, int]]  # PHASES -> CATEGORIES -> bytes live at the phase's peak
     seconds: float  # simulation time (both simulations when extrapolated)
     steps: list[dict[str, dict[str, int]]] = field(default_factory=list)  # "cuda": phases per step
@@ -97,7 +99,7 @@ class RankMemory:
 class MemoryReport:
     """Peak live bytes per simulated rank of one layout, as a trial on `device` would measure."""
 
-    model: GPTConfig
+    model: ModelConfig
     parallel: ParallelConfig
     device: str  # "cpu": a CPU trial exactly; "cuda": a GPU trial's tensors (bf16, foreach AdamW)
     dtype: str
@@ -123,7 +125,7 @@ class MemoryReport:
 
 
 def rank_of(p: ParallelConfig, **coords: int) -> int:
-    """Global rank of a mesh coordinate (trainer/topology.py: pp outermost, tp innermost)."""
+    """Global rank of a mesh coordinate (trainer/contract/topology.py: pp outermost, tp innermost)."""
     strides = axis_strides(p)
     return sum(coords.get(axis, 0) * strides[axis] for axis in MESH_AXES)
 

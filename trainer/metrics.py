@@ -1,4 +1,4 @@
-"""Metrics defined once: device peak FLOP/s (from trainer/devices.py), peak memory, gradient norm."""
+"""Metrics defined once: device peak FLOP/s (from trainer/contract/devices.py), peak memory, gradient norm."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trainer.devices import peak_tflops
+from trainer.contract.devices import peak_tflops
 
 
 def cpu_name() -> str:
@@ -28,7 +28,7 @@ def cpu_name() -> str:
 
 
 def peak_tflops_of(device: torch.device, dtype: torch.dtype) -> float:
-    """The device's dense peak in `dtype` from the one device table (trainer/devices.py), the
+    """The device's dense peak in `dtype` from the one device table (trainer/contract/devices.py), the
     figure the performance model prices against: a data sheet's on GPUs (0.0 for a GPU not in the
     table: MFU 0), the nominal CPU figure on CPU ranks."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -1,6 +1,6 @@
 """A plain decoder: no process groups inside, parallelism is applied from outside (parallelize.py).
 
-One class for both families (trainer/config.py GPTConfig.family): GPT-2's block (LayerNorm, GELU
+One class for both families (trainer/contract/model.py ModelConfig.family): GPT-2's block (LayerNorm, GELU
 MLP, learned positions) and Llama's (RMSNorm, SwiGLU, rotary positions, grouped-query attention;
 Mistral's is the same, Qwen2's adds a q/k/v bias), after torchtitan's Llama and nanoGPT. Rotary
 positions follow Hugging Face's layout (rotate_half over the two halves of each head), so a
@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import GPTConfig
 from trainer.context_parallel import CPComm
+from trainer.contract.model import ModelConfig
 from trainer.moe import MoE, local
 
 INIT_STD = 0.02  # GPT-2
 
 
-def make_norm(cfg: GPTConfig) -> nn.Module:
+def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -38,7 +38,7 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
 class Embeddings(nn.Module):
     """Token embeddings, plus learned position embeddings (GPT; rotary positions live in attention)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size) if cfg.positions == "learned" else None
@@ -56,7 +56,7 @@ class Embeddings(nn.Module):
         return self.drop(x)
 
 
-def rope_inv_freq(cfg: GPTConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """The rotary frequencies of one head (head_dim / 2), with Llama 3.1's scaling when configured:
     wavelengths beyond the original context / low_freq_factor slow down by `factor`, those under
     original / high_freq_factor stay, the band between is interpolated (Hugging Face's
@@ -76,7 +76,7 @@ def rope_inv_freq(cfg: GPTConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    cfg: GPTConfig, device: torch.device | None = None, positions: torch.Tensor | None = None
+    cfg: ModelConfig, device: torch.device | None = None, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
     """cos and sin of every position's angles, stacked: (2, seq_len, head_dim), fp32; of the given
     `positions` only (context parallelism: a rank's tokens), in their order."""
@@ -120,7 +120,7 @@ class Attention(nn.Module):
     q/k norms (RMSNorm before the rotation): per head over head_dim (Qwen3, "head"), or over the
     whole q and k projections (OLMoE, "proj")."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, kv = cfg.hidden_size, cfg.kv_size
         self.head_dim = cfg.head_dim
@@ -167,7 +167,7 @@ class MLP(nn.Module):
     the gate and fc (Llama's w1 and w3) both column-parallel under tensor parallelism. A mixture
     of experts' shared expert is one of these of its own width."""
 
-    def __init__(self, cfg: GPTConfig, ffn_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, ffn_size: int | None = None):
         super().__init__()
         f = ffn_size or cfg.ffn_size
         self.gate = nn.Linear(cfg.hidden_size, f, bias=False) if cfg.mlp == "swiglu" else None
@@ -185,7 +185,7 @@ class Block(nn.Module):
     """Pre-norm transformer block (GPT-2, Llama); in a mixture of experts, layers from
     moe_dense_layers on have experts (trainer/moe.py) in place of the MLP."""
 
-    def __init__(self, cfg: GPTConfig, layer_id: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
@@ -203,7 +203,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed: Embeddings | None = Embeddings(cfg)
@@ -253,7 +253,9 @@ class GPT(nn.Module):
 
 
 @torch.no_grad()
-def init_param_(name: str, p: torch.Tensor, cfg: GPTConfig, generator: torch.Generator | None = None) -> None:
+def init_param_(
+    name: str, p: torch.Tensor, cfg: ModelConfig, generator: torch.Generator | None = None
+) -> None:
     """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2L), norms at (1, 0), biases
     0. `p` may be a whole parameter or one rank's shard of it."""
     if "norm" in name or name.endswith(".bias"):

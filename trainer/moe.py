@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
-from trainer.config import GPTConfig
+from trainer.contract.model import ModelConfig
 
 GROUPED_MM_ALIGN = 16  # torch._grouped_mm wants each group's rows 16-byte aligned; 16 rows covers fp32
 
@@ -100,7 +100,7 @@ def in_backward() -> bool:
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
@@ -148,7 +148,7 @@ class Router(nn.Module):
 def sequence_aux_loss(
     scores: torch.Tensor,
     experts: torch.Tensor,
-    cfg: GPTConfig,
+    cfg: ModelConfig,
     seq_len: int,
     tp_group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
@@ -173,7 +173,7 @@ class GroupedExperts(nn.Module):
     """num_experts experts of the model's MLP kind: w1 (gate, or fc for GELU) and w3 (SwiGLU's fc)
     are (E, h, f), w2 (E, f, h). Under expert parallelism each rank holds E / ep of them."""
 
-    def __init__(self, cfg: GPTConfig, num_experts: int):
+    def __init__(self, cfg: ModelConfig, num_experts: int):
         super().__init__()
         h, f = cfg.hidden_size, cfg.expert_ffn_size
         self.swiglu = cfg.mlp == "swiglu"
@@ -235,7 +235,7 @@ def balanced_counts(num_assignments: int, num_experts: int) -> list[int]:
 class MoE(nn.Module):
     """The MLP of a mixture-of-experts layer: routed experts plus an optional shared expert."""
 
-    def __init__(self, cfg: GPTConfig, layer_id: int, shared: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, shared: nn.Module | None = None):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         self.router = Router(cfg)

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 
 # Mesh axes outer to inner: tp (and its column axis tp_col) innermost so that its ranks are
 # neighbours (same node, fastest links), cp next to it, pp outermost because it sends the least
-# (torchtitan's order). The placement rule the planner shares: trainer/topology.py.
-from trainer.topology import MESH_AXES
+# (torchtitan's order). The placement rule the planner shares: trainer/contract/topology.py.
+from trainer.contract.topology import MESH_AXES
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,9 @@ class ParallelDims:
     tp: int
     world_size: int
     tp_col: int = 1
-    ep: int = 1  # folded into dp x cp x tp: not a factor of the world (trainer/topology.py expert_groups)
+    ep: int = (
+        1  # folded into dp x cp x tp: not a factor of the world (trainer/contract/topology.py expert_groups)
+    )
     cp: int = 1
 
     def __post_init__(self) -> None:

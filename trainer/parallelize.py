@@ -28,8 +28,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.config import ParallelConfig
 from trainer.context_parallel import CPComm
+from trainer.contract.parallel import ParallelConfig
 from trainer.model import GPT
 from trainer.moe import MoEComm, local, moe_layers
 from trainer.parallel_dims import ParallelDims

@@ -36,8 +36,8 @@ import subprocess
 import sys
 import time
 
+from trainer.contract.trial_dir import SOCKET_VAR, STORE_FD_VAR
 from trainer.forkclient import ForkedRank, fork_rank
-from trainer.trial_dir import SOCKET_VAR, STORE_FD_VAR
 
 GRACE_S = 5.0
 

@@ -13,7 +13,7 @@ same way. With 3 steps t = 4.30, so 2 % needs a coefficient of variation under 0
 steps (t = 2.78) under 1.6 %; noisy steps keep measuring, up to `measure_steps`.
 Too slow: after `min_measure_steps`, tokens/s so far below `abandon_below_tokens_per_s` (the
 tuner sets it to a fraction of the best measured so far): the trial ends as status "pruned",
-its partial measurement kept. Torch-free, like trainer/config.py.
+its partial measurement kept. Torch-free, like trainer/contract/model.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.config import BenchmarkConfig
+from trainer.contract.result import BenchmarkConfig
 
 # Two-sided 95 % quantiles of Student's t, t_{0.975, df} for df = 1..30 (any statistics table).
 # Above 30 degrees of freedom the df = 30 value is used: a little wider than the true interval.

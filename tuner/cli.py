@@ -9,7 +9,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 import yaml
 
-from trainer.config import MODEL_PRESETS
+from trainer.contract.presets import MODEL_PRESETS
 from tuner.hardware import CLUSTER_PRESET_NAMES, cluster_preset
 from tuner.hfconfig import read_hf_config_notes
 from tuner.models import model_key, model_label

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.perfconstants import ModelConstants, default_constants
 from tuner.plan import PlanError, parse_pins
 from tuner.plan import plan as run_plan

@@ -31,8 +31,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from trainer.config import GPTConfig, ParallelConfig
-from trainer.topology import members_per_node
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.topology import members_per_node
 
 if TYPE_CHECKING:
     from tuner.perfconstants import ModelConstants
@@ -94,7 +95,7 @@ class Link:
 
 def group_link(cluster: ClusterSpec, size: int, stride: int) -> Link:
     """The link of a group of `size` ranks `stride` apart, placed as the trainer places them
-    (trainer/topology.py: mesh order pp, dp, tp; ranks in blocks per node). Within a node: the
+    (trainer/contract/topology.py: mesh order pp, dp, tp; ranks in blocks per node). Within a node: the
     intra-node link. Across nodes: the node's network shared by the groups that cross it at the
     same time, never above intra."""
     g = cluster.gpus_per_node
@@ -178,7 +179,7 @@ def wait_s(compute_s: float, c: ModelConstants, rpc: float) -> float:
 
 
 def tensor_1d(
-    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, act_bytes: int, c: ModelConstants, layers: float
+    m: ModelConfig, p: ParallelConfig, cluster: ClusterSpec, act_bytes: int, c: ModelConstants, layers: float
 ) -> Comm:
     """Megatron's tensor parallelism, one micro-batch on a stage: 2 all-reduces forward and 2
     backward per layer (Megatron-3D sec. 3.2, fig. 5); with sequence parallelism each becomes
@@ -202,7 +203,7 @@ def tp_1d_collectives(p: ParallelConfig) -> int:
 
 
 def tensor_2d(
-    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, act_bytes: int, c: ModelConstants, layers: float,
+    m: ModelConfig, p: ParallelConfig, cluster: ClusterSpec, act_bytes: int, c: ModelConstants, layers: float,
     dw_mb: float,
 ) -> tuple[Comm, float]:  # fmt: skip
     """2D tensor parallelism (trainer/tp2d.py, AxoNN's schedule), one micro-batch on the last

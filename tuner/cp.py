@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.collectives import Comm, Link, call_overhead_s, group_link, ranks_per_core
 from tuner.spec import ClusterSpec
 
@@ -33,12 +34,12 @@ if TYPE_CHECKING:
     from tuner.perfconstants import ModelConstants
 
 
-def local_tokens(m: GPTConfig, p: ParallelConfig) -> float:
+def local_tokens(m: ModelConfig, p: ParallelConfig) -> float:
     """Tokens of one micro-batch a rank holds (before sequence parallelism splits them over tp)."""
     return p.micro_batch_size * m.seq_len / p.cp
 
 
-def keys_per_query(m: GPTConfig, p: ParallelConfig) -> float:
+def keys_per_query(m: ModelConfig, p: ParallelConfig) -> float:
     """Keys each local query is scored against, on average: seq_len without context parallelism
     (the score matrix as PaLM counts it; flash attention's causal half is its own discount),
     scored_pairs / (seq_len / cp) with it."""
@@ -47,14 +48,14 @@ def keys_per_query(m: GPTConfig, p: ParallelConfig) -> float:
     return scored_pairs(m, p) / (m.seq_len / p.cp)
 
 
-def scored_pairs(m: GPTConfig, p: ParallelConfig) -> float:
+def scored_pairs(m: ModelConfig, p: ParallelConfig) -> float:
     """Query-key pairs a rank scores per sequence: chunk c of L tokens against chunks 0..c, for its
     chunks r and 2cp-1-r: (r + 1 + 2cp - r) L^2 = (2cp + 1) L^2."""
     chunk = m.seq_len / (2 * p.cp)
     return (2 * p.cp + 1) * chunk * chunk
 
 
-def attention_keys(m: GPTConfig, p: ParallelConfig) -> float:
+def attention_keys(m: ModelConfig, p: ParallelConfig) -> float:
     """Keys a local query's attention FLOPs are counted against, in PaLM's count of a causal
     layer: the whole score matrix, seq_len keys, of which a causal kernel (is_causal) computes
     half. Under context parallelism the trainer's explicit masks make the kernel compute every
@@ -68,11 +69,11 @@ def attention_keys(m: GPTConfig, p: ParallelConfig) -> float:
 
 
 def kv_link(cluster: ClusterSpec, p: ParallelConfig) -> Link:
-    """The cp group: cp ranks tp x tp_col apart (trainer/topology.py)."""
+    """The cp group: cp ranks tp x tp_col apart (trainer/contract/topology.py)."""
     return group_link(cluster, p.cp, p.tp * p.tp_col)
 
 
-def kv_bytes(m: GPTConfig, p: ParallelConfig, precision: str) -> float:
+def kv_bytes(m: ModelConfig, p: ParallelConfig, precision: str) -> float:
     """One gathered K (or V) of a micro-batch on a rank: the whole sequence's KV heads over tp."""
     act = 2 if precision != "fp32" else 4
     return p.micro_batch_size * m.seq_len * m.kv_size / p.tp * act
@@ -85,7 +86,7 @@ def kv_calls(p: ParallelConfig) -> int:
 
 
 def kv_traffic(
-    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants
+    m: ModelConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants
 ) -> Comm:
     """One layer's K/V gathers and gradient returns for one micro-batch, on the cp group's tier:
     each call moves (cp - 1) / cp of kv_bytes over the link, in cp - 1 steps."""
@@ -98,7 +99,7 @@ def kv_traffic(
     return Comm.on(link.tier, kv_calls(p) * per_call)
 
 
-def gathered_kv_bytes(m: GPTConfig, p: ParallelConfig, cb: int) -> float:
+def gathered_kv_bytes(m: ModelConfig, p: ParallelConfig, cb: int) -> float:
     """What attention keeps for backward beyond the rank's own K and V, per layer and micro-batch:
     the rest of the sequence's K and V, repeated to every query head (q_size wide, over tp).
     Selective recompute keeps them too (the checkpointed core's inputs); full recompute keeps only
@@ -108,7 +109,7 @@ def gathered_kv_bytes(m: GPTConfig, p: ParallelConfig, cb: int) -> float:
     return 2 * p.micro_batch_size * m.seq_len * (1 - 1 / p.cp) * m.q_size / p.tp * cb
 
 
-def mask_bytes(m: GPTConfig, p: ParallelConfig, cb: int) -> float:
+def mask_bytes(m: ModelConfig, p: ParallelConfig, cb: int) -> float:
     """The explicit causal masks of a rank's attention (trainer/context_parallel.py): chunk c of
     L = s / 2cp queries against (c + 1) L keys, for the rank's two chunks (2cp + 1) L^2 values,
     additive in the compute dtype. Made once per stage module and shared by its layers and

@@ -1,4 +1,4 @@
-"""What each GPU reaches of its data-sheet figures (trainer/devices.py) in published kernel and
+"""What each GPU reaches of its data-sheet figures (trainer/contract/devices.py) in published kernel and
 collective benchmarks: the level the performance model prices a device at before anything was
 measured on it (tuner.perfconstants.default_constants). Nothing here is fitted to a training run;
 docs/perfmodel.md ("Levels per device") has the table with every source and assumption.
@@ -47,7 +47,7 @@ H100 = DeviceLevel(gemm=0.803, memory=0.887, flash_attention=0.331, comm=0.817)
 # Devices with no published figure for a field take the nearest device's, named per row.
 LEVELS: dict[str, DeviceLevel] = {
     "A100": A100,
-    "A100-SXM4-40GB": A100,  # same die and kernels; its own 1555 GB/s HBM2 in trainer/devices.py
+    "A100-SXM4-40GB": A100,  # same die and kernels; its own 1555 GB/s HBM2 in trainer/contract/devices.py
     "A100-PCIE-40GB": DeviceLevel(0.811, A100.memory, A100.flash_attention, A100.comm),  # GEMM 252.9 [MAMF]
     "H100": H100,
     "H100 PCIe": H100,  # not measured: the SXM part's fractions
@@ -82,5 +82,5 @@ MEMORY_TRAFFIC = 500.0 * 2039e9 * A100.memory / 312e12
 
 
 def device_level(name: str | None) -> DeviceLevel | None:
-    """The level of a trainer/devices.py row by its name; None for no or an unknown device."""
+    """The level of a trainer/contract/devices.py row by its name; None for no or an unknown device."""
     return LEVELS.get(name) if name else None

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from trainer.config import ParallelConfig
-from trainer.trial_dir import CONFIG_FILE, RESULT_FILE
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.trial_dir import CONFIG_FILE, RESULT_FILE
 from tuner.dispatch.sbatch import (
     SITE_OPTIONS,
     SiteSettings,

@@ -35,13 +35,14 @@ Megatron-LM (megatron-core 0.19.2):
 
 from __future__ import annotations
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 
 TORCHTITAN_CP_LOAD_BALANCER = "headtail"
 MEGATRON_CP_COMM_TYPE = "all_gather"
 
 
-def describe_cp(m: GPTConfig, config: ParallelConfig) -> str:
+def describe_cp(m: ModelConfig, config: ParallelConfig) -> str:
     """The header's words for cp > 1 ('' without): the split and where data parallelism runs."""
     c = config
     if c.cp == 1:
@@ -56,7 +57,7 @@ def describe_cp(m: GPTConfig, config: ParallelConfig) -> str:
 # --- torchtitan 0.3.0 ---
 
 
-def torchtitan_cp_unsupported(m: GPTConfig, config: ParallelConfig) -> list[str]:
+def torchtitan_cp_unsupported(m: ModelConfig, config: ParallelConfig) -> list[str]:
     c = config
     if c.cp == 1:
         return []
@@ -85,7 +86,7 @@ def torchtitan_cp_reshard(config: ParallelConfig, measured: str) -> str:
     return "never" if config.cp > 1 and config.zero_stage == 0 else measured
 
 
-def torchtitan_cp_notes(m: GPTConfig, config: ParallelConfig, *, builds: bool) -> list[str]:
+def torchtitan_cp_notes(m: ModelConfig, config: ParallelConfig, *, builds: bool) -> list[str]:
     c = config
     if c.cp == 1:
         return []
@@ -111,7 +112,7 @@ def torchtitan_cp_notes(m: GPTConfig, config: ParallelConfig, *, builds: bool) -
 # --- Megatron-LM ---
 
 
-def megatron_cp_unsupported(m: GPTConfig, config: ParallelConfig) -> list[str]:
+def megatron_cp_unsupported(m: ModelConfig, config: ParallelConfig) -> list[str]:
     if config.cp == 1 or m.attention != "mla":
         return []
     k_width, v_width = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim

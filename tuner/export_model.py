@@ -2,7 +2,7 @@
 names its block, torchtitan's Llama 3 model config, Megatron-LM's model flags, and what a stack
 cannot build.
 
-By family (GPTConfig.family, trainer/config.py):
+By family (ModelConfig.family, trainer/contract/model.py):
 - gpt (learned positions, LayerNorm, GELU): Megatron-LM's defaults. torchtitan has no such model,
   so its export carries the layout only and names the model in a comment.
 - llama (Llama 3.x, Qwen2: RoPE, RMSNorm, SwiGLU, GQA): Megatron-LM with its Llama flags
@@ -13,12 +13,13 @@ By family (GPTConfig.family, trainer/config.py):
   sharding (colwise: the bias sharded with the rows) and checkpoint hooks already handle.
 - custom (another mix): Megatron-LM flag by flag; torchtitan the layout only, as for gpt.
 tests/tuner/test_export.py builds torchtitan's model on the meta device and compares its
-parameters with GPTConfig.num_params, and checks Megatron's parse of the flags (docs/exports.md).
+parameters with ModelConfig.num_params, and checks Megatron's parse of the flags (docs/exports.md).
 """
 
 from __future__ import annotations
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.export_moe import (
     describe_moe,
     megatron_attention_args,
@@ -40,7 +41,7 @@ MEGATRON_ROPE_SCALING_FIXED = {"rope_low_freq_factor": 1.0, "rope_high_freq_fact
 TORCHTITAN_MODEL_FN = "study_model"
 
 
-def describe(m: GPTConfig) -> str:
+def describe(m: ModelConfig) -> str:
     """The block in words, for the header of every export: 'GPT: learned positions, pre-LN, GELU MLP,
     untied head, no linear biases' for GPT-2/3."""
     if m.positions == "learned":
@@ -66,7 +67,7 @@ def _number(x: float) -> str:
     return str(int(x)) if x == int(x) else repr(x)
 
 
-def _label(m: GPTConfig) -> str:
+def _label(m: ModelConfig) -> str:
     label = {"gpt": "GPT", "llama": "Llama", "deepseek": "DeepSeek"}.get(m.family, "custom")
     return label + (" mixture of experts" if m.moe else "")
 
@@ -74,23 +75,23 @@ def _label(m: GPTConfig) -> str:
 # --- torchtitan 0.3.0: a flavor of its llama3 model ---
 
 
-def _llama3(m: GPTConfig) -> bool:
+def _llama3(m: ModelConfig) -> bool:
     """Whether torchtitan's Llama 3 model is this block: a dense Llama of hidden / heads wide heads
     without q/k norms (Qwen3's are not: layout only)."""
     return m.family == "llama" and not m.moe and m.qk_norm == "none" and not m.attention_head_dim
 
 
-def torchtitan_builds(m: GPTConfig) -> bool:
+def torchtitan_builds(m: ModelConfig) -> bool:
     """Whether the export writes the model as a flavor of a torchtitan model: its llama3, or for a
     mixture of experts its qwen3 or deepseek_v3 (tuner/export_moe.py); else the layout only."""
     return _llama3(m) or torchtitan_moe_builds(m)
 
 
-def torchtitan_imports(m: GPTConfig) -> list[str]:
+def torchtitan_imports(m: ModelConfig) -> list[str]:
     return torchtitan_moe_imports(m) if m.moe else TORCHTITAN_IMPORTS
 
 
-def torchtitan_unsupported(m: GPTConfig, config: ParallelConfig) -> list[str]:
+def torchtitan_unsupported(m: ModelConfig, config: ParallelConfig) -> list[str]:
     """Why torchtitan cannot train this model in this layout (a model it builds; a mixture of
     experts it has no flavor for: tuner/export_moe.py)."""
     if m.moe:
@@ -117,12 +118,12 @@ TORCHTITAN_IMPORTS = [
 ]
 
 
-def _embedding_init(m: GPTConfig) -> str:
+def _embedding_init(m: ModelConfig) -> str:
     """torchtitan's init of the token embedding: skipped when tied (the head's init sets it)."""
     return "_EMBEDDING_SKIP_INIT" if m.tie_embeddings else "_EMBEDDING_INIT"
 
 
-def _torchtitan_helpers(m: GPTConfig) -> list[str]:
+def _torchtitan_helpers(m: ModelConfig) -> list[str]:
     return [
         "# torchtitan's own helpers for its llama3 flavors (models/llama3/__init__.py): layers and inits",
         "from torchtitan.models.llama3 import (",
@@ -134,7 +135,7 @@ def _torchtitan_helpers(m: GPTConfig) -> list[str]:
     ]
 
 
-def torchtitan_model(m: GPTConfig, flavor: str) -> list[str]:
+def torchtitan_model(m: ModelConfig, flavor: str) -> list[str]:
     """The lines after the imports (TORCHTITAN_IMPORTS): the base config (BASE), a function that returns the model's `Llama3Model.Config`, written as torchtitan 0.3.0 writes
     its 8B flavor (models/llama3/__init__.py: _8b), and the line that registers it as `flavor` of
     torchtitan's llama3 model. The FFN width is the final one: torchtitan's FeedForward takes it as
@@ -200,7 +201,7 @@ def torchtitan_model(m: GPTConfig, flavor: str) -> list[str]:
     ]
 
 
-def torchtitan_notes(m: GPTConfig, trained_vocab: int) -> list[str]:
+def torchtitan_notes(m: ModelConfig, trained_vocab: int) -> list[str]:
     """What torchtitan's model does differently from the one measured (`trained_vocab`: the
     vocabulary our trainer built for the layout's tp)."""
     if not torchtitan_builds(m):
@@ -222,7 +223,7 @@ def torchtitan_notes(m: GPTConfig, trained_vocab: int) -> list[str]:
 # --- Megatron-LM ---
 
 
-def megatron_unsupported(m: GPTConfig) -> list[str]:
+def megatron_unsupported(m: ModelConfig) -> list[str]:
     reasons = megatron_attention_unsupported(m) + megatron_moe_unsupported(m)
     if m.positions == "rope" and m.rope_theta != int(m.rope_theta):
         reasons.append(f"rope_theta {m.rope_theta:g}: Megatron-LM's --rotary-base is an integer")
@@ -234,7 +235,7 @@ def megatron_unsupported(m: GPTConfig) -> list[str]:
     return reasons
 
 
-def megatron_model_args(m: GPTConfig) -> list[tuple[str, object]]:
+def megatron_model_args(m: ModelConfig) -> list[tuple[str, object]]:
     """The model's flags, from --num-layers to the dropouts: Megatron's defaults are GPT's block
     (learned absolute positions, LayerNorm eps 1e-5, GELU, multi-head attention, a head tied to the
     embedding, biases), so a GPT-2/3 model needs only its shape, --untie... and --disable-bias-linear.
@@ -271,7 +272,7 @@ def megatron_model_args(m: GPTConfig) -> list[tuple[str, object]]:
     return args
 
 
-def megatron_model_note(m: GPTConfig) -> str:
+def megatron_model_note(m: ModelConfig) -> str:
     if m.family == "gpt":
         return "Megatron's defaults match the rest of the model: learned absolute positions, LayerNorm, GELU."
     note = f"the {_label(m)} block is in the flags below (Megatron's defaults are GPT's)"

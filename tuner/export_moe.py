@@ -1,5 +1,5 @@
 """What the exports (tuner/export.py, tuner/export_model.py) add for the attention variants and the
-mixtures of experts of trainer/config.py's GPTConfig: wide heads and q/k norms (Qwen3, OLMoE),
+mixtures of experts of trainer/contract/model.py's ModelConfig: wide heads and q/k norms (Qwen3, OLMoE),
 DeepSeek's latent attention, and routed experts over expert parallelism (ParallelConfig.ep).
 
 Megatron-LM (megatron-core 0.19.2; every flag is one of its parser's, tests/tuner/megatron_flags.txt,
@@ -15,11 +15,11 @@ and scripts/check-megatron-export.py runs validate_args and builds its Transform
   --moe-router-topk-scaling-factor, group-limited routing (--moe-router-num-groups,
   --moe-router-group-topk), the auxiliary-loss-free expert bias (--moe-router-enable-expert-bias,
   --moe-router-bias-update-rate; Megatron takes it with sigmoid scores only);
-- load balancing: GPTConfig.moe_aux_loss_coef is the sequence-wise auxiliary loss (its comment in
-  trainer/config.py), Megatron's seq_aux_loss; none without it; --moe-router-force-load-balancing
+- load balancing: ModelConfig.moe_aux_loss_coef is the sequence-wise auxiliary loss (its comment in
+  trainer/contract/model.py), Megatron's seq_aux_loss; none without it; --moe-router-force-load-balancing
   for a study measured with balanced routing (BenchmarkConfig.moe_routing);
 - parallelism: --expert-model-parallel-size ep and --expert-tensor-parallel-size 1 (experts are
-  never split over tp: trainer/config.py, ParallelConfig._moe_violations); Megatron's expert grid
+  never split over tp: trainer/contract/rules.py, ep_rules); Megatron's expert grid
   ETP x EP x EDP x PP then has the trainer's expert data parallelism (edp = dp x cp x tp / ep);
 - attention: --kv-channels for heads wider than hidden / heads, --qk-layernorm for per-head q/k
   norms (OLMoE's norms over the whole projections have no Megatron flag: refused), and
@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import shlex
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 
 
-def describe_moe(m: GPTConfig) -> str:
+def describe_moe(m: ModelConfig) -> str:
     """The attention and expert fields beyond the dense families, for the header: '' for those."""
     parts = []
     if m.attention == "mla":
@@ -74,7 +75,7 @@ def describe_moe(m: GPTConfig) -> str:
 # --- Megatron-LM ---
 
 
-def megatron_attention_unsupported(m: GPTConfig) -> list[str]:
+def megatron_attention_unsupported(m: ModelConfig) -> list[str]:
     if m.qk_norm == "proj":
         return [
             "qk_norm 'proj' (OLMoE's RMSNorm over the whole q and k projections): Megatron-LM's "
@@ -83,7 +84,7 @@ def megatron_attention_unsupported(m: GPTConfig) -> list[str]:
     return []
 
 
-def megatron_attention_args(m: GPTConfig) -> list[tuple[str, object]]:
+def megatron_attention_args(m: ModelConfig) -> list[tuple[str, object]]:
     """Flags for the attention beyond multi-head / grouped-query attention of hidden / heads."""
     if m.attention == "mla":
         args: list[tuple[str, object]] = [("--multi-latent-attention", None)]
@@ -100,7 +101,7 @@ def megatron_attention_args(m: GPTConfig) -> list[tuple[str, object]]:
     return args
 
 
-def megatron_moe_unsupported(m: GPTConfig) -> list[str]:
+def megatron_moe_unsupported(m: ModelConfig) -> list[str]:
     if not m.moe:
         return []
     reasons = []
@@ -122,12 +123,12 @@ def megatron_moe_unsupported(m: GPTConfig) -> list[str]:
     return reasons
 
 
-def moe_layer_pattern(m: GPTConfig) -> str:
+def moe_layer_pattern(m: ModelConfig) -> str:
     """--moe-layer-freq's pattern for the dense first layers: '([0]*3+[1]*58)' (1: experts)."""
     return f"([0]*{m.moe_dense_layers}+[1]*{m.num_moe_layers})"
 
 
-def megatron_moe_args(m: GPTConfig, config: ParallelConfig, routing: str) -> list[tuple[str, object]]:
+def megatron_moe_args(m: ModelConfig, config: ParallelConfig, routing: str) -> list[tuple[str, object]]:
     """The experts' flags, after the model's (megatron_model_args), and the expert layout."""
     if not m.moe:
         return []
@@ -162,7 +163,7 @@ def megatron_moe_args(m: GPTConfig, config: ParallelConfig, routing: str) -> lis
     ]  # fmt: skip
 
 
-def megatron_moe_notes(m: GPTConfig, config: ParallelConfig, routing: str) -> list[str]:
+def megatron_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> list[str]:
     notes = []
     if m.attention == "mla":
         notes.append(
@@ -184,7 +185,7 @@ def megatron_moe_notes(m: GPTConfig, config: ParallelConfig, routing: str) -> li
     if m.moe_aux_loss_coef:
         notes.append(
             f"load balancing: the sequence-wise auxiliary loss (seq_aux_loss) x {m.moe_aux_loss_coef:g}, "
-            "GPTConfig.moe_aux_loss_coef."
+            "ModelConfig.moe_aux_loss_coef."
         )
     notes.append(
         "--moe-router-force-load-balancing: routing forced balanced, as the study measured it."
@@ -212,12 +213,12 @@ def megatron_moe_notes(m: GPTConfig, config: ParallelConfig, routing: str) -> li
 # MoE has no auxiliary loss (its balancing is the expert bias, `load_balance_coeff`): said in a note.
 
 
-def torchtitan_moe_builds(m: GPTConfig) -> bool:
+def torchtitan_moe_builds(m: ModelConfig) -> bool:
     """Whether the export writes the model as a flavor of torchtitan's qwen3 or deepseek_v3."""
     return m.moe and (m.family == "deepseek" or (m.family == "llama" and m.qk_norm != "proj"))
 
 
-def torchtitan_moe_unsupported(m: GPTConfig, config: ParallelConfig) -> list[str]:
+def torchtitan_moe_unsupported(m: ModelConfig, config: ParallelConfig) -> list[str]:
     if not m.moe:
         return []
     reasons = []
@@ -251,7 +252,7 @@ def torchtitan_moe_unsupported(m: GPTConfig, config: ParallelConfig) -> list[str
     return reasons
 
 
-def torchtitan_moe_imports(m: GPTConfig) -> list[str]:
+def torchtitan_moe_imports(m: ModelConfig) -> list[str]:
     if m.attention == "mla":
         return [
             "from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm",
@@ -268,7 +269,7 @@ def torchtitan_moe_imports(m: GPTConfig) -> list[str]:
     ]
 
 
-def _moe_lines(m: GPTConfig, first: int) -> list[str]:
+def _moe_lines(m: ModelConfig, first: int) -> list[str]:
     """The loop that sets the router, balancing and shared expert on torchtitan's MoE layers (after
     the `first` dense ones)."""
     layers = f"model.layers[{first}:]" if first else "model.layers"
@@ -291,7 +292,7 @@ def _moe_lines(m: GPTConfig, first: int) -> list[str]:
     return lines
 
 
-def torchtitan_moe_model(m: GPTConfig, flavor: str, fn: str, embedding_init: str) -> list[str]:
+def torchtitan_moe_model(m: ModelConfig, flavor: str, fn: str, embedding_init: str) -> list[str]:
     """The lines after the imports: torchtitan's helpers, BASE, FLAVOR, the model function and its
     registration (as torchtitan_model does for a Llama: tuner/export_model.py)."""
     base = [
@@ -309,7 +310,7 @@ def torchtitan_moe_model(m: GPTConfig, flavor: str, fn: str, embedding_init: str
     return _qwen3_model(m, base, fn, embedding_init)
 
 
-def _qwen3_model(m: GPTConfig, base: list[str], fn: str, embedding_init: str) -> list[str]:
+def _qwen3_model(m: ModelConfig, base: list[str], fn: str, embedding_init: str) -> list[str]:
     dense = m.moe_dense_layers
     qk = "qk_norm.eps = " if m.qk_norm == "head" else ""
     layers = [
@@ -370,7 +371,7 @@ def _qwen3_model(m: GPTConfig, base: list[str], fn: str, embedding_init: str) ->
     ]
 
 
-def _deepseek_model(m: GPTConfig, base: list[str], fn: str) -> list[str]:
+def _deepseek_model(m: ModelConfig, base: list[str], fn: str) -> list[str]:
     shared = m.moe_shared_ffn_hidden_size // m.expert_ffn_size
     eps = repr(m.norm_eps)
     body = [
@@ -417,11 +418,11 @@ def _deepseek_model(m: GPTConfig, base: list[str], fn: str) -> list[str]:
     ]
 
 
-def torchtitan_moe_parallelism(m: GPTConfig, config: ParallelConfig) -> list[str]:
+def torchtitan_moe_parallelism(m: ModelConfig, config: ParallelConfig) -> list[str]:
     return [f"expert_parallel_degree = {config.ep}"] if m.moe else []
 
 
-def torchtitan_moe_notes(m: GPTConfig, config: ParallelConfig, routing: str) -> list[str]:
+def torchtitan_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> list[str]:
     if not m.moe:
         return []
     borrowed = (

@@ -8,7 +8,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.memmodel import memory
 from tuner.perfconstants import FITTED, ModelConstants, default_constants
 from tuner.perfmodel import estimate
@@ -19,7 +20,7 @@ from tuner.spec import ClusterSpec
 class Measurement:
     """One measured step time of a layout, the input to calibrate()."""
 
-    model: GPTConfig
+    model: ModelConfig
     parallel: ParallelConfig
     cluster: ClusterSpec
     step_time_s: float

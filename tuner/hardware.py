@@ -1,5 +1,5 @@
 """Hardware facts in one place: the cluster presets, the probe of this machine (cpu-local) and the
-device kind. Each preset names its device, a row of trainer/devices.py's table, whose peak
+device kind. Each preset names its device, a row of trainer/contract/devices.py's table, whose peak
 FLOP/s the performance model prices against and the trainer's MFU divides by (one table for
 both); the links are the presets' own data-sheet figures. tuner/spec.py's ClusterSpec is the
 validated form of a preset."""
@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from trainer.devices import CPU, find_device
+from trainer.contract.devices import CPU, find_device
 
 
 def _cpu_local() -> dict[str, Any]:
-    """This machine, each core a 'device' (a CPU rank). The peak is trainer/devices.py's nominal
+    """This machine, each core a 'device' (a CPU rank). The peak is trainer/contract/devices.py's nominal
     CPU figure (0.05 TFLOP/s fp32 per rank), the one the CPU constants are fitted against and the
     trainer's CPU MFU divides by; the memory is the machine's, shared by its cores."""
     cores = os.cpu_count() or 1
@@ -33,7 +33,7 @@ def _cpu_local() -> dict[str, Any]:
 def _gpus(device: str, **fields: Any) -> dict[str, Any]:
     """A GPU preset: the device's dense bf16 peak from the device table, and the preset's links."""
     row = find_device(device)
-    assert row is not None, f"{device!r} is not in trainer/devices.py"
+    assert row is not None, f"{device!r} is not in trainer/contract/devices.py"
     return {"device": device, "peak_tflops": row.peak_tflops_bf16, **fields}
 
 

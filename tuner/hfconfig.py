@@ -1,5 +1,5 @@
 """A model from a Hugging Face `config.json`: the file transformers saves next to a checkpoint,
-read from disk (never fetched) into trainer.config.GPTConfig's fields.
+read from disk (never fetched) into trainer.contract.model.ModelConfig's fields.
 
 The architectures build one decoder block (RMSNorm, SwiGLU, rotary positions, grouped-query
 attention): LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (a bias on q, k and v),
@@ -71,7 +71,7 @@ def _load(path: str | Path) -> dict[str, Any]:
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """GPTConfig's fields from the config.json at `path`."""
+    """ModelConfig's fields from the config.json at `path`."""
     config = _load(path)
     try:
         return hf_config_fields(config)
@@ -128,7 +128,7 @@ def hf_config_notes(config: dict[str, Any]) -> list[str]:
 
 
 def hf_config_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """GPTConfig's fields from a parsed config.json (docs/models.md, "From a Hugging Face config")."""
+    """ModelConfig's fields from a parsed config.json (docs/models.md, "From a Hugging Face config")."""
     model_type = config.get("model_type")
     moe = {k: config[k] for k in MOE_FIELDS if config.get(k)}
     if moe and model_type not in MOE_TYPES:  # first: named for its experts, not its model_type

@@ -36,7 +36,7 @@ from pathlib import Path
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 
-from trainer.trial_dir import LOG_FILE
+from trainer.contract.trial_dir import LOG_FILE
 from tuner import store
 from tuner.backoff import Backoff, retrying
 from tuner.budget import may_add_trial, stop_reason

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.cp import gathered_kv_bytes, keys_per_query, local_tokens, mask_bytes
 from tuner.moe import (
     imbalance_factor,
@@ -27,14 +28,14 @@ from tuner.moe import (
 )
 
 if TYPE_CHECKING:
-    from trainer.devices import DeviceKind
+    from trainer.contract.devices import DeviceKind
     from tuner.perfconstants import ModelConstants
 
 PARTS = ("weights", "grads", "optimizer", "activations")
 
 
 def activation_bytes_per_token(
-    m: GPTConfig, p: ParallelConfig, cb: int, c: ModelConstants, residual: int | None = None,
+    m: ModelConfig, p: ParallelConfig, cb: int, c: ModelConstants, residual: int | None = None,
     device: DeviceKind = "gpu",
 ) -> float:  # fmt: skip
     """Bytes one layer stores per token of one micro-batch, as the trainer's block saves them;
@@ -94,7 +95,7 @@ def activation_bytes_per_token(
     return stream + sharded + lse + stats + scores
 
 
-def _attention_tensors(m: GPTConfig) -> int:
+def _attention_tensors(m: ModelConfig) -> int:
     """Width per token of what attention keeps over tp: q, k and v (k and v repeated to every
     query head) and the output, 4 x q_size (4h unless attention_head_dim widens it). Latent
     attention (DeepSeek-V2/V3): q and k of heads x (qk_nope + qk_rope), v and the output of
@@ -108,18 +109,18 @@ def _attention_tensors(m: GPTConfig) -> int:
     return 4 * m.q_size
 
 
-def _mlp_inputs(m: GPTConfig) -> int:
+def _mlp_inputs(m: ModelConfig) -> int:
     """Linear layers that read the second norm's output: SwiGLU's gate and up, GELU's fc."""
     return 2 if m.mlp == "swiglu" else 1
 
 
-def _mlp_tensors(m: GPTConfig) -> int:
+def _mlp_tensors(m: ModelConfig) -> int:
     """ffn-wide tensors the MLP keeps for backward: GELU's input and output; SwiGLU's gate output
     (SiLU's input), SiLU's output, the up projection's output and their product."""
     return 4 if m.mlp == "swiglu" else 2
 
 
-def _flow_bytes(m: GPTConfig, p: ParallelConfig, cb: int, res: int, tokens: int) -> float:
+def _flow_bytes(m: ModelConfig, p: ParallelConfig, cb: int, res: int, tokens: int) -> float:
     """Gradients flowing in a layer's backward beyond what it keeps, for `tokens`: two of the
     residual stream's, and the MLP's: GELU's output's gradient (4h/t; its input's, which GELU's
     backward writes, takes the place of the down projection's input, freed by then); SwiGLU's
@@ -132,7 +133,7 @@ def _flow_bytes(m: GPTConfig, p: ParallelConfig, cb: int, res: int, tokens: int)
     return tokens * (2 * h / k + 4 * h / t) * res
 
 
-def _qk_norm_bytes(m: GPTConfig, cb: int, res: int, device: DeviceKind) -> int:
+def _qk_norm_bytes(m: ModelConfig, cb: int, res: int, device: DeviceKind) -> int:
     """What RMSNorm on q and k keeps per token (Qwen3's per head, OLMoE's over the projection),
     before tp: its input, q and k of their KV heads (the norm precedes GQA's repeat), and the fp32
     rstd of each normalised row. On CUDA `_fused_rms_norm` keeps the input itself; on CPU, and
@@ -145,19 +146,19 @@ def _qk_norm_bytes(m: GPTConfig, cb: int, res: int, device: DeviceKind) -> int:
     return per_value * (m.q_size + m.kv_size) + 4 * rows
 
 
-def _norm_input_bytes(m: GPTConfig, res: int, device: DeviceKind) -> int:
+def _norm_input_bytes(m: ModelConfig, res: int, device: DeviceKind) -> int:
     """Bytes per value a norm keeps of its input: the input itself (LayerNorm; RMSNorm on CUDA,
     `_fused_rms_norm`), or on CPU RMSNorm's composite: an fp32 copy of it (the fp32 input itself)
     and the fp32 normalised input."""
     return 4 + 4 if m.norm == "rmsnorm" and device == "cpu" else res
 
 
-def _norm_stats_bytes(m: GPTConfig) -> int:
+def _norm_stats_bytes(m: ModelConfig) -> int:
     """A norm's fp32 statistics per token: LayerNorm's mean and rstd, RMSNorm's rstd."""
     return 8 if m.norm == "layernorm" else 4
 
 
-def _norm_2d_bytes(m: GPTConfig, res: int) -> int:
+def _norm_2d_bytes(m: ModelConfig, res: int) -> int:
     """Bytes per column-split value a 2D norm keeps (trainer/tp2d.py writes it in torch ops): its
     fp32 input (a copy unless the input is fp32, then the layer input or the residual after
     attention), LayerNorm's centred fp32 input, the normalised output and the norm's output in the
@@ -166,7 +167,7 @@ def _norm_2d_bytes(m: GPTConfig, res: int) -> int:
 
 
 def _activation_bytes_per_token_2d(
-    m: GPTConfig, p: ParallelConfig, cb: int, c: ModelConstants, res: int
+    m: ModelConfig, p: ParallelConfig, cb: int, c: ModelConstants, res: int
 ) -> float:
     h, a, t, k = m.hidden_size, m.num_heads, p.tp, p.tp_col
     if p.activation_checkpoint == "full":
@@ -180,7 +181,7 @@ def _activation_bytes_per_token_2d(
     return norms + sharded + lse + stats + scores
 
 
-def _layer_params(m: GPTConfig, tp: int, tp_col: int = 1) -> float:
+def _layer_params(m: ModelConfig, tp: int, tp_col: int = 1) -> float:
     """One layer's parameters on a rank: its matmul weights over tp x tp_col, the two norms'
     weight (and LayerNorm's bias; replicated over tp, split over tp_col), q/k/v's bias (Qwen2;
     column-parallel, over tp)."""
@@ -207,7 +208,7 @@ def model_state_bytes(
 
 
 def memory(
-    m: GPTConfig,
+    m: ModelConfig,
     p: ParallelConfig,
     precision: str,
     c: ModelConstants,
@@ -258,7 +259,7 @@ class _Rank:
 
 
 def phase_bytes(
-    m: GPTConfig,
+    m: ModelConfig,
     p: ParallelConfig,
     precision: str,
     c: ModelConstants,
@@ -291,7 +292,7 @@ def phase_bytes(
 
 
 def _rank(
-    m: GPTConfig,
+    m: ModelConfig,
     p: ParallelConfig,
     precision: str,
     c: ModelConstants,
@@ -389,7 +390,7 @@ class _MoERank:
 
 
 def _moe_rank(
-    m: GPTConfig, p: ParallelConfig, cb: int, stage: int, imbalance: float, device: DeviceKind
+    m: ModelConfig, p: ParallelConfig, cb: int, stage: int, imbalance: float, device: DeviceKind
 ) -> _MoERank:
     num_moe = _stage_moe_layers(m, p, stage)
     num_dense = _stage_layers(m.num_layers, p, stage) - num_moe
@@ -407,7 +408,7 @@ def _moe_rank(
     )  # fmt: skip
 
 
-def _stage_moe_layers(m: GPTConfig, p: ParallelConfig, stage: int) -> int:
+def _stage_moe_layers(m: ModelConfig, p: ParallelConfig, stage: int) -> int:
     """MoE layers on the rank at pipeline coordinate `stage`: its layers past the first
     moe_dense_layers (dense), with _stage_layers' split."""
     base, extra = divmod(m.num_layers, p.num_stages)

@@ -1,5 +1,5 @@
 """A model's name where studies are listed and compared (the store's model_key, `tuner best`, the
-dashboard), and the family the name belongs to (trainer.config.GPTConfig.family)."""
+dashboard), and the family the name belongs to (trainer.contract.model.ModelConfig.family)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,21 @@ import dataclasses
 
 from pydantic import BaseModel, computed_field
 
-from trainer.config import MODEL_PRESETS, GPTConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.presets import MODEL_PRESETS
 
 
-def _same_model(model: GPTConfig, known: GPTConfig) -> bool:
+def _same_model(model: ModelConfig, known: ModelConfig) -> bool:
     """Equal fields but seq_len (a study trains at its own) and the spelling of multi-head
     attention (num_kv_heads None or num_heads: Hugging Face's OLMoE file says 16 of 16)."""
 
-    def normal(m: GPTConfig) -> GPTConfig:
+    def normal(m: ModelConfig) -> ModelConfig:
         return dataclasses.replace(m, seq_len=known.seq_len, num_kv_heads=m.kv_heads)
 
     return normal(model) == normal(known)
 
 
-def model_key(model: GPTConfig, preset: str | None = None) -> str:
+def model_key(model: ModelConfig, preset: str | None = None) -> str:
     """The preset's name; for a model of another family than GPT with a preset's fields (a
     Hugging Face config.json of a published model: tuner/hfconfig.py), that preset's name, its
     seq_len aside (a study trains at its own); else the shape: "L24-h2048-a16" for a GPT, as
@@ -48,7 +49,7 @@ def model_family(key: str) -> str:
 
 
 def model_architecture(key: str) -> str:
-    """The family with "-moe" for a mixture of experts (GPTConfig.architecture), from a key."""
+    """The family with "-moe" for a mixture of experts (ModelConfig.architecture), from a key."""
     if key in MODEL_PRESETS:
         return MODEL_PRESETS[key].architecture
     family, sep, _ = key.partition("-L")

@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.collectives import Comm, Link, call_overhead_s, group_link, ranks_per_core
 from tuner.spec import ClusterSpec
 
@@ -30,11 +31,11 @@ if TYPE_CHECKING:
 # The ridge of the experts' GEMMs when the device's memory bandwidth is unknown: an expert's
 # GEMM of n tokens reads its h x f weights (2 bytes each) to compute 2 n h f FLOPs, so it takes
 # 2nhf/P + 2hf/B and reaches n / (n + P/B) of the compute-bound rate. H100 SXM: P/B =
-# 989.4 TFLOP/s / 3.35 TB/s = 295 tokens (trainer/devices.py's row).
+# 989.4 TFLOP/s / 3.35 TB/s = 295 tokens (trainer/contract/devices.py's row).
 DEFAULT_RIDGE_TOKENS = 295.0
 
 
-def imbalance_factor(m: GPTConfig, p: ParallelConfig, imbalance: float) -> float:
+def imbalance_factor(m: ModelConfig, p: ParallelConfig, imbalance: float) -> float:
     """How much longer the busiest expert-parallel rank's experts take than the average's:
     1 + (I - 1) sqrt((ep - 1)/(E - 1)). I (max/mean tokens per expert) is the study's
     training.moe_imbalance, 1 under forced-balance routing. One rank holding every expert (ep 1)
@@ -45,13 +46,13 @@ def imbalance_factor(m: GPTConfig, p: ParallelConfig, imbalance: float) -> float
     return 1.0 + (imbalance - 1.0) * math.sqrt((p.ep - 1) / (m.num_experts - 1))
 
 
-def routed_tokens(m: GPTConfig, p: ParallelConfig) -> float:
+def routed_tokens(m: ModelConfig, p: ParallelConfig) -> float:
     """T: the tokens of one micro-batch a rank routes (its sequence-parallel shard with tp > 1, of
     its context-parallel share with cp > 1)."""
     return p.micro_batch_size * m.seq_len / (p.cp * p.tp)
 
 
-def tokens_per_expert(m: GPTConfig, p: ParallelConfig) -> float:
+def tokens_per_expert(m: ModelConfig, p: ParallelConfig) -> float:
     """n = ep x T x k / E: tokens each local expert computes per micro-batch (balanced)."""
     return p.ep * routed_tokens(m, p) * m.moe_top_k / m.num_experts
 
@@ -66,7 +67,7 @@ def ridge_tokens(cluster: ClusterSpec, precision: str) -> float:
     return peak * bytes_per_value / (2 * row.memory_gbps * 1e9)
 
 
-def expert_gemm_efficiency(m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str) -> float:
+def expert_gemm_efficiency(m: ModelConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str) -> float:
     """n / (n + ridge): the experts' GEMMs relative to a compute-bound GEMM of the same FLOPs."""
     n = tokens_per_expert(m, p)
     return n / (n + ridge_tokens(cluster, precision))
@@ -83,7 +84,7 @@ def measured_imbalance(result: dict) -> float | None:
     return sum(layers) / len(layers) if layers else None
 
 
-def moe_layers_on(m: GPTConfig, layers: float) -> float:
+def moe_layers_on(m: ModelConfig, layers: float) -> float:
     """MoE layers among a stage's `layers`: as many as there are (the slowest stage is priced as
     if the dense first layers were elsewhere: a MoE layer costs a rank at least as much)."""
     return min(layers, m.num_moe_layers)
@@ -105,7 +106,7 @@ class MoEStep:
 
 
 def moe_step(
-    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
+    m: ModelConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
     dense_efficiency: float, peak_flops: float, memory_peak_flops: float, imbalance: float,
 ) -> MoEStep:  # fmt: skip
     """`dense_efficiency`: the dense GEMMs' fraction of peak at this layout (perfmodel's
@@ -134,7 +135,7 @@ def moe_step(
                    tokens_per_expert(m, p))  # fmt: skip
 
 
-def a2a_volume_bytes(m: GPTConfig, p: ParallelConfig, precision: str) -> float:
+def a2a_volume_bytes(m: ModelConfig, p: ParallelConfig, precision: str) -> float:
     """Bytes one all-to-all moves out of a rank: (ep - 1)/ep of T x k hidden states."""
     act_bytes = 2 if precision != "fp32" else 4
     return routed_tokens(m, p) * m.moe_top_k * m.hidden_size * act_bytes * (p.ep - 1) / p.ep
@@ -146,9 +147,9 @@ def a2a_calls(p: ParallelConfig) -> int:
     return 6 if p.activation_checkpoint == "full" else 4
 
 
-def a2a(m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants) -> Comm:
+def a2a(m: ModelConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants) -> Comm:
     """One MoE layer's all-to-alls for one micro-batch, by tier. The ep group is ep neighbouring
-    ranks (trainer/topology.py: expert_groups): inside a node when ep <= gpus_per_node. Spanning
+    ranks (trainer/contract/topology.py: expert_groups): inside a node when ep <= gpus_per_node. Spanning
     nodes, the peers on the rank's node take their share at the node's link and the rest cross
     the network, where every rank of the node sends at once: inter_node_gbps / gpus_per_node each."""
     if p.ep <= 1:
@@ -173,7 +174,7 @@ def a2a(m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c
 # Parameters and activations -------------------------------------------------------------------
 
 
-def moe_layer_dense_params(m: GPTConfig, tp: int) -> float:
+def moe_layer_dense_params(m: ModelConfig, tp: int) -> float:
     """A MoE layer's parameters on a rank other than its routed experts: attention over tp, the
     router (h x E, replicated: each rank routes its own tokens), the shared expert over tp, the
     norms (and q/k norms, q/k/v bias as a dense layer has them)."""
@@ -186,13 +187,13 @@ def moe_layer_dense_params(m: GPTConfig, tp: int) -> float:
     return params
 
 
-def local_expert_params(m: GPTConfig, ep: int) -> float:
+def local_expert_params(m: ModelConfig, ep: int) -> float:
     """A MoE layer's routed experts on a rank: E / ep whole experts (not split over tp)."""
     return m.num_experts // ep * m.expert_params
 
 
 def moe_activation_delta_per_token(
-    m: GPTConfig, p: ParallelConfig, cb: int, imbalance: float, grouped: bool = True
+    m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float, grouped: bool = True
 ) -> float:
     """Bytes a MoE layer keeps per token of a micro-batch beyond a dense layer's (full recompute:
     0, the layer input only), as trainer/moe.py's autograd graph saves them (traced per tensor:

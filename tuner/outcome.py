@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config import BenchmarkResult
+from trainer.contract.result import BenchmarkResult
 
 
 class StudyStatus(enum.StrEnum):
@@ -185,7 +185,7 @@ class Outcome:
         return (self.failure or FailureKind.CRASH).value
 
 
-# The trainer's typed statuses (trainer/config.py: BenchmarkResult.status) -> failure kinds.
+# The trainer's typed statuses (trainer/contract/result.py: BenchmarkResult.status) -> failure kinds.
 _STATUS_KINDS = {"oom": FailureKind.OOM, "invalid": FailureKind.INVALID, "timeout": FailureKind.TIMEOUT,
                  "error": FailureKind.CRASH}  # fmt: skip
 

@@ -18,7 +18,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.collectives import (
     Comm,
     allreduce,
@@ -153,21 +154,21 @@ class Estimate:
         return data
 
 
-def _gemm_fwd_flops_per_token(m: GPTConfig) -> float:
+def _gemm_fwd_flops_per_token(m: ModelConfig) -> float:
     """2 FLOPs per weight per token (PaLM appendix B: 6N over forward and backward) of a layer's
     matmuls: q and out h x h, k and v h x kv_size (GQA), SwiGLU's three h x ffn or GELU's two."""
     return 2 * m.num_layer_matmul_params
 
 
-def _attention_fwd_flops_per_token(m: GPTConfig, p: ParallelConfig) -> float:
+def _attention_fwd_flops_per_token(m: ModelConfig, p: ParallelConfig) -> float:
     """The attention core's 4*s*h per token forward (PaLM appendix B: 12Lhs over both passes);
-    h is the width the scores and the weighted sum multiply over (GPTConfig.attention_score_width:
+    h is the width the scores and the weighted sum multiply over (ModelConfig.attention_score_width:
     2 q_size, or latent attention's heads x (qk_nope + qk_rope + v)); s the keys a query is scored
     against, the whole causal square as PaLM counts it (context parallelism: tuner.cp.attention_keys)."""
     return 2 * attention_keys(m, p) * m.attention_score_width
 
 
-def _compute_efficiency(m: GPTConfig, p: ParallelConfig, c: ModelConstants) -> float:
+def _compute_efficiency(m: ModelConfig, p: ParallelConfig, c: ModelConstants) -> float:
     """Fraction of peak a layer's GEMMs reach: small micro-batches or thin shards run slower.
     size: a micro-batch's GEMM work per rank over h, b*s*h / (tp x tp_col x cp)."""
     size = local_tokens(m, p) * m.hidden_size / (p.tp * p.tp_col)
@@ -183,7 +184,7 @@ ROPE_BYTES_PER_VALUE = 58 + 52
 GQA_REPEAT_BYTES_PER_VALUE = 8
 
 
-def _elementwise_units(m: GPTConfig) -> tuple[float, float]:
+def _elementwise_units(m: ModelConfig) -> tuple[float, float]:
     """A layer's memory-bound traffic per token in Korthikanti's units (16-bit bytes x h, table
     2: what the layer stores), (replicated over tp, sharded over tp). GPT's block: 10 (the two
     norms' inputs and outputs 8, the dropout masks after attention and the MLP 2: the tables the
@@ -203,7 +204,7 @@ def _elementwise_units(m: GPTConfig) -> tuple[float, float]:
     return replicated, 8 + moved / (3 * MEMORY_TRAFFIC * h) + mlp
 
 
-def _elementwise_flops(m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants) -> float:
+def _elementwise_flops(m: ModelConfig, p: ParallelConfig, precision: str, c: ModelConstants) -> float:
     """Peak-FLOP equivalent of the memory-bound work of one layer for one micro-batch: norms,
     the MLP's activation, rotary positions, dropout, residual adds and, without flash attention,
     the softmax over the s x s scores. Its traffic is of the order of the activations the layer
@@ -272,7 +273,7 @@ def _flash_attention_s(attn_fwd: float, p: ParallelConfig, c: ModelConstants, pe
 
 
 def _compute(
-    m: GPTConfig, p: ParallelConfig, precision: str, c: ModelConstants, peak_flops: float, memory_peak_flops: float,
+    m: ModelConfig, p: ParallelConfig, precision: str, c: ModelConstants, peak_flops: float, memory_peak_flops: float,
     hardware: ClusterSpec | None = None, imbalance: float = 1.0,
 ) -> _Compute:  # fmt: skip
     """Forward, backward = 2x forward (Megatron-3D sec. 5.1), plus recompute: a whole forward (full)
@@ -357,7 +358,7 @@ class _Rank:
 
 
 def _rank_step(
-    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
+    m: ModelConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants,
     compute_mb: float, layers: float, dw_mb: float = 0.0, vocab_share: float = 1.0,
     memory_peak_flops: float = 1.0,
 ) -> _Rank:  # fmt: skip
@@ -468,7 +469,7 @@ def _on_node_links(cluster: ClusterSpec) -> ClusterSpec:
 
 
 def _shared_cores_bound(
-    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants, cost: _Compute,
+    m: ModelConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, c: ModelConstants, cost: _Compute,
     slowest: _Rank, layers: int,
 ) -> float:  # fmt: skip
     """Ranks sharing cores: a rank idle in the bubble lends its core to the others, and gloo's
@@ -503,7 +504,7 @@ def _shared_cores_bound(
 
 
 def estimate(
-    m: GPTConfig,
+    m: ModelConfig,
     p: ParallelConfig,
     cluster: ClusterSpec,
     precision: str = "bf16",
@@ -557,7 +558,7 @@ def estimate(
 
 
 def moe_info(
-    m: GPTConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, cost: _Compute, layers: int,
+    m: ModelConfig, p: ParallelConfig, cluster: ClusterSpec, precision: str, cost: _Compute, layers: int,
     terms: StepTerms,
 ) -> dict:  # fmt: skip
     """What a mixture of experts' terms were priced from (the plan's `experts:` line)."""

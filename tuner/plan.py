@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.perfconstants import ModelConstants
 from tuner.perfmodel import TERM_LABELS, Estimate
 from tuner.pricing import Pricing

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
-from trainer.config import MODEL_PRESETS
+from trainer.contract.presets import MODEL_PRESETS
 from tuner import store
 from tuner.models import WithFamily
 from tuner.pricing import Pricing

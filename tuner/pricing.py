@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from trainer.config import GPTConfig, ParallelConfig
-from trainer.devices import Dtype
+from trainer.contract.devices import Dtype
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.fitting import Measurement
 from tuner.perfconstants import ModelConstants, default_constants
 from tuner.perfmodel import Estimate, estimate
@@ -26,7 +27,7 @@ Ranked = list[tuple[ParallelConfig, Estimate]]
 
 @dataclass(frozen=True)
 class Pricing:
-    model: GPTConfig  # as the spec gives it; each layout pads its vocabulary (tuner.spec.padded_model)
+    model: ModelConfig  # as the spec gives it; each layout pads its vocabulary (tuner.spec.padded_model)
     hardware: ClusterSpec
     dtype: Dtype  # what the trainer computes in: StudySpec.trial_dtype
     constants: ModelConstants

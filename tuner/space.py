@@ -7,7 +7,8 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.spec import SpaceSpec, StudySpec, padded_model
 
 RULE_GPUS = "tp * pp must divide the GPU count"  # tp * tp_col * pp with a column axis
@@ -23,7 +24,7 @@ RULE_QK_NORM_PROJ = "qk_norm 'proj' needs tp 1"
 RULE_TP_COL_HEADS = "tp_col > 1 needs the plain attention heads"
 
 
-def ep_values(model: GPTConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
+def ep_values(model: ModelConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
     """The ep degrees a study searches: space.ep, or by default 1 for a dense model and the
     powers of two up to the experts and the GPUs for a mixture of experts (those the rules then
     refuse are rejected with their reason)."""
@@ -38,7 +39,7 @@ def ep_values(model: GPTConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
     return out
 
 
-def cp_values(model: GPTConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
+def cp_values(model: ModelConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
     """The cp degrees a study searches: space.cp, or by default 1 below CP_FROM_SEQ_LEN tokens and
     the powers of two up to CP_MAX_DEFAULT and the GPUs from it (those the rules refuse, e.g. a
     sequence not divisible by 2 x cp, are rejected with their reason)."""
@@ -75,7 +76,7 @@ class Enumeration:
 class SearchSpace:
     def __init__(
         self,
-        model: GPTConfig,
+        model: ModelConfig,
         num_gpus: int,
         gpus_per_node: int,
         global_batch_size: int,
@@ -146,7 +147,7 @@ class SearchSpace:
                 f"micro_batch_size * num_microbatches * dp = {config.global_batch_size} != global batch "
                 f"{self.global_batch_size}",
             ))  # fmt: skip
-        tensor = config.tp * config.tp_col  # one block of neighbouring ranks (trainer/topology.py)
+        tensor = config.tp * config.tp_col  # one block of neighbouring ranks (trainer/contract/topology.py)
         if tensor > self.gpus_per_node and not self.space.allow_cross_node_tp:
             if config.tp_col > 1:
                 msg = f"tp ({config.tp}) x tp_col ({config.tp_col}) = {tensor} > gpus_per_node ({self.gpus_per_node})"
@@ -154,7 +155,7 @@ class SearchSpace:
             else:
                 out.append((RULE_CROSS_NODE_TP, f"tp ({config.tp}) > gpus_per_node ({self.gpus_per_node})"))
         if config.ep > self.gpus_per_node and not self.space.allow_cross_node_ep:
-            # ep neighbouring ranks of a stage (trainer/topology.py: expert_groups): past a node
+            # ep neighbouring ranks of a stage (trainer/contract/topology.py: expert_groups): past a node
             # every MoE layer's all-to-alls cross the network
             out.append((
                 RULE_CROSS_NODE_EP,
@@ -162,7 +163,7 @@ class SearchSpace:
                 "would cross nodes on every MoE layer (set space.allow_cross_node_ep to search it)",
             ))  # fmt: skip
         if config.cp > 1 and config.cp * tensor > self.gpus_per_node and not self.space.allow_cross_node_cp:
-            # cp ranks tp x tp_col apart (trainer/topology.py): past a node every layer's K/V
+            # cp ranks tp x tp_col apart (trainer/contract/topology.py): past a node every layer's K/V
             # gathers cross the network
             out.append((
                 RULE_CROSS_NODE_CP,
@@ -170,7 +171,7 @@ class SearchSpace:
                 "the context-parallel group's K/V gathers would cross nodes on every layer (set "
                 "space.allow_cross_node_cp to search it)",
             ))  # fmt: skip
-        # What the trainer does not build (trainer.config.trainer_problems), as rules of the space.
+        # What the trainer does not build (trainer.contract.result.trainer_problems), as rules of the space.
         if self.model.qk_norm == "proj" and tensor > 1:
             out.append((
                 RULE_QK_NORM_PROJ,

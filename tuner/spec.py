@@ -1,5 +1,5 @@
 """Study specs: what to tune, on what, within what budget. Pydantic at the edge (YAML files in
-studies/, JSON bodies, CLI flags); the tuner works on trainer.config's frozen dataclasses inside."""
+studies/, JSON bodies, CLI flags); the tuner works on trainer/contract/s frozen dataclasses inside."""
 
 from __future__ import annotations
 
@@ -22,19 +22,19 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.config import (
+from trainer.contract.devices import DEVICES, Device, DeviceKind, Dtype, device_kind, find_device
+from trainer.contract.model import (
     ATTENTIONS,
     MLP_KINDS,
-    MODEL_PRESETS,
     NORMS,
     POSITIONS,
     QK_NORMS,
     ROUTER_SCORES,
-    BenchmarkConfig,
-    GPTConfig,
-    ParallelConfig,
+    ModelConfig,
 )
-from trainer.devices import DEVICES, Device, DeviceKind, Dtype, device_kind, find_device
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 from tuner.hardware import cluster_preset
 from tuner.hfconfig import HFConfigError, read_hf_config
 
@@ -56,7 +56,7 @@ def padded_vocab(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_B
     return -(-vocab_size // multiple) * multiple
 
 
-def padded_model(model: GPTConfig, tp: int) -> GPTConfig:
+def padded_model(model: ModelConfig, tp: int) -> ModelConfig:
     """`model` with the vocabulary padded for tensor parallelism `tp`: what the trainer builds and
     what the performance model prices. `model.vocab_size` is the tokenizer's, as the user gave it."""
     vocab = padded_vocab(model.vocab_size, tp)
@@ -80,7 +80,7 @@ def model_preset(name: str) -> dict[str, Any]:
     return {"preset": name, **MODEL_PRESETS[name].to_dict()}
 
 
-def default_tp(model: GPTConfig) -> list[int]:
+def default_tp(model: ModelConfig) -> list[int]:
     """space.tp when the spec leaves it out: 1 to 8 (a node of 8 GPUs), and for a model with
     grouped-query attention also the powers of two above up to num_heads. The query heads would
     allow those, the KV heads rule them out (ParallelConfig: "tp must divide num_kv_heads"), and a
@@ -108,7 +108,7 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """The model: a preset's name, a preset with overrides, or every field (trainer.config.GPTConfig:
+    """The model: a preset's name, a preset with overrides, or every field (trainer.contract.model.ModelConfig:
     the GPT defaults, or the fields of another family)."""
 
     preset: str | None = None
@@ -141,7 +141,7 @@ class ModelSpec(_Strict):
     qk_nope_head_dim: NonNegativeInt = 0
     qk_rope_head_dim: NonNegativeInt = 0
     v_head_dim: NonNegativeInt = 0
-    num_experts: NonNegativeInt = 0  # 0: dense; else a mixture of experts (trainer/config.py)
+    num_experts: NonNegativeInt = 0  # 0: dense; else a mixture of experts (trainer/contract/model.py)
     moe_top_k: NonNegativeInt = 0
     moe_ffn_hidden_size: PositiveInt | None = None
     moe_shared_ffn_hidden_size: NonNegativeInt = 0
@@ -156,22 +156,22 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _a_model(self) -> ModelSpec:
-        try:  # the cross-field rules (heads divide hidden, KV heads divide heads, ...) are GPTConfig's
+        try:  # the cross-field rules (heads divide hidden, KV heads divide heads, ...) are ModelConfig's
             self.gpt()
         except ValueError as e:
-            raise ValueError(str(e).removeprefix("GPTConfig: ").replace("GPTConfig.", "")) from None
+            raise ValueError(str(e).removeprefix("ModelConfig: ").replace("ModelConfig.", "")) from None
         return self
 
-    def gpt(self, seq_len: int | None = None) -> GPTConfig:
+    def gpt(self, seq_len: int | None = None) -> ModelConfig:
         fields = self.model_dump(exclude={"preset"})
         if seq_len is not None:
             fields["seq_len"] = seq_len
-        return GPTConfig(**fields)
+        return ModelConfig(**fields)
 
 
 class ClusterSpec(_Strict):
     name: str = "custom"
-    # The device model, a row of trainer/devices.py's table ("A100", "H100", "MI250X", "cpu", ...):
+    # The device model, a row of trainer/contract/devices.py's table ("A100", "H100", "MI250X", "cpu", ...):
     # its fp32 peak and memory bandwidth. None: only peak_tflops is known.
     device: str | None = None
     gpus_per_node: PositiveInt
@@ -197,7 +197,7 @@ class ClusterSpec(_Strict):
     @property
     def device_kind(self) -> DeviceKind:
         """'cpu' for ranks sharing CPU cores (cores_per_node set, as on cpu-local), else 'gpu'
-        (trainer/devices.py's one rule). It decides where trials run (StudySpec.device) and the
+        (trainer/contract/devices.py's one rule). It decides where trials run (StudySpec.device) and the
         performance model's default constants (tuner.perfconstants.default_constants)."""
         return device_kind(self.cores_per_node)
 
@@ -466,7 +466,7 @@ class StudySpec(_Strict):
     def seq_len(self) -> int:
         return self.training.seq_len or self.model.seq_len
 
-    def gpt(self) -> GPTConfig:
+    def gpt(self) -> ModelConfig:
         return self.model.gpt(self.seq_len)
 
     @property

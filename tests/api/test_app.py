@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from tests import records
 from tests.records import record_trial
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner import store
 from tuner.db import connect
 from tuner.outcome import FailureKind, Outcome

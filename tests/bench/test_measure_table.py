@@ -1,5 +1,5 @@
 """bench/measure_table.py: a table's rows, as bench/validation_data.py reads them back. No cluster:
-the runs are made-up results with the placement a 4-node job records (trainer/topology.py)."""
+the runs are made-up results with the placement a 4-node job records (trainer/contract/topology.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from bench.measure_table import (
     table_row,
 )
 from bench.validation_data import CLUSTERS, load_csv
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, trainer_problems
-from trainer.config import ParallelConfig as P
-from trainer.topology import placement
+from trainer.contract.parallel import ParallelConfig as P
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig, BenchmarkResult, trainer_problems
+from trainer.contract.topology import placement
 from tuner.space import SearchSpace
 
 HOSTS = [f"n{r // 2}" for r in range(8)]  # 4 nodes x 2 ranks, in blocks

@@ -22,7 +22,7 @@ from sqlalchemy import insert, select
 
 from tests import records
 from tests.records import record_trial
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner import store
 from tuner.db import Study, Trial, connect, utcnow
 from tuner.outcome import FailureKind, Outcome, StudyStatus, TrialState

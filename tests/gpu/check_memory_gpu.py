@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 
 # An 8-layer Qwen3-30B-shaped mixture (tests/gpu/check_moe_gpu.py's): h 2048, 64 experts of 1024, top 8.
 MID = dataclasses.replace(

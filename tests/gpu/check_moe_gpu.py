@@ -16,7 +16,9 @@ import torch
 
 import trainer.moe as moe
 from trainer.benchmark import run
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 
 print("torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
 

@@ -16,9 +16,9 @@ import yaml
 from tests.slurm_cluster import SlurmCluster
 from tests.trainer.helpers import GLOBAL_BATCH, tiny_config
 from trainer.benchmark import run
-from trainer.config import BenchmarkResult
-from trainer.config import ParallelConfig as P
-from trainer.trial_dir import read_result
+from trainer.contract.parallel import ParallelConfig as P
+from trainer.contract.result import BenchmarkResult
+from trainer.contract.trial_dir import read_result
 from tuner import store
 from tuner.db import connect
 from tuner.dispatch import JobHandle

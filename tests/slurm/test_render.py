@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 from tuner.dispatch.sbatch import ROOT, SiteSettings, SlurmResources, render_script, time_limit_minutes
 from tuner.spec import SlurmSpec, SpecError, parse_spec, slug
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig, BenchmarkResult
 
 TINY = MODEL_PRESETS["gpt-tiny"]  # 4 layers, d=64, 4 heads, seq 32, vocab 256
 LLAMA = MODEL_PRESETS["llama-tiny"]  # the same shape as Llama: 2 KV heads, SwiGLU ffn 192, RoPE, RMSNorm
 # The tiny models the parity tests train, by name: the Llama family with the variants that change
 # how weights split (a head tied to the embedding: small Llamas; a q/k/v bias: Qwen2).
-MODELS: dict[str, GPTConfig] = {
+MODELS: dict[str, ModelConfig] = {
     "gpt": TINY,
     "llama": LLAMA,
     "llama-tied": dataclasses.replace(LLAMA, tie_embeddings=True),
@@ -29,7 +32,7 @@ MODELS: dict[str, GPTConfig] = {
 GLOBAL_BATCH = 8
 
 
-def tiny_config(parallel: ParallelConfig, model: GPTConfig = TINY, **kwargs) -> BenchmarkConfig:
+def tiny_config(parallel: ParallelConfig, model: ModelConfig = TINY, **kwargs) -> BenchmarkConfig:
     kwargs = {"warmup_steps": 1, "measure_steps": 2, "device": "cpu", **kwargs}
     return BenchmarkConfig(model=model, parallel=parallel, **kwargs)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.helpers import tiny_config
-from trainer.config import BenchmarkConfig, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.result import BenchmarkConfig
 from trainer.launch import run_local
 from trainer.stopping import T_975, measurement_stop, rel_ci_half_width
 

@@ -13,7 +13,8 @@ import pytest
 
 from tests.trainer.helpers import MODELS, assert_valid_result, tiny_config
 from trainer.benchmark import slurm_threads, tasks_on_node
-from trainer.config import BenchmarkResult, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.result import BenchmarkResult
 from trainer.launch import local_env, run_local
 
 P = ParallelConfig
@@ -104,8 +105,8 @@ def test_bad_config_file_exits_cleanly_with_invalid_result(tmp_path: Path) -> No
 
 
 def test_world_size_mismatch_is_invalid(tmp_path: Path) -> None:
+    from trainer.contract.trial_dir import CONFIG_FILE
     from trainer.launch import torchrun_command
-    from trainer.trial_dir import CONFIG_FILE
 
     cfg = tiny_config(TP2)
     (tmp_path / CONFIG_FILE).write_text(cfg.to_json())

@@ -1,4 +1,4 @@
-"""trainer.config: the torch-free contract with the tuner."""
+"""trainer/contract/: the torch-free contract with the tuner."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, BenchmarkResult, GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig, BenchmarkResult
 
 TINY = MODEL_PRESETS["gpt-tiny"]
 
@@ -16,7 +19,8 @@ TINY = MODEL_PRESETS["gpt-tiny"]
 def test_config_module_does_not_import_torch() -> None:
     """The contract modules the tuner imports, and the local launch path (the static check:
     pyproject.toml's import-linter contracts)."""
-    modules = ["config", "topology", "devices", "trial_dir", "launch", "forkclient", "spawn"]
+    contract = ["axes", "rules", "parallel", "model", "presets", "result", "topology", "devices", "trial_dir"]
+    modules = ["config", *(f"contract.{m}" for m in contract), "launch", "forkclient", "spawn"]
     code = f"import sys, {', '.join('trainer.' + m for m in modules)}; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -114,7 +118,7 @@ def test_valid_layouts_have_no_problems() -> None:
 
 
 def test_vocab_must_split_over_tp() -> None:
-    model = GPTConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=50257)
+    model = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=50257)
     assert any("pad the vocabulary" in p for p in ParallelConfig(tp=2).problems(model))
 
 
@@ -166,15 +170,15 @@ def test_moe_layouts_fold_ep_into_data_and_tensor_parallelism() -> None:
 
 def test_moe_fields_are_validated_with_their_names() -> None:
     with pytest.raises(ValueError, match="need num_experts > 0"):
-        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, moe_top_k=2)
+        ModelConfig(num_layers=2, hidden_size=64, num_heads=4, moe_top_k=2)
     with pytest.raises(ValueError, match=r"moe_top_k <= num_experts \(got 9\)"):
-        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, num_experts=8, moe_top_k=9)
+        ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_experts=8, moe_top_k=9)
     with pytest.raises(ValueError, match="moe_groups"):
-        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, num_experts=8, moe_top_k=2, moe_groups=3)
+        ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_experts=8, moe_top_k=2, moe_groups=3)
     with pytest.raises(ValueError, match="moe_dense_layers"):
-        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, num_experts=8, moe_top_k=2, moe_dense_layers=2)
+        ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_experts=8, moe_top_k=2, moe_dense_layers=2)
     with pytest.raises(ValueError, match="attention 'mla' only"):
-        GPTConfig(num_layers=2, hidden_size=64, num_heads=4, kv_lora_rank=16)
+        ModelConfig(num_layers=2, hidden_size=64, num_heads=4, kv_lora_rank=16)
 
 
 def test_a_dense_model_keeps_its_keys_and_a_moe_round_trips() -> None:

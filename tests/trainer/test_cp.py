@@ -19,7 +19,6 @@ from tests.trainer.helpers import GLOBAL_BATCH, LLAMA, MODELS, TINY, assert_vali
 from tests.trainer.test_parity import REL_TOL, assert_parity, reference_of
 from trainer import model as model_module
 from trainer.benchmark import run
-from trainer.config import BenchmarkConfig, ParallelConfig, trainer_problems
 from trainer.context_parallel import (
     CPComm,
     head_tail_chunks,
@@ -28,10 +27,12 @@ from trainer.context_parallel import (
     sequence_order,
     shard_sequence,
 )
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.result import BenchmarkConfig, trainer_problems
+from trainer.contract.topology import axis_strides, groups
 from trainer.launch import run_local
 from trainer.memcheck import memcheck
 from trainer.model import GPT, cross_entropy_loss
-from trainer.topology import axis_strides, groups
 
 P = ParallelConfig
 

@@ -17,7 +17,8 @@ import pytest
 
 from tests.trainer.helpers import tiny_config
 from tests.trainer.test_launch import assert_nothing_left, wait_for_processes
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.trial_dir import LOG_FILE, SOCKET_VAR, TAG_VAR
 from trainer.forkclient import TAG_ROOM, ForkServer
 from trainer.launch import (
     kill_trial,
@@ -28,7 +29,6 @@ from trainer.launch import (
     start_local,
     trial_processes,
 )
-from trainer.trial_dir import LOG_FILE, SOCKET_VAR, TAG_VAR
 from tuner.dispatch.local import LocalDispatcher
 
 DP2 = ParallelConfig(dp_replicate=2, micro_batch_size=4)

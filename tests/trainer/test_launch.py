@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.helpers import tiny_config
-from trainer.config import BenchmarkResult, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.result import BenchmarkResult
+from trainer.contract.trial_dir import LAUNCH_FILE, RESULT_FILE, TAG_VAR
 from trainer.launch import (
     LocalRun,
     is_alive,
@@ -33,7 +35,6 @@ from trainer.launch import (
     start_local,
     trial_processes,
 )
-from trainer.trial_dir import LAUNCH_FILE, RESULT_FILE, TAG_VAR
 
 P = ParallelConfig
 TP2 = P(tp=2, micro_batch_size=8)
@@ -251,7 +252,7 @@ def test_time_limit_holds_when_the_caller_dies(tmp_path: Path, tags: list[str]) 
         import sys, time
         from pathlib import Path
         from tests.trainer.helpers import tiny_config
-        from trainer.config import ParallelConfig
+        from trainer.contract.parallel import ParallelConfig
         from trainer.launch import start_local
         run = start_local(tiny_config(ParallelConfig(micro_batch_size=8)), Path(sys.argv[1]), timeout_s=10,
                           env={"TRAINER_FAULT": "hang:0:1"})

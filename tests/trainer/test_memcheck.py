@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.trainer.helpers import TINY, tiny_config
-from trainer.config import MODEL_PRESETS, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
 from trainer.launch import run_local
 from trainer.memcheck import (
     CATEGORIES,

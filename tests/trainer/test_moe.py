@@ -22,7 +22,9 @@ from tests.trainer.helpers import GLOBAL_BATCH, MODELS, assert_valid_result, tin
 from tests.trainer.test_parity import REL_TOL, assert_parity, reference_of
 from trainer import moe
 from trainer.benchmark import run
-from trainer.config import MODEL_PRESETS, BenchmarkResult, ParallelConfig, trainer_problems
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkResult, trainer_problems
 from trainer.launch import run_local
 from trainer.memcheck import memcheck
 from trainer.model import GPT, cross_entropy_loss

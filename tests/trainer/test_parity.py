@@ -17,7 +17,8 @@ import pytest
 
 from tests.trainer.helpers import GLOBAL_BATCH, MODELS, assert_valid_result, tiny_config
 from trainer.benchmark import run
-from trainer.config import BenchmarkResult, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.result import BenchmarkResult
 from trainer.launch import run_local
 
 REL_TOL = 1e-4

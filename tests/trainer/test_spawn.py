@@ -110,8 +110,8 @@ def test_bad_arguments_say_what_is_wrong(args: list[str], message: str) -> None:
 
 
 def test_the_launcher_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.contract.trial_dir import LAUNCHER_VAR
     from trainer.launch import LAUNCHERS, launcher_name
-    from trainer.trial_dir import LAUNCHER_VAR
 
     monkeypatch.delenv(LAUNCHER_VAR, raising=False)
     assert launcher_name() == "spawn" and "trainer.spawn" in LAUNCHERS["spawn"](2, Path("c"), Path("r"))

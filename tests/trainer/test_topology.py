@@ -1,4 +1,4 @@
-"""The placement rule (trainer/topology.py) is the trainer's mesh and the planner's assumption:
+"""The placement rule (trainer/contract/topology.py) is the trainer's mesh and the planner's assumption:
 its groups are the DeviceMesh's groups rank for rank (torch's fake process group, any world size
 in one process), and the performance model prices each group at the tier the rule puts it on."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from trainer.config import ParallelConfig as P
+from trainer.contract.parallel import ParallelConfig as P
+from trainer.contract.topology import axis_strides, expected_spans, groups, members_per_node, placement
 from trainer.parallel_dims import ParallelDims
-from trainer.topology import axis_strides, expected_spans, groups, members_per_node, placement
 from tuner.collectives import group_link
 from tuner.hardware import cluster_preset
 from tuner.spec import ClusterSpec

@@ -2,7 +2,7 @@
 technique, trains the same GPT as one process (loss and gradient-norm parity, test_parity.py's
 tolerance), and the Llama family too (RMSNorm, SwiGLU, GQA, q/k/v bias, a tied head); its
 collectives are AxoNN's, one all-reduce per layer each way on the right group; its mesh follows the
-placement rule (trainer/topology.py)."""
+placement rule (trainer/contract/topology.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from tests.trainer.helpers import GLOBAL_BATCH, MODELS, TINY, assert_valid_result, tiny_config
 from tests.trainer.test_parity import assert_parity, reference_of
 from trainer import tp2d
-from trainer.config import BenchmarkResult, GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.result import BenchmarkResult
+from trainer.contract.topology import expected_spans, groups
 from trainer.launch import run_local
 from trainer.model import GPT
 from trainer.parallel_dims import ParallelDims
 from trainer.parallelize import parallelize_gpt
-from trainer.topology import expected_spans, groups
 
 P = ParallelConfig
 
@@ -169,7 +171,7 @@ def test_layout_rules_and_keys() -> None:
     assert P(tp=2, tp_col=2).world_size == 4 and P(tp=2, tp_col=2).describe().startswith("tp2x2 ")
     assert "tp_col" not in P(tp=2).to_dict()  # old layouts keep their keys
     assert P.from_dict(P(tp_col=2).to_dict()) == P(tp_col=2)
-    model = GPTConfig(num_layers=2, hidden_size=48, num_heads=4, vocab_size=256, seq_len=16)
+    model = ModelConfig(num_layers=2, hidden_size=48, num_heads=4, vocab_size=256, seq_len=16)
     rules = {rule for rule, _ in P(tp_col=32).violations(model)}
     assert rules == {"tp_col must divide hidden_size"}
     rules = {rule for rule, _ in P(tp=2, tp_col=2, sequence_parallel=True).violations(TINY)}

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from trainer.config import MODEL_PRESETS, GPTConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.presets import MODEL_PRESETS
 from trainer.model import GPT
 
 LLAMA = MODEL_PRESETS["llama-tiny"]
@@ -26,7 +27,7 @@ VARIANTS = {
 TOL = 1e-5  # fp32; measured 2.4e-7 for logits of magnitude ~1
 
 
-def hf_model(cfg: GPTConfig) -> torch.nn.Module:
+def hf_model(cfg: ModelConfig) -> torch.nn.Module:
     """transformers' model of the same shape (eager attention: the reference maths)."""
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling_factor is not None:

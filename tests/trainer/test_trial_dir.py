@@ -1,4 +1,4 @@
-"""trainer/trial_dir.py: a trial's files, read and written the one way every side uses."""
+"""trainer/contract/trial_dir.py: a trial's files, read and written the one way every side uses."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.helpers import tiny_config
-from trainer.config import BenchmarkResult, ParallelConfig
-from trainer.trial_dir import (
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.result import BenchmarkResult
+from trainer.contract.trial_dir import (
     CONFIG_FILE,
     LAUNCH_FILE,
     LOG_FILE,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import BenchmarkConfig
+from trainer.contract.result import BenchmarkConfig
 from tuner.dispatch import DispatchError, JobHandle, JobReport
 from tuner.outcome import FailureKind, Outcome
 

@@ -3,7 +3,7 @@ tests/tuner/test_memmodel.py, test_moe_model.py and test_cp_model.py check for s
 
 from __future__ import annotations
 
-from trainer.config import BenchmarkConfig
+from trainer.contract.result import BenchmarkConfig
 from tuner.memmodel import phase_bytes
 from tuner.perfconstants import ModelConstants
 

@@ -73,7 +73,7 @@ ACCEPTANCE = [
 
 
 def test_plan_json_has_the_documented_shape_and_valid_candidates() -> None:
-    from trainer.config import MODEL_PRESETS
+    from trainer.contract.presets import MODEL_PRESETS
     from tuner.space import SearchSpace, layout
     from tuner.spec import SpaceSpec
 
@@ -259,7 +259,7 @@ def test_studies_and_best_name_the_model_with_its_family(tmp_path: Path) -> None
     """A study of a config.json submitted from its file: listed under the preset it is, with its
     family; a GPT study beside it keeps its plain key."""
     from tests.records import finish, record_trial
-    from trainer.config import ParallelConfig
+    from trainer.contract.parallel import ParallelConfig
     from tuner import store
     from tuner.db import connect
     from tuner.outcome import Outcome

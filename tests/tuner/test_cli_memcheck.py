@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 
 from tests.tuner.test_cli import tuner
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 from trainer.memcheck import memcheck
 
 # A model small enough to simulate in seconds, with 8 heads so that the default space's tp 8 is valid.
 SHAPE = ["--layers", "4", "--hidden", "64", "--heads", "8", "--vocab", "256", "--seq", "32"]
-MODEL = GPTConfig(num_layers=4, hidden_size=64, num_heads=8, vocab_size=256, seq_len=32)
+MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=8, vocab_size=256, seq_len=32)
 
 
 def test_memcheck_reports_the_oracles_peak_of_the_pinned_layout() -> None:

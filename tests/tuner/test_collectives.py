@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from trainer.config import MODEL_PRESETS, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
 from tuner import collectives
 from tuner.hardware import cluster_preset
 from tuner.perfconstants import CPU_CONSTANTS, ModelConstants

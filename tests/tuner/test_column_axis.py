@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.records import record_trial
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner import store
 from tuner.db import connect
 from tuner.export import export_layout
@@ -19,7 +20,7 @@ from tuner.plan import plan
 from tuner.space import RULE_CROSS_NODE_TENSOR, RULE_GPUS, SearchSpace
 from tuner.spec import ClusterSpec, SpaceSpec, parse_spec
 
-MODEL = GPTConfig(num_layers=4, hidden_size=72, num_heads=6, vocab_size=1000, seq_len=64)
+MODEL = ModelConfig(num_layers=4, hidden_size=72, num_heads=6, vocab_size=1000, seq_len=64)
 KNOBS = {"pp": [1], "micro_batch_size": [1], "zero_stage": [0], "activation_checkpoint": ["none"]}
 
 
@@ -54,7 +55,7 @@ def test_row_by_column_group_inside_a_node_unless_allowed() -> None:
     assert {c.tp_col for c in kept.valid} == {2}
     assert kept.rejected[RULE_CROSS_NODE_TENSOR] > 0
     assert "tp (2) x tp_col (8) = 16 > gpus_per_node (8)" in kept.examples[RULE_CROSS_NODE_TENSOR]
-    model = GPTConfig(num_layers=4, hidden_size=96, num_heads=8, vocab_size=1000, seq_len=64)
+    model = ModelConfig(num_layers=4, hidden_size=96, num_heads=8, vocab_size=1000, seq_len=64)
     allowed = SearchSpace(model, 16, 8, 16, SpaceSpec(allow_cross_node_tp=True, **knobs)).enumerate()
     assert [(c.tp, c.tp_col) for c in allowed.valid] == [(2, 8)]
 
@@ -93,7 +94,7 @@ def test_store_counts_the_column_axis_in_the_device_count(database_url: str) -> 
 
 # --- the performance model prices the column axis (tuner/perfmodel.py, tuner/plan.py) -----------
 
-GPT80B = GPTConfig(num_layers=64, hidden_size=10240, num_heads=80, seq_len=2048, vocab_size=51200)
+GPT80B = ModelConfig(num_layers=64, hidden_size=10240, num_heads=80, seq_len=2048, vocab_size=51200)
 
 
 def _a100(nodes: int) -> ClusterSpec:

@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from tests.tuner.oracle_check import assert_every_rank_matches_the_oracle
-from trainer.config import MODEL_PRESETS, ParallelConfig
 from trainer.context_parallel import head_tail_chunks
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
 from tuner import cp
 from tuner.hardware import cluster_preset
 from tuner.memmodel import memory
@@ -156,7 +157,7 @@ CP_LAYOUTS = [
 
 @pytest.mark.parametrize("parallel", CP_LAYOUTS)
 def test_cp_layouts_match_the_oracle(parallel: ParallelConfig) -> None:
-    from trainer.config import BenchmarkConfig
+    from trainer.contract.result import BenchmarkConfig
 
     assert_every_rank_matches_the_oracle(
         BenchmarkConfig(model=CP_LLAMA, parallel=parallel, device="cuda"), 0.03

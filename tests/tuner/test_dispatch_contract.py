@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.tuner.fakes import FakeClock, FakeCluster, FakeDispatcher, ok
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 from trainer.launch import trial_processes
 from tuner.dispatch import DispatchError, JobHandle, JobReport
 from tuner.outcome import FailureKind

@@ -15,8 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig
 from trainer.context_parallel import local_positions
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 from trainer.pipeline import stage_layer_ranges
 from tuner.dispatch.sbatch import ROOT, SiteSettings
 from tuner.export import FORMATS, MEGATRON_SOURCE, TORCHTITAN_CONFIG_FN, TORCHTITAN_VERSION, export_layout
@@ -259,7 +262,7 @@ TORCHTITAN_FLAVORS = {"1B": ("llama3.2-1b", "llama1b_tied"), "3B": ("llama3.2-3b
                       "405B": ("llama3.1-405b", "llama405b")}  # fmt: skip
 
 
-def _torchtitan_flavor(flavor: str, m: GPTConfig) -> str:
+def _torchtitan_flavor(flavor: str, m: ModelConfig) -> str:
     """A config module that selects torchtitan's own llama3 `flavor`, at the preset's sequence length."""
     return (
         "from torchtitan.models.llama3 import model_registry\n"
@@ -450,7 +453,7 @@ def test_torchtitan_refuses_pipeline_parallelism_with_cuda_graphs(torchtitan_par
 def test_torchtitan_builds_the_studys_model(case: str, torchtitan_parsed: dict) -> None:
     """A Llama-family study's export selects a flavor of torchtitan's llama3 with the study's shape,
     and the model torchtitan builds from it (on the meta device, after its own checks of the model
-    against the layout) has the parameters GPTConfig counts. A GPT study's export keeps the base's
+    against the layout) has the parameters ModelConfig counts. A GPT study's export keeps the base's
     model (torchtitan has no GPT): the layout only."""
     spec, _ = TORCHTITAN_CASES[case]
     m, model = spec.gpt(), torchtitan_parsed[case]["model"]
@@ -478,7 +481,7 @@ def test_torchtitan_builds_the_studys_model(case: str, torchtitan_parsed: dict) 
 def _check_moe_model(spec: StudySpec, model: dict) -> None:
     """A mixture of experts as a flavor of torchtitan's qwen3 (grouped-query attention) or
     deepseek_v3 (latent attention): every field the export sets, read back from torchtitan's config,
-    and the parameters of the model it builds on the meta device are GPTConfig's."""
+    and the parameters of the model it builds on the meta device are ModelConfig's."""
     m = spec.gpt()
     assert (model["name"], model["flavor"]) == (
         "deepseek_v3" if m.attention == "mla" else "qwen3",
@@ -689,7 +692,7 @@ def test_megatron_export_uses_only_flags_of_megatrons_parser(case: str) -> None:
     assert set(flags) <= known, set(flags) - known
 
 
-def _megatron_expected(m: GPTConfig) -> dict:
+def _megatron_expected(m: ModelConfig) -> dict:
     """The study's model in the names of Megatron-LM's arguments (after validate_args)."""
     rope = m.positions == "rope"
     return {
@@ -788,7 +791,7 @@ def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path, meg
         assert args == args | _megatron_moe_expected(spec.gpt(), config), case
 
 
-def _megatron_moe_expected(m: GPTConfig, config: ParallelConfig) -> dict:
+def _megatron_moe_expected(m: ModelConfig, config: ParallelConfig) -> dict:
     """The experts, router and attention variants in the names of Megatron's TransformerConfig."""
     out = {
         "qk_layernorm": m.qk_norm == "head" or m.attention == "mla",

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import MODEL_PRESETS, GPTConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.presets import MODEL_PRESETS
 from tuner.hfconfig import DEFAULT_SEQ_LEN, HFConfigError, hf_config_fields, hf_config_notes, read_hf_config
 from tuner.models import model_family, model_key, model_label
 from tuner.spec import SpecError, default_tp, load_spec, parse_spec
@@ -30,7 +31,7 @@ def _config(name: str) -> dict:
 
 @pytest.mark.parametrize("name", sorted(PRESET_OF))
 def test_a_published_config_reads_into_its_preset(name: str) -> None:
-    model = GPTConfig(**read_hf_config(CONFIGS / f"{name}.json"))
+    model = ModelConfig(**read_hf_config(CONFIGS / f"{name}.json"))
     preset = MODEL_PRESETS[PRESET_OF[name]]
     assert dataclasses.replace(model, seq_len=preset.seq_len) == preset
     # not the 131072 positions the model supports: Llama 3's pre-training context
@@ -38,7 +39,7 @@ def test_a_published_config_reads_into_its_preset(name: str) -> None:
     assert model.family == "llama"
 
 
-# The mixtures of experts' files -> their presets (trainer/config.py), and the architecture each reads as.
+# The mixtures of experts' files -> their presets (trainer/contract/model.py), and the architecture each reads as.
 MOE_PRESET_OF = {
     "Mixtral-8x7B-v0.1": ("mixtral-8x7b", "llama-moe"), "Qwen3-30B-A3B": ("qwen3-30b-a3b", "llama-moe"),
     "Qwen3-235B-A22B": ("qwen3-235b-a22b", "llama-moe"), "OLMoE-1B-7B-0924": ("olmoe-1b-7b", "llama-moe"),
@@ -58,7 +59,7 @@ def test_a_published_mixture_of_experts_reads_into_its_preset(name: str) -> None
     the same model. DeepSeek-V3's file has aux_loss_alpha 0.001, read as is; its preset trains with
     the report's 0.0001 (DeepSeek-V3 report, section 4.2), the one field apart."""
     preset_name, architecture = MOE_PRESET_OF[name]
-    model, preset = GPTConfig(**read_hf_config(CONFIGS / f"{name}.json")), MODEL_PRESETS[preset_name]
+    model, preset = ModelConfig(**read_hf_config(CONFIGS / f"{name}.json")), MODEL_PRESETS[preset_name]
     same = dataclasses.replace(model, seq_len=preset.seq_len, num_kv_heads=preset.num_kv_heads)
     if name == "DeepSeek-V3":
         assert (model.moe_aux_loss_coef, preset.moe_aux_loss_coef) == (0.001, 0.0001)
@@ -99,12 +100,12 @@ def test_the_moe_fields_each_architecture_reads() -> None:
 def test_qwen3_dense_reads_its_wide_heads_and_qk_norm() -> None:
     """Qwen3-8B (a dense model: 32 heads of 128 = its 4096 stream, per-head q/k norms): the model
     card's 8.2B parameters, 6.95B without the embedding and the head."""
-    model = GPTConfig(**read_hf_config(CONFIGS / "Qwen3-8B.json"))
+    model = ModelConfig(**read_hf_config(CONFIGS / "Qwen3-8B.json"))
     assert (model.qk_norm, model.attention_head_dim, model.kv_heads, model.moe) == ("head", None, 8, False)
     assert round(model.num_params / 1e9, 1) == 8.2
     assert round((model.num_params - model.num_embedding_params - model.num_head_params) / 1e9, 2) == 6.95
     wide = hf_config_fields(_config("Qwen3-8B") | {"head_dim": 256})
-    assert wide["attention_head_dim"] == 256 and GPTConfig(**wide).q_size == 32 * 256
+    assert wide["attention_head_dim"] == 256 and ModelConfig(**wide).q_size == 32 * 256
 
 
 def test_what_a_file_holds_beyond_the_model_is_noted() -> None:
@@ -118,7 +119,7 @@ def test_what_a_file_holds_beyond_the_model_is_noted() -> None:
 
 
 def test_mistral_v0_3_reads_into_its_published_shape() -> None:
-    model = GPTConfig(**read_hf_config(CONFIGS / "Mistral-7B-Instruct-v0.3.json"))
+    model = ModelConfig(**read_hf_config(CONFIGS / "Mistral-7B-Instruct-v0.3.json"))
     shape = (
         model.num_layers,
         model.hidden_size,
@@ -146,7 +147,7 @@ def test_llama_without_kv_heads_is_multi_head_attention() -> None:
     """LlamaConfig reads a missing num_key_value_heads as num_attention_heads (Llama 1 files)."""
     config = {k: v for k, v in _config("Llama-3.1-8B").items() if k != "num_key_value_heads"}
     fields = hf_config_fields(config)
-    assert fields["num_kv_heads"] is None and GPTConfig(**fields).kv_heads == 32
+    assert fields["num_kv_heads"] is None and ModelConfig(**fields).kv_heads == 32
 
 
 def test_transformers_5_rope_parameters_read_as_rope_scaling() -> None:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from sqlalchemy import select
 
-from trainer.config import BenchmarkConfig
+from trainer.contract.result import BenchmarkConfig
 from trainer.launch import trial_processes
 from tuner import store
 from tuner.db import Calibration, connect

@@ -8,7 +8,10 @@ import dataclasses
 import pytest
 
 from tests.tuner.oracle_check import assert_every_rank_matches_the_oracle
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 from tuner.hardware import cluster_preset
 from tuner.memmodel import (
     _in_flight,
@@ -23,7 +26,7 @@ from tuner.perfconstants import ModelConstants
 from tuner.perfmodel import estimate
 from tuner.spec import ClusterSpec
 
-GPT3 = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048, vocab_size=51200)
+GPT3 = ModelConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048, vocab_size=51200)
 FLASH, NO_FLASH = ModelConstants(), ModelConstants(flash_attention=False)
 SBH = 2048 * 1 * 12288  # Korthikanti table 2's unit for GPT-3 175B, micro-batch 1: 25,165,824
 
@@ -125,11 +128,11 @@ COLUMN_LAYOUTS = [
 @pytest.mark.parametrize("parallel", COLUMN_LAYOUTS)
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_the_column_degree_matches_the_oracle(parallel: ParallelConfig, device: str) -> None:
-    from trainer.config import BenchmarkConfig
+    from trainer.contract.result import BenchmarkConfig
     from trainer.memcheck import memcheck
     from tuner.memmodel import memory
 
-    model = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
+    model = ModelConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
     oracle = memcheck(BenchmarkConfig(model=model, parallel=parallel, device=device)).peak_bytes
     c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
     predicted = memory(model, parallel, "bf16" if device == "cuda" else "fp32", c)["memory_bytes"]
@@ -148,11 +151,11 @@ AUTOCAST_LAYOUTS = [
 
 @pytest.mark.parametrize("parallel", AUTOCAST_LAYOUTS)
 def test_autocast_layouts_match_the_oracle(parallel: ParallelConfig) -> None:
-    from trainer.config import BenchmarkConfig
+    from trainer.contract.result import BenchmarkConfig
     from trainer.memcheck import memcheck
     from tuner.memmodel import memory
 
-    model = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
+    model = ModelConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
     oracle = memcheck(BenchmarkConfig(model=model, parallel=parallel, device="cuda")).peak_bytes
     c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
     predicted = memory(model, parallel, "bf16", c)["memory_bytes"]
@@ -193,7 +196,7 @@ def test_llama_tensor_and_sequence_parallelism_split_what_gpt_splits() -> None:
     assert activation_bytes_per_token(LLAMA_8B, p, 2, FLASH, 2) == pytest.approx(expected)
 
 
-def _params(m: GPTConfig, p: ParallelConfig, stage: int) -> float:
+def _params(m: ModelConfig, p: ParallelConfig, stage: int) -> float:
     return _rank(m, p, "bf16", FLASH, stage, "gpu").params
 
 
@@ -259,16 +262,16 @@ LLAMA_LAYOUTS = [
 @pytest.mark.parametrize(("model", "parallel"), LLAMA_LAYOUTS)
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_the_llama_block_matches_the_oracle_on_every_stage(
-    model: GPTConfig, parallel: ParallelConfig, device: str
+    model: ModelConfig, parallel: ParallelConfig, device: str
 ) -> None:
-    from trainer.config import BenchmarkConfig
+    from trainer.contract.result import BenchmarkConfig
 
     assert_every_rank_matches_the_oracle(BenchmarkConfig(model=model, parallel=parallel, device=device), 0.03)
 
 
 # Moments of a pipelined step the Llama suite found missing (bench/memory_oracle.py --suite llama),
 # as true of GPT's block: (model, layout, pipeline rank, the model's error on main before).
-SMALL_GPT = GPTConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
+SMALL_GPT = ModelConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)
 MOMENT_LAYOUTS = [
     # 1F1B with no more micro-batches than stages after the first: every forward precedes the
     # first backward, as with GPipe, so no gradient has accumulated at the activations' peak
@@ -286,8 +289,8 @@ MOMENT_LAYOUTS = [
 
 
 @pytest.mark.parametrize(("model", "parallel", "stage"), MOMENT_LAYOUTS)
-def test_pipeline_moments_match_the_oracle(model: GPTConfig, parallel: ParallelConfig, stage: int) -> None:
-    from trainer.config import BenchmarkConfig
+def test_pipeline_moments_match_the_oracle(model: ModelConfig, parallel: ParallelConfig, stage: int) -> None:
+    from trainer.contract.result import BenchmarkConfig
     from trainer.memcheck import memcheck, rank_of
 
     cfg = BenchmarkConfig(model=model, parallel=parallel, device="cuda")

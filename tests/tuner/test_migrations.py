@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner import store
 from tuner.db import MIGRATIONS, connect, make_engine, upgrade
 from tuner.outcome import FailureKind, Feedback, StudyStatus, TrialState, feedback

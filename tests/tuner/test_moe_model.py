@@ -14,7 +14,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.tuner.oracle_check import assert_every_rank_matches_the_oracle
-from trainer.config import MODEL_PRESETS, BenchmarkConfig, GPTConfig, ParallelConfig, trainer_problems
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig, trainer_problems
 from tuner import moe
 from tuner.cli import app
 from tuner.memmodel import _rank, phase_bytes
@@ -39,7 +42,7 @@ SMALL = dataclasses.replace(
 )  # fmt: skip
 
 
-def _space(model: GPTConfig, gpus: int = 8, per_node: int = 8, **space) -> SearchSpace:
+def _space(model: ModelConfig, gpus: int = 8, per_node: int = 8, **space) -> SearchSpace:
     return SearchSpace(model, gpus, per_node, 64, SpaceSpec(**space))
 
 
@@ -100,7 +103,7 @@ QWEN3_DENSE_SMALL = dataclasses.replace(MODEL_PRESETS["llama-small"], qk_norm="h
 
 @pytest.mark.parametrize("preset", ["olmoe-1b-7b", "qwen3-30b-a3b", "moe-tiny-ds", "qwen3-dense-small"])
 def test_every_valid_layout_is_one_the_trainer_builds(preset: str) -> None:
-    """The space's rules cover trainer.config.trainer_problems: no valid layout (tp, tp_col, pp, ep,
+    """The space's rules cover trainer.contract.result.trainer_problems: no valid layout (tp, tp_col, pp, ep,
     ...) is one a trial would refuse as not built; and one the trainer refuses is invalid here."""
     model = QWEN3_DENSE_SMALL if preset == "qwen3-dense-small" else MODEL_PRESETS[preset]
     space = _space(model, gpus=8, tp=[1, 2, 4], tp_col=[1, 2], pp=[1, 2], zero_stage=[0, 2, 3], cp=[1, 2])

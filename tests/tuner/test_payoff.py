@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tests.records import record_trial
-from trainer.config import ParallelConfig as P
+from trainer.contract.parallel import ParallelConfig as P
 from tuner import store, views
 from tuner.db import connect
 from tuner.outcome import Outcome

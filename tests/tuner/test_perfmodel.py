@@ -8,8 +8,10 @@ import random
 
 import pytest
 
-from trainer.config import MODEL_PRESETS, GPTConfig, ParallelConfig
-from trainer.devices import find_device
+from trainer.contract.devices import find_device
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
 from tuner import perfmodel
 from tuner.devicelevels import LEVELS, MEMORY_TRAFFIC
 from tuner.fitting import Measurement, calibrate, fit_memory_scale
@@ -20,7 +22,7 @@ from tuner.perfmodel import estimate
 from tuner.space import SearchSpace, layout
 from tuner.spec import ClusterSpec, SpaceSpec
 
-GPT3 = GPTConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048, vocab_size=51200)
+GPT3 = ModelConfig(num_layers=96, hidden_size=12288, num_heads=96, seq_len=2048, vocab_size=51200)
 
 
 def a100(nodes: int) -> ClusterSpec:
@@ -33,7 +35,9 @@ def a100(nodes: int) -> ClusterSpec:
 # --- published facts as ranking changes -------------------------------------------------------
 
 
-def _best(model: GPTConfig, gpus: int, gbs: int, cluster: ClusterSpec, space: SpaceSpec, keep=lambda c: True):
+def _best(
+    model: ModelConfig, gpus: int, gbs: int, cluster: ClusterSpec, space: SpaceSpec, keep=lambda c: True
+):
     configs = [
         c for c in SearchSpace(model, gpus, cluster.gpus_per_node, gbs, space).enumerate().valid if keep(c)
     ]
@@ -99,9 +103,9 @@ def test_calibrate_recovers_known_constants_from_noisy_measurements() -> None:
                       allow_cross_node_tp=True)  # fmt: skip
     # Models where the launch floor binds (few or small layers) and one where compute binds,
     # global batch 64 so that data-parallel traffic shows: every fitted constant moves some times.
-    models = [GPTConfig(num_layers=4, hidden_size=1024, num_heads=16, seq_len=1024),
-              GPTConfig(num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024),
-              GPTConfig(num_layers=32, hidden_size=4096, num_heads=32, seq_len=2048)]  # fmt: skip
+    models = [ModelConfig(num_layers=4, hidden_size=1024, num_heads=16, seq_len=1024),
+              ModelConfig(num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024),
+              ModelConfig(num_layers=32, hidden_size=4096, num_heads=32, seq_len=2048)]  # fmt: skip
     # deterministic; seeds 0-5 all kept every constant but compute_half_size within 10 %. With
     # the launch floor binding the small layers and big GEMMs near saturation, step times pin
     # compute_half_size down weakly (seeds 0-5: 0.8x to 2.4x of the truth).
@@ -193,7 +197,7 @@ def test_mfu_rises_with_model_size_on_the_same_gpus() -> None:
     ]  # fmt: skip
     mfus = []
     for layers, h, heads, pp, v, mbs, gbs, gpus in runs:
-        model = GPTConfig(num_layers=layers, hidden_size=h, num_heads=heads, seq_len=2048, vocab_size=51200)
+        model = ModelConfig(num_layers=layers, hidden_size=h, num_heads=heads, seq_len=2048, vocab_size=51200)
         p = ParallelConfig(tp=8, pp=pp, micro_batch_size=mbs, num_microbatches=gbs // mbs,
                            activation_checkpoint="selective", sequence_parallel=True,
                            pp_schedule="interleaved_1f1b" if v > 1 else "1f1b", virtual_stages=v)  # fmt: skip
@@ -260,7 +264,7 @@ def h100(nodes: int) -> ClusterSpec:
 
 
 def test_gpu_defaults_come_from_the_device_levels() -> None:
-    """Each preset's device row (trainer/devices.py) picks its level (tuner/devicelevels.py)."""
+    """Each preset's device row (trainer/contract/devices.py) picks its level (tuner/devicelevels.py)."""
     for cluster, name in ((a100(1), "A100"), (h100(1), "H100"), (frontier(1), "MI250X")):
         level, row, c = LEVELS[name], find_device(name), default_constants(cluster)
         assert (c.compute_efficiency, c.comm_efficiency, c.attention_efficiency) == (
@@ -281,7 +285,7 @@ def test_gemm_bound_layout_on_mi250x_runs_at_most_its_published_ceiling() -> Non
     """MI250X GCD: best bf16 matmul 147.0 of 191.5 TFLOP/s (MAMF, tuner/devicelevels.py). A wide model
     on one GCD without recompute is GEMM-bound: its MFU sits just under that ceiling, not at the
     0.85 every GPU was priced at before."""
-    model = GPTConfig(num_layers=2, hidden_size=16384, num_heads=128, seq_len=2048, vocab_size=51200)
+    model = ModelConfig(num_layers=2, hidden_size=16384, num_heads=128, seq_len=2048, vocab_size=51200)
     one = ClusterSpec(**{**cluster_preset("frontier-mi250x"), "gpus_per_node": 1, "device_memory_gb": 1e4})
     est = estimate(model, ParallelConfig(micro_batch_size=8), one, "bf16", default_constants(one))
     assert 0.9 * LEVELS["MI250X"].gemm < est.mfu < LEVELS["MI250X"].gemm
@@ -337,7 +341,7 @@ def test_fp32_on_a_gpu_moves_twice_the_bytes_not_at_the_fp32_peak() -> None:
 LLAMA_8B = MODEL_PRESETS["llama3.1-8b"]
 
 
-def _training_flops_per_token(m: GPTConfig) -> float:
+def _training_flops_per_token(m: ModelConfig) -> float:
     """What the step-time model charges per token on one rank without recompute: every layer's
     forward, backward (2x) and the head's, priced like the GEMMs (no device's flash efficiency)."""
     p = ParallelConfig(micro_batch_size=1)

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from api.main import create_app
 from tests.records import finish, record_trial
-from trainer.config import ParallelConfig as P
+from trainer.contract.parallel import ParallelConfig as P
 from tuner import store, views
 from tuner.db import connect
 from tuner.outcome import Outcome

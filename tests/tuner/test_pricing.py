@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.tuner.test_runner import Env
-from trainer.config import MODEL_PRESETS, ParallelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
 from tuner import perfmodel, pricing
 from tuner.hardware import CLUSTER_PRESET_NAMES, CLUSTER_PRESETS, cluster_preset
 from tuner.memmodel import memory
@@ -139,7 +140,7 @@ def test_communication_is_split_by_the_tier_its_group_spans() -> None:
 
 def test_an_fp32_gpu_study_is_priced_against_the_fp32_peak() -> None:
     """The trainer computes an fp32 study in fp32 on GPUs (tuner.spec); the model prices it
-    against the device's fp32 peak from trainer/devices.py, the table the trainer's MFU uses."""
+    against the device's fp32 peak from trainer/contract/devices.py, the table the trainer's MFU uses."""
     cluster = ClusterSpec(**cluster_preset("a100-80gb"))
     assert CLUSTER_PRESETS["a100-80gb"]["device"] == "A100"
     assert cluster.peak_tflops_for("bf16") == 312.0 and cluster.peak_tflops_for("fp32") == 19.5

@@ -513,7 +513,7 @@ def test_times_are_utc_from_the_injected_clock(tmp_path: Path) -> None:
 def test_the_exported_sbatch_reproduces_exactly_what_was_measured(tmp_path: Path) -> None:
     import json
 
-    from trainer.config import BenchmarkConfig
+    from trainer.contract.result import BenchmarkConfig
     from tuner.export import export_layout
 
     env = Env(tmp_path, training={"precision": "bf16"}, trial={"device": "auto"})  # cpu-local: fp32 on CPU

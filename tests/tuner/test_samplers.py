@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import GPTConfig
+from trainer.contract.model import ModelConfig
 from tuner.hardware import cluster_preset
 from tuner.outcome import FailureKind, Outcome
 from tuner.perfconstants import ModelConstants
@@ -22,7 +22,7 @@ from tuner.spec import ClusterSpec, SpaceSpec
 # optuna's GP sampler refits its Gaussian process on every ask (~20 s for a small space here).
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "gp" else n for n in SAMPLERS]
 
-MODEL = GPTConfig(num_layers=8, hidden_size=256, num_heads=8, vocab_size=1024, seq_len=128)
+MODEL = ModelConfig(num_layers=8, hidden_size=256, num_heads=8, vocab_size=1024, seq_len=128)
 CLUSTER = ClusterSpec(**{**cluster_preset("a100-80gb"), "device_memory_gb": 0.4, "num_nodes": 1})
 SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2], micro_batch_size=[1, 2, 4], zero_stage=[0, 2, 3],
                   activation_checkpoint=["none", "full"], sequence_parallel=[False, True], pp_schedule=["1f1b"])  # fmt: skip

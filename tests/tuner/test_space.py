@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.config import GPTConfig, ParallelConfig
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.space import RULE_BATCH, RULE_CROSS_NODE_TP, RULE_GPUS, SearchSpace
 from tuner.spec import SpaceSpec, parse_spec
 
@@ -73,7 +74,7 @@ def spaces(draw) -> SearchSpace:
     heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]))
     kv_heads = draw(st.sampled_from([None, *(k for k in range(1, heads + 1) if heads % k == 0)]))  # GQA
     llama = draw(st.booleans())
-    model = GPTConfig(
+    model = ModelConfig(
         num_layers=draw(st.integers(1, 40)), hidden_size=heads * draw(st.sampled_from([8, 16, 64])),
         num_heads=heads, vocab_size=draw(st.sampled_from([256, 1000, 50304])),
         seq_len=draw(st.sampled_from([32, 100, 2048])), num_kv_heads=kv_heads,
@@ -132,7 +133,7 @@ def test_every_named_rule_is_really_broken(space: SearchSpace, c: ParallelConfig
 def test_tp_beyond_a_node_is_valid_unless_the_study_excludes_it() -> None:
     """Megatron-LM runs tp across nodes (slowly; Narayanan et al. 2021 fig. 13): a valid layout,
     priced over the inter-node link, that a study may still leave out."""
-    model = GPTConfig(num_layers=8, hidden_size=1024, num_heads=16)
+    model = ModelConfig(num_layers=8, hidden_size=1024, num_heads=16)
     layout = ParallelConfig(tp=16, micro_batch_size=1, num_microbatches=4)
     assert SearchSpace(model, 16, 8, 4).explain(layout) == []
     excluded = SearchSpace(model, 16, 8, 4, SpaceSpec(allow_cross_node_tp=False)).explain(layout)
@@ -141,7 +142,7 @@ def test_tp_beyond_a_node_is_valid_unless_the_study_excludes_it() -> None:
 
 def test_an_unpadded_vocabulary_is_padded_not_rejected() -> None:
     """GPT-2's 50257 tokens: Megatron pads to a multiple of 128 x tp, so every tp is a layout."""
-    model = GPTConfig(num_layers=8, hidden_size=1024, num_heads=16, vocab_size=50257)
+    model = ModelConfig(num_layers=8, hidden_size=1024, num_heads=16, vocab_size=50257)
     result = SearchSpace(model, 8, 8, 8, SpaceSpec(tp=[1, 2, 4, 8])).enumerate()
     assert {c.tp for c in result.valid} == {1, 2, 4, 8}
     assert not any("vocab" in rule for rule in result.rejected)
@@ -149,7 +150,7 @@ def test_an_unpadded_vocabulary_is_padded_not_rejected() -> None:
 
 def test_pinned_pp_outside_the_defaults() -> None:
     """pp=35 for a 105-layer model is a valid layout even though 35 is no power of two."""
-    model = GPTConfig(num_layers=105, hidden_size=12288, num_heads=96)
+    model = ModelConfig(num_layers=105, hidden_size=12288, num_heads=96)
     space = SearchSpace(model, 35 * 8 * 2, 8, 70, SpaceSpec(tp=[8], pp=[35]))
     valid = space.enumerate().valid
     assert valid and all(c.pp == 35 and c.dp == 2 for c in valid)

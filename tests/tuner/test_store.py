@@ -6,7 +6,7 @@ import pytest
 from sqlalchemy.exc import IntegrityError
 
 from tests.records import record_trial
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner import store
 from tuner.db import DatabaseError, connect
 from tuner.outcome import FailureKind, Feedback, Outcome, TrialState, feedback

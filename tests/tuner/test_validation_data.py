@@ -107,7 +107,7 @@ def test_clusters_have_every_key(tables: dict[str, list[Measurement]]) -> None:
         for m in rows:
             assert set(m.cluster) == keys
             assert all(v > 0 for k, v in m.cluster.items() if k not in ("name", "device"))
-            assert ClusterSpec(**m.cluster).device_row is not None  # a row of trainer/devices.py
+            assert ClusterSpec(**m.cluster).device_row is not None  # a row of trainer/contract/devices.py
     first = tables["bigscience_bloomprequel_177B_h12288_L96_384gpu_gbs2048"]
     assert first[0].cluster is not first[1].cluster  # callers may edit one row's copy
 

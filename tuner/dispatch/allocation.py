@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.config import BenchmarkConfig
-from trainer.trial_dir import CONFIG_FILE, RESULT_FILE
+from trainer.contract.result import BenchmarkConfig
+from trainer.contract.trial_dir import CONFIG_FILE, RESULT_FILE
 from tuner.dispatch.base import JobHandle
 from tuner.dispatch.local import LocalDispatcher
 from tuner.dispatch.sbatch import (
@@ -52,7 +52,7 @@ class SrunDispatcher(LocalDispatcher):
     """Trials as `srun` steps of the allocation this process runs in (or of `allocation`). Slots:
     each node's devices. A trial that fits on one node is packed onto the fullest node it fits on;
     a larger one takes whole free nodes, so its tensor-parallel groups stay inside nodes
-    (trainer/topology.py). Each step names its nodes (`--nodelist`), so placement is decided
+    (trainer/contract/topology.py). Each step names its nodes (`--nodelist`), so placement is decided
     here, not by chance; it runs under a trial supervisor (trainer/launch.py) like a local trial."""
 
     kind = "step"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, get_args
 
-from trainer.config import BenchmarkConfig
+from trainer.contract.result import BenchmarkConfig
 from tuner.outcome import Outcome
 
 Kind = Literal["local", "slurm", "step", "fake"]

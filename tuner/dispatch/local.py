@@ -5,7 +5,7 @@ carries the trial's tag, so nothing outlives a trial even when the worker that s
 CPU trials fork their ranks from a fork server this dispatcher starts with its first trial
 (trainer/forkserver.py: torch is imported once, not by every rank of every trial; a trial whose
 server is gone starts its ranks as processes). PARALLEL_TUNER_FORKSERVER=0 turns it off
-(FORKSERVER_VAR; the files and variables of a trial: trainer/trial_dir.py).
+(FORKSERVER_VAR; the files and variables of a trial: trainer/contract/trial_dir.py).
 
 Devices are partitioned between concurrent trials: CPU slots (one per core) here, GPU ids through
 CUDA_VISIBLE_DEVICES on a GPU host. A handle is `local:<host>/<supervisor pid>@<work dir>`; a
@@ -20,10 +20,10 @@ import time
 import weakref
 from pathlib import Path
 
-from trainer.config import BenchmarkConfig
+from trainer.contract.result import BenchmarkConfig
+from trainer.contract.trial_dir import FORKSERVER_VAR, SOCKET_VAR, read_config, read_launch, read_result
 from trainer.forkclient import ForkServer
 from trainer.launch import LocalRun, launcher_name, start_local
-from trainer.trial_dir import FORKSERVER_VAR, SOCKET_VAR, read_config, read_launch, read_result
 from tuner.dispatch.base import DispatchError, JobHandle, JobReport
 from tuner.outcome import FailureKind, Outcome, classify
 

@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import BenchmarkConfig
-from trainer.trial_dir import CONFIG_FILE, RESULT_FILE
+from trainer.contract.result import BenchmarkConfig
+from trainer.contract.trial_dir import CONFIG_FILE, RESULT_FILE
 from tuner.spec import SlurmSpec
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -158,7 +158,7 @@ SRUN_WAIT_S = 60
 
 def trainer_command(python: str, config: str, out: str) -> str:
     """The job's last lines: a free port for the store, then every rank under srun, ranks in
-    blocks per node (the placement rule of trainer/topology.py), one rank failing ends the step."""
+    blocks per node (the placement rule of trainer/contract/topology.py), one rank failing ends the step."""
     q = shlex.quote
     return (f"export MASTER_PORT=${{MASTER_PORT:-$({q(python)} -c {q(FREE_PORT)})}}\n"
             f"exec srun --kill-on-bad-exit=1 --wait={SRUN_WAIT_S} --distribution=block {q(python)} -m trainer.benchmark "

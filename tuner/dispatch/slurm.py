@@ -3,7 +3,7 @@
 Why not submitit: it pickles a Python callable and runs it once per task; we launch the trainer
 module under `srun` with our own rendezvous (trainer/benchmark.py reads SLURM_*), need the same
 steps inside one allocation (tuner/dispatch/allocation.py), and want a job's files (config.json,
-result.json, log.txt: trainer/trial_dir.py) to be the whole contract so that a restarted worker
+result.json, log.txt: trainer/contract/trial_dir.py) to be the whole contract so that a restarted worker
 re-attaches from the job handle alone. What reaches sbatch: tuner/dispatch/sbatch.py. Golden
 files: tests/slurm/golden/.
 
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import BenchmarkConfig
-from trainer.trial_dir import LOG_FILE, SCRIPT_FILE, TAG_VAR, log_tail, prepare, read_result
+from trainer.contract.result import BenchmarkConfig
+from trainer.contract.trial_dir import LOG_FILE, SCRIPT_FILE, TAG_VAR, log_tail, prepare, read_result
 from tuner.backoff import Backoff
 from tuner.dispatch.base import DispatchError, JobHandle, JobReport
 from tuner.dispatch.sbatch import SiteSettings, SlurmResources, job_name, render_script

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.pricing import Pricing
 from tuner.samplers.base import BaseSampler, GridSampler, RandomSampler, Sampler
 from tuner.spec import SAMPLERS

@@ -9,7 +9,7 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.outcome import Feedback, Outcome, feedback
 
 if TYPE_CHECKING:

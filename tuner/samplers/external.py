@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.outcome import Feedback, Outcome
 from tuner.samplers.base import BaseSampler
 

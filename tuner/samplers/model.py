@@ -7,7 +7,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.fitting import Measurement, calibrate
 from tuner.moe import measured_imbalance
 from tuner.outcome import FailureKind, Feedback, Outcome

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, case, func, select, text
 from sqlalchemy.orm import Session
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.db import Calibration, StoreRevision, Study, StudyBest, Trial, aware
 from tuner.outcome import StudyStatus, TrialState
 from tuner.payoff import Measured

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, object_session
 
-from trainer.config import ParallelConfig
+from trainer.contract.parallel import ParallelConfig
 from tuner.db import Study, StudyBest, Trial, aware, utcnow
 from tuner.outcome import ACTIVE_TRIAL, FailureKind, Feedback, Outcome, TrialState
 

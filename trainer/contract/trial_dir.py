@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import BenchmarkConfig, BenchmarkResult
+from trainer.contract.result import BenchmarkConfig, BenchmarkResult
 
 CONFIG_FILE = "config.json"
 RESULT_FILE = "result.json"

@@ -18,9 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from trainer.config import ParallelConfig
-
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "tp_col")  # outer to inner
+from trainer.contract.axes import MESH_AXES  # outer to inner: the axis table's mesh_order
+from trainer.contract.parallel import ParallelConfig
 
 
 def axis_sizes(p: ParallelConfig) -> dict[str, int]:

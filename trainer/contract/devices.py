@@ -1,7 +1,7 @@
 """Device facts, defined once and torch-free: the peak FLOP/s the trainer's MFU divides by and the
 performance model prices compute against, and the memory bandwidth the model prices memory-bound
 work against. The tuner imports this module (it is part of the trainer's contract, like
-trainer/config.py); the trainer looks a GPU up by the name torch reports.
+trainer/contract/model.py); the trainer looks a GPU up by the name torch reports.
 
 Every row is a vendor data sheet's dense (no sparsity) figure per device as torch sees it (an
 MI250X is two GCDs, each its own device):

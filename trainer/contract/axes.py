@@ -1,0 +1,171 @@
+"""THE table of parallel axes: each axis declared once, everything else derived from it.
+
+A row says what one knob of a layout is: its ParallelConfig field (also the store's column, the
+CSV's column, the sampler's knob and the dashboard's dimension), its type and default, whether it
+multiplies the world (and where it sits in the device mesh), the values the trainer accepts, the
+values a study searches by default, how a sampler sees it, its token in `describe()`, its label,
+and its validity hook (trainer/contract/rules.py). ParallelConfig (trainer/contract/parallel.py),
+SpaceSpec (tuner/spec.py), the space's enumeration defaults, the samplers' knobs, the plan's
+candidate rows, the CSV columns, the store's columns (tuner/db.py) and the dashboard's parallel
+coordinates (served by GET /api/axes) all read this table. Adding an axis: docs/architecture.md.
+
+Torch-free: the tuner and the API import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from trainer.contract import rules
+from trainer.contract.rules import ACTIVATION_CHECKPOINTS, PIPELINE_SCHEDULES, Violations
+
+if TYPE_CHECKING:
+    from trainer.contract.model import ModelConfig
+    from trainer.contract.parallel import ParallelConfig
+
+# Megatron-LM's guidance: context parallelism from about 8k tokens (docs/parallelism.md).
+CP_FROM_SEQ_LEN = 8192
+CP_MAX_DEFAULT = 16  # the default space's largest cp (Llama 3's 128k stage used 16)
+
+# How a to_dict writes an axis: "always"; "when_set" (only when not at its default: an axis added
+# after layouts were first stored, so a layout without it keeps the keys, layout key and golden
+# scripts it had); "when_set_in_layout" (dropped at its default from ParallelConfig.to_dict, the
+# layout's identity, but always written in a trial's config.json: tp_col's history).
+Written = Literal["always", "when_set", "when_set_in_layout"]
+# How the external samplers (optuna, deephyper) see an axis: "int" (categorical integers),
+# "categorical" (categorical strings, an int read back with int()), "bool" (the strings 'False',
+# 'True'), or None (not a knob of its own: derived, or folded into another axis's knob).
+SamplerKind = Literal["int", "categorical", "bool"] | None
+
+
+def _powers_of_two_up_to(limit: int) -> list[int]:
+    out, n = [], 1
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def _ep_auto(model: ModelConfig, max_gpus: int) -> list[int]:
+    """Expert parallelism's default: 1 for a dense model, the powers of two up to the experts and
+    the GPUs for a mixture of experts (those the rules then refuse are rejected with a reason)."""
+    return _powers_of_two_up_to(min(model.num_experts, max_gpus)) if model.moe else [1]
+
+
+def _cp_auto(model: ModelConfig, max_gpus: int) -> list[int]:
+    """Context parallelism's default: 1 below CP_FROM_SEQ_LEN tokens (the K/V gathers buy nothing
+    there), the powers of two up to CP_MAX_DEFAULT and the GPUs from it."""
+    return [1] if model.seq_len < CP_FROM_SEQ_LEN else _powers_of_two_up_to(min(CP_MAX_DEFAULT, max_gpus))
+
+
+def _tp_token(p: ParallelConfig) -> str:
+    return f"tp{p.tp}" + (f"x{p.tp_col}" if p.tp_col > 1 else "")  # 'tp2x2': row 2, column 2
+
+
+def _pp_token(p: ParallelConfig) -> str:
+    if p.pp == 1:
+        return "pp1"
+    return f"pp{p.pp}({p.pp_schedule}" + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "") + ")"
+
+
+def _cp_token(p: ParallelConfig) -> str:
+    if p.cp == 1:
+        return ""
+    # with dp_shard 1 and ZeRO, FSDP2 shards over the cp ranks alone: say so
+    return f"cp{p.cp}" + (f"(z{p.zero_stage})" if p.dp_shard == 1 and p.zero_stage else "")
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str  # the ParallelConfig field, the store's and the CSV's column, the sampler's knob
+    type: type  # int, bool or str
+    annotation: str  # the field's type as written in ParallelConfig
+    default: Any
+    label: str  # a short human label (dashboard dimension, table headings)
+    help: str  # one line: what the axis is (SpaceSpec's field description, docs)
+    # The world is the product of these degrees; mesh_order places them in the device mesh,
+    # outermost first (trainer/contract/topology.py).
+    multiplies_world: bool = False
+    mesh_order: int | None = None
+    choices: tuple[Any, ...] = ()  # the values the contract accepts; () for a degree (an int >= 1)
+    # What a study searches (SpaceSpec): space_default the spec's default list; None: not a list of
+    # its own in a spec (the space derives it: dp from the GPUs left, the micro-batch count from
+    # the batch); space_auto: the default is None and the space computes it from the model and
+    # the GPUs; space_choices: the values a spec may list (default: choices, or any int >= 1).
+    space_default: tuple[Any, ...] | None = None
+    space_auto: Callable[[ModelConfig, int], list[int]] | None = None
+    space_choices: tuple[Any, ...] | None = None
+    sampler: SamplerKind = None
+    knob_order: int = 0  # the samplers' knob order (kept as it was before the table: seeded runs repeat)
+    token: Callable[[ParallelConfig], str] | None = None  # describe()'s part ("" when at rest)
+    written: Written = "always"
+    rules: Callable[[ParallelConfig, ModelConfig], Violations] | None = None
+    check_choices: bool = False  # a value outside `choices` is a violation ("unknown <name>")
+
+    @property
+    def searched(self) -> bool:
+        """A SpaceSpec field of its own (a list, or None for a computed default)."""
+        return self.space_default is not None or self.space_auto is not None
+
+
+# The order is ParallelConfig's field order (keyword construction everywhere; the JSON a trial's
+# config.json holds keeps it). A tuple of frozen rows: nothing adds to it at run time.
+AXES: tuple[Axis, ...] = (
+    Axis("tp", int, "int", 1, "tp", "tensor parallelism (Megatron-LM's row degree)",
+         multiplies_world=True, mesh_order=4, space_default=(1, 2, 4, 8), sampler="int", knob_order=0,
+         token=_tp_token, rules=rules.tp_rules),
+    Axis("tp_col", int, "int", 1, "tp col", "2D tensor parallelism's column degree (AxoNN's G_c; trainer/tp2d.py)",
+         multiplies_world=True, mesh_order=5, space_default=(1,), sampler="int", knob_order=1,
+         written="when_set_in_layout"),
+    Axis("pp", int, "int", 1, "pp", "pipeline parallelism: stages over ranks",
+         multiplies_world=True, mesh_order=0, space_default=(1, 2, 4, 8, 16, 32, 64), sampler="int",
+         knob_order=2, token=_pp_token, rules=rules.pp_rules),
+    Axis("dp_replicate", int, "int", 1, "dp repl.", "data parallelism, replicated weights (DDP / HSDP's outer)",
+         multiplies_world=True, mesh_order=1, token=lambda p: f"dpr{p.dp_replicate}" if p.dp_replicate > 1 else ""),
+    Axis("dp_shard", int, "int", 1, "dp shard", "data parallelism, sharded weights (FSDP2 / ZeRO)",
+         multiplies_world=True, mesh_order=2,
+         token=lambda p: f"dps{p.dp_shard}(z{p.zero_stage})" if p.dp_shard > 1 else ""),
+    Axis("micro_batch_size", int, "int", 1, "micro-batch", "sequences per micro-batch and data-parallel rank",
+         space_default=(1, 2, 4, 8), sampler="categorical", knob_order=5,
+         token=lambda p: f"mbs{p.micro_batch_size}x{p.num_microbatches}"),
+    Axis("num_microbatches", int, "int", 1, "micro-batches",
+         "gradient accumulation steps; with pp > 1, micro-batches per pipeline flush"),
+    Axis("zero_stage", int, "int", 0, "ZeRO", "ZeRO stage of the data-parallel sharding (0, 2, 3; FSDP2)",
+         choices=rules.ZERO_STAGES, space_default=(0, 2, 3), space_choices=(0, 1, 2, 3), sampler="categorical",
+         knob_order=6, rules=rules.zero_rules),
+    Axis("activation_checkpoint", str, "ActivationCheckpoint", "none", "act. ckpt",
+         "activation checkpointing: none, selective (attention core) or full (every block)",
+         choices=ACTIVATION_CHECKPOINTS, space_default=ACTIVATION_CHECKPOINTS, sampler="categorical", knob_order=7,
+         token=lambda p: f"ac={p.activation_checkpoint}" if p.activation_checkpoint != "none" else "",
+         check_choices=True),
+    Axis("sequence_parallel", bool, "bool", False, "seq. par.", "sequence parallelism over the tp ranks",
+         choices=(False, True), space_default=(False, True), sampler="bool", knob_order=8, token=lambda p: "sp" if p.sequence_parallel else ""),
+    Axis("pp_schedule", str, "PipelineSchedule", "1f1b", "schedule", "the pipeline schedule",
+         choices=PIPELINE_SCHEDULES, space_default=("1f1b", "interleaved_1f1b"), check_choices=True),
+    Axis("virtual_stages", int, "int", 1, "virtual stages", "pipeline stages per pp rank (interleaved 1F1B)",
+         space_default=(2, 4)),
+    Axis("ep", int, "int", 1, "ep", "expert parallelism, folded into dp x cp x tp (a mixture of experts only)",
+         space_auto=_ep_auto, sampler="int", knob_order=3, token=lambda p: f"ep{p.ep}" if p.ep > 1 else "",
+         written="when_set", rules=rules.ep_rules),
+    Axis("cp", int, "int", 1, "cp", "context parallelism: each sequence split over cp ranks",
+         multiplies_world=True, mesh_order=3, space_auto=_cp_auto, sampler="int", knob_order=4, token=_cp_token,
+         written="when_set", rules=rules.cp_rules),
+)  # fmt: skip
+
+AXIS = {axis.name: axis for axis in AXES}
+WORLD_AXES = tuple(axis.name for axis in AXES if axis.multiplies_world)
+MESH_AXES = tuple(a.name for a in sorted((a for a in AXES if a.multiplies_world), key=lambda a: a.mesh_order))
+# The external samplers' knobs, in their order; the pipeline schedule is one knob of its own
+# ("schedule": pp_schedule with virtual_stages, "none" at pp 1), after the others.
+SAMPLER_AXES = tuple(a.name for a in sorted((a for a in AXES if a.sampler), key=lambda a: a.knob_order))
+
+
+def axes_payload() -> list[dict[str, Any]]:
+    """The table as JSON (GET /api/axes): what a client needs to show a layout's knobs."""
+    return [
+        {"name": a.name, "label": a.label, "help": a.help, "type": a.type.__name__, "default": a.default,
+         "choices": list(a.choices), "multiplies_world": a.multiplies_world}
+        for a in AXES
+    ]  # fmt: skip

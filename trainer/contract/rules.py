@@ -1,0 +1,202 @@
+"""The layout rules of each axis: what a ParallelConfig must satisfy to run a model. Each function
+is one axis's validity hook in the axis table (trainer/contract/axes.py) and returns (rule,
+message) pairs: the rule a stable short text (rejections are counted by it), the message with the
+numbers. Torch-free."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.contract.model import ModelConfig
+    from trainer.contract.parallel import ParallelConfig
+
+Violations = list[tuple[str, str]]
+
+# zero_stage -> FSDP2 mode (docs/parallelism.md): 0 no sharding, 2 fully_shard without resharding
+# after forward (params, grads, optimizer state sharded between steps; params whole during
+# forward+backward), 3 fully_shard resharding after forward. Stage 1 is not offered: FSDP2 cannot
+# shard optimizer state alone, and stage 2 moves the same bytes (reduce-scatter + all-gather =
+# all-reduce) while holding less.
+ZERO_STAGES = (0, 2, 3)
+ACTIVATION_CHECKPOINTS = ("none", "selective", "full")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def tp_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
+    out = []
+    if model.num_heads % p.tp:
+        out.append(("tp must divide num_heads", f"tp ({p.tp}) must divide num_heads ({model.num_heads})"))
+    if model.kv_heads % p.tp:
+        out.append((
+            "tp must divide num_kv_heads",
+            f"tp ({p.tp}) must divide num_kv_heads ({model.kv_heads}): each rank holds whole KV heads "
+            "(Megatron's num_query_groups % tp, torchtitan's n_kv_heads % tp)",
+        ))  # fmt: skip
+    if model.ffn_size % p.tp:
+        out.append((
+            "tp must divide ffn_hidden_size", f"tp ({p.tp}) must divide ffn_hidden_size ({model.ffn_size})"
+        ))  # fmt: skip
+    if model.vocab_size % p.tp:
+        out.append((
+            "tp must divide vocab_size",
+            f"tp ({p.tp}) must divide vocab_size ({model.vocab_size}): the embedding and head are "
+            "vocab-parallel; pad the vocabulary",
+        ))  # fmt: skip
+    if model.hidden_size % p.tp_col:
+        out.append((
+            "tp_col must divide hidden_size",
+            f"tp_col ({p.tp_col}) must divide hidden_size ({model.hidden_size}): the residual "
+            "stream is split over the column group",
+        ))  # fmt: skip
+    if p.sequence_parallel and p.tp_col > 1:
+        out.append((
+            "sequence_parallel needs tp_col 1",
+            "sequence_parallel with tp_col > 1 is not implemented (2D tensor parallelism keeps "
+            "every token on every rank)",
+        ))  # fmt: skip
+    if p.sequence_parallel and p.tp == 1:
+        out.append(("sequence_parallel needs tp > 1", "sequence_parallel needs tp > 1"))
+    if p.sequence_parallel and p.cp == 1 and model.seq_len % p.tp:
+        out.append((
+            "sequence_parallel needs tp to divide seq_len",
+            f"sequence_parallel: tp ({p.tp}) must divide seq_len ({model.seq_len})",
+        ))  # fmt: skip
+    return out
+
+
+def pp_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
+    out = []
+    if p.pp_schedule not in PIPELINE_SCHEDULES:
+        return []  # the schedule's own choice check names it (axes.py)
+    if model.num_layers < p.num_stages:
+        out.append((
+            "every pipeline stage needs a layer",
+            f"num_layers ({model.num_layers}) < pp ({p.pp}) * virtual_stages ({p.virtual_stages}): "
+            "every pipeline stage needs a layer",
+        ))  # fmt: skip
+    interleaved = p.pp_schedule == "interleaved_1f1b"
+    if p.virtual_stages > 1 and not (interleaved and p.pp > 1):
+        out.append((
+            "virtual_stages > 1 needs interleaved_1f1b with pp > 1",
+            "virtual_stages > 1 needs pp > 1 and pp_schedule 'interleaved_1f1b'",
+        ))  # fmt: skip
+    if p.pp == 1:
+        return out
+    if interleaved and p.virtual_stages < 2:
+        out.append((
+            "interleaved_1f1b needs virtual_stages >= 2",
+            "pp_schedule 'interleaved_1f1b' needs virtual_stages >= 2",
+        ))  # fmt: skip
+    if p.pp_schedule == "1f1b" and p.num_microbatches < p.pp:
+        out.append((
+            "1F1B needs num_microbatches >= pp",
+            f"1F1B needs num_microbatches ({p.num_microbatches}) >= pp ({p.pp})",
+        ))  # fmt: skip
+    if interleaved:
+        rounds = max(1, p.num_microbatches // p.pp)
+        if p.num_microbatches % rounds:
+            out.append((
+                "interleaved 1F1B needs num_microbatches to be a multiple of num_microbatches // pp",
+                f"interleaved 1F1B needs num_microbatches ({p.num_microbatches}) to be a multiple of "
+                f"num_microbatches // pp ({rounds})",
+            ))  # fmt: skip
+    return out
+
+
+def zero_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
+    if p.zero_stage not in ZERO_STAGES:
+        return [(
+            "zero_stage not offered by the trainer",
+            f"zero_stage {p.zero_stage} is not one of {list(ZERO_STAGES)} (1 is not offered: FSDP2 "
+            "cannot shard optimizer state alone; 2 moves the same bytes)",
+        )]  # fmt: skip
+    if p.dp_shard > 1 and p.zero_stage == 0:
+        return [
+            ("dp_shard > 1 needs zero_stage 2 or 3", f"dp_shard ({p.dp_shard}) > 1 needs zero_stage 2 or 3")
+        ]
+    if p.dp_shard == 1 and p.zero_stage != 0 and p.cp == 1:
+        return [(
+            "zero_stage > 0 needs dp > 1",
+            f"zero_stage {p.zero_stage} needs dp_shard > 1 or cp > 1 (FSDP2 shards over dp_shard x cp; "
+            "got dp_shard 1, cp 1)",
+        )]  # fmt: skip
+    if p.dp_shard == 1 and p.zero_stage != 0 and p.dp_replicate > 1:
+        return [(
+            "zero_stage over cp alone needs dp_replicate 1",
+            f"zero_stage {p.zero_stage} with dp_shard 1 shards over cp ({p.cp}) alone; with dp_replicate "
+            f"{p.dp_replicate} that would be HSDP over dp_replicate x cp, not built: set dp_shard "
+            f"{p.dp_replicate} and dp_replicate 1, or zero_stage 0",
+        )]  # fmt: skip
+    return []
+
+
+def ep_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
+    """Mixture-of-experts rules: experts split whole over ep, ep folded into dp x tp, and each
+    tensor-parallel rank routing its own tokens (sequence parallelism: experts are not split
+    over tp, torchtitan's choice since it removed expert-TP; Megatron requires SP whenever
+    EP > 1 and TP > 1)."""
+    out = []
+    if not model.moe:
+        if p.ep > 1:
+            out.append(("ep > 1 needs a mixture of experts", f"ep ({p.ep}) > 1 needs a model with experts"))
+        return out
+    if model.num_experts % p.ep:
+        out.append((
+            "ep must divide num_experts",
+            f"ep ({p.ep}) must divide num_experts ({model.num_experts}): each rank holds whole experts",
+        ))  # fmt: skip
+    if p.cp == 1 and (p.dp * p.tp) % p.ep:
+        out.append((
+            "ep must divide dp x tp",
+            f"ep ({p.ep}) must divide dp_replicate x dp_shard x tp ({p.dp * p.tp}): expert "
+            "parallelism borrows the ranks of data and tensor parallelism (torchtitan's and Megatron's folding)",
+        ))  # fmt: skip
+    if p.cp > 1 and (p.dp * p.cp * p.tp) % p.ep:
+        out.append((
+            "ep must divide dp x cp x tp",
+            f"ep ({p.ep}) must divide dp_replicate x dp_shard x cp x tp ({p.dp * p.cp * p.tp}): "
+            "expert parallelism borrows the ranks of data, context and tensor parallelism (torchtitan's folding)",
+        ))  # fmt: skip
+    if p.tp_col > 1:
+        out.append((
+            "a mixture of experts needs tp_col 1",
+            "a mixture of experts with tp_col > 1 is not implemented (2D tensor parallelism keeps every "
+            "token on every rank of the column group)",
+        ))  # fmt: skip
+    if p.tp > 1 and not p.sequence_parallel:
+        out.append((
+            "a mixture of experts with tp > 1 needs sequence_parallel",
+            f"a mixture of experts with tp ({p.tp}) > 1 needs sequence_parallel: each tensor-parallel "
+            "rank routes its own tokens (experts are not split over tp; Megatron requires sequence "
+            "parallelism when EP > 1 and TP > 1)",
+        ))  # fmt: skip
+    return out
+
+
+def cp_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
+    """Context-parallel rules: 2 x cp equal chunks of every sequence (head-tail load balancing),
+    sequence parallelism splitting each rank's seq_len / cp tokens over tp, and no 2D tensor
+    parallelism (not built with cp)."""
+    if p.cp == 1:
+        return []
+    out = []
+    if model.seq_len % (2 * p.cp):
+        out.append((
+            "cp needs seq_len divisible by 2 x cp",
+            f"cp ({p.cp}) needs seq_len ({model.seq_len}) divisible by 2 x cp ({2 * p.cp}): head-tail "
+            "load balancing gives each rank two of 2 x cp equal chunks of every sequence",
+        ))  # fmt: skip
+    elif p.sequence_parallel and (model.seq_len // p.cp) % p.tp:
+        out.append((
+            "sequence_parallel needs tp to divide seq_len / cp",
+            f"sequence_parallel with cp ({p.cp}): tp ({p.tp}) must divide seq_len / cp "
+            f"({model.seq_len} / {p.cp} = {model.seq_len // p.cp}), the tokens each cp rank holds",
+        ))  # fmt: skip
+    if p.tp_col > 1:
+        out.append((
+            "cp needs tp_col 1",
+            f"cp ({p.cp}) > 1 with tp_col ({p.tp_col}) > 1 is not implemented: use cp with 1D tensor "
+            "parallelism (tp_col 1)",
+        ))  # fmt: skip
+    return out
