@@ -72,10 +72,8 @@ def populate(url: str, num_trials: int) -> int:
                 tps = rng.uniform(1e4, 1e6) if ok else None
                 rows.append({
                     "study_id": study_id, "number": number, "state": TrialState.COMPLETE if ok else TrialState.FAIL,
-                    "layout_key": f"{number}", "config": c.to_dict(), "tp": c.tp, "pp": c.pp, "dp": c.dp,
-                    "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
-                    "zero_stage": 0, "activation_checkpoint": "none", "sequence_parallel": False,
-                    "pp_schedule": "1f1b", "virtual_stages": 1, "tokens_per_s": tps, "mfu": 0.3 if ok else None,
+                    "layout_key": f"{number}", "config": c.to_dict(), **store.axis_columns(c),
+                    "tokens_per_s": tps, "mfu": 0.3 if ok else None,
                     "tflops_per_device": 100.0 if ok else None, "failure_kind": None if ok else FailureKind.OOM,
                     "attempts": 1, "created_at": now, "started_at": now, "finished_at": now,
                 })  # fmt: skip

@@ -20,11 +20,13 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Enum,
     Float,
     ForeignKey,
     Index,
+    Integer,
     String,
     Text,
     UniqueConstraint,
@@ -36,6 +38,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
+from trainer.contract.axes import AXES
 from tuner.outcome import FailureKind, Feedback, StudyStatus, TrialState
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
@@ -100,9 +103,8 @@ class Trial(Base):
     __table_args__ = (
         UniqueConstraint("study_id", "number"),
         UniqueConstraint("study_id", "layout_key"),  # a layout runs at most once per study
-        Index("ix_trials_layout", "tp", "pp", "dp", "micro_batch_size"),
         Index("ix_trials_study_state_tps", "study_id", "state", "tokens_per_s"),
-        Index("ix_trials_study_state_world_tps", "study_id", "state", "tp", "pp", "dp", "tokens_per_s"),
+        Index("ix_trials_study_state_world_tps", "study_id", "state", "world_size", "tokens_per_s"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -111,17 +113,12 @@ class Trial(Base):
     state: Mapped[TrialState] = mapped_column(_states(TrialState), index=True)
     layout_key: Mapped[str] = mapped_column(String(300))
     config: Mapped[dict[str, Any]]
-    tp: Mapped[int]
-    tp_col: Mapped[int] = mapped_column(default=1, server_default="1")  # 2D tensor parallelism's column
-    pp: Mapped[int]
+    # One column per parallel axis (trainer/contract/axes.py: added below, `_axis_columns`), and
+    # two derived from the layout: dp (dp_replicate x dp_shard) and world_size, the devices the
+    # trial holds (ParallelConfig.world_size, cp included: migration 0010), so SQL can group by
+    # device count (bests, budgets) without knowing which axes multiply the world.
     dp: Mapped[int]
-    micro_batch_size: Mapped[int]
-    num_microbatches: Mapped[int]
-    zero_stage: Mapped[int]
-    activation_checkpoint: Mapped[str] = mapped_column(String(16))
-    sequence_parallel: Mapped[bool]
-    pp_schedule: Mapped[str] = mapped_column(String(32))
-    virtual_stages: Mapped[int]
+    world_size: Mapped[int]
     predicted: Mapped[dict[str, Any] | None]
     predicted_tokens_per_s: Mapped[float | None] = mapped_column(Float)
     predicted_memory_bytes: Mapped[float | None] = mapped_column(Float)
@@ -155,6 +152,22 @@ class Trial(Base):
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
     study: Mapped[Study] = relationship(back_populates="trials")
+
+
+_SQL_TYPES = {int: Integer, bool: Boolean, str: lambda: String(32)}
+
+
+def _axis_columns() -> None:
+    """Trial's axis columns, from the axis table: a new axis is a new column with no edit here
+    (its migration adds it to existing databases, server default the axis's default)."""
+    for axis in AXES:
+        default = {True: "1", False: "0"}.get(axis.default, str(axis.default))
+        column = mapped_column(axis.name, _SQL_TYPES[axis.type](), nullable=False, server_default=default)
+        setattr(Trial, axis.name, column)
+
+
+_axis_columns()
+Index("ix_trials_layout", Trial.tp, Trial.pp, Trial.dp, Trial.micro_batch_size)
 
 
 class StudyBest(Base):

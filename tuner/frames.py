@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.contract.axes import AXES
 from tuner import store
 
-CSV_COLUMNS = ["number", "state", "layout", "tp", "tp_col", "pp", "dp", "micro_batch_size", "num_microbatches", "zero_stage",
-               "activation_checkpoint", "sequence_parallel", "pp_schedule", "virtual_stages", "tokens_per_s",
+# The layout's columns are the axis table's (trainer/contract/axes.py), then dp and the device count.
+CSV_COLUMNS = ["number", "state", "layout", *(a.name for a in AXES), "dp", "world_size", "tokens_per_s",
                "tflops_per_device", "mfu", "peak_memory_bytes", "step_time_median_s", "step_time_min_s",
                "step_time_max_s", "predicted_tokens_per_s", "predicted_memory_bytes", "failure_kind",
                "failure_message", "stop_reason", "job_id", "job_state", "attempts", "device_s", "told", "started_at",

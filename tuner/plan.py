@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
+from trainer.contract.axes import AXES
 from trainer.contract.parallel import ParallelConfig
 from tuner.perfconstants import ModelConstants
 from tuner.perfmodel import TERM_LABELS, Estimate
@@ -11,22 +13,14 @@ from tuner.pricing import Pricing
 from tuner.space import SearchSpace
 from tuner.spec import VOCAB_DIVISIBLE_BY, StudySpec, padded_vocab, parse_spec
 
-# What --config may pin, and how each value is read.
+# What --config may pin, and how each value is read: every axis of the table
+# (trainer/contract/axes.py, with its short aliases) and dp, the two data-parallel axes together.
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-PIN_KEYS = {
-    "tp": int, "tp_col": int, "pp": int, "dp": int, "micro_batch_size": int, "num_microbatches": int, "zero_stage": int,
-    "activation_checkpoint": str, "sequence_parallel": lambda v: _BOOL[v.lower()],
-    "pp_schedule": lambda v: v.replace("-", "_"), "virtual_stages": int, "ep": int, "cp": int,
-}  # fmt: skip
-PIN_ALIASES = {
-    "mbs": "micro_batch_size",
-    "zero": "zero_stage",
-    "ac": "activation_checkpoint",
-    "sp": "sequence_parallel",
-}
+_READ = {int: int, bool: lambda v: _BOOL[v.lower()], str: lambda v: v.replace("-", "_")}
+PIN_KEYS = {**{a.name: _READ[a.type] for a in AXES}, "dp": int}
+PIN_ALIASES = {alias: a.name for a in AXES for alias in a.aliases}
 # Pins that narrow the space's choices (the rest are derived and filtered afterwards).
-SPACE_PINS = {"tp", "tp_col", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint", "sequence_parallel",
-              "pp_schedule", "virtual_stages", "ep", "cp"}  # fmt: skip
+SPACE_PINS = {a.name for a in AXES if a.searched}
 
 
 class PlanError(ValueError):
@@ -65,16 +59,27 @@ def _agrees(config: ParallelConfig, pins: dict[str, Any]) -> bool:
     return all(getattr(config, k) == v for k, v in pins.items() if k not in SPACE_PINS)
 
 
-def candidate_dict(config: ParallelConfig, est: Estimate, with_cp: bool = False) -> dict[str, Any]:
-    """One ranked layout: its knobs, what the model predicts, and the padded vocabulary it builds.
-    A mixture of experts' also has ep, what its expert terms were priced from (predicted.moe:
-    tuner.perfmodel.moe_info, edp among them) and its `experts:` line. cp where the study searches
-    context parallelism (`with_cp`) or the layout has it."""
-    out = _candidate_dict(config, est)
-    if with_cp or config.cp > 1:
-        out["config"]["cp"] = config.cp
+def layout_row(config: ParallelConfig, searched: Collection[str] = ()) -> dict[str, Any]:
+    """A layout's knobs as the plan shows them: every axis of the table (trainer/contract/axes.py),
+    dp whole in the place of dp_replicate and dp_shard (the plan's space shards the whole dp with
+    ZeRO > 0), and an axis written only when set (ep, cp) where the study searches it (`searched`)
+    or the layout uses it."""
+    row: dict[str, Any] = {}
+    for a in AXES:
+        value = getattr(config, a.name)
+        if a.name in ("dp_replicate", "dp_shard"):
+            row.setdefault("dp", config.dp)
+        elif a.written != "when_set" or a.name in searched or value != a.default:
+            row[a.name] = value
+    return row
+
+
+def candidate_dict(config: ParallelConfig, est: Estimate, searched: Collection[str] = ()) -> dict[str, Any]:
+    """One ranked layout: its knobs (layout_row), what the model predicts, and the padded
+    vocabulary it builds. A mixture of experts' also has what its expert terms were priced from
+    (predicted.moe: tuner.perfmodel.moe_info, edp among them) and its `experts:` line."""
+    out = _candidate_dict(config, est, searched)
     if est.moe is not None:
-        out["config"]["ep"] = config.ep
         out["predicted"]["moe"] = est.moe
         out["experts"] = experts_line(est.moe)
     return out
@@ -94,15 +99,10 @@ def experts_line(moe: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
-def _candidate_dict(config: ParallelConfig, est: Estimate) -> dict[str, Any]:
+def _candidate_dict(config: ParallelConfig, est: Estimate, searched: Collection[str]) -> dict[str, Any]:
     return {
         "vocab_size": est.vocab_size,
-        "config": {
-            "tp": config.tp, "tp_col": config.tp_col, "pp": config.pp, "dp": config.dp, "micro_batch_size": config.micro_batch_size,
-            "num_microbatches": config.num_microbatches, "zero_stage": config.zero_stage,
-            "activation_checkpoint": config.activation_checkpoint, "sequence_parallel": config.sequence_parallel,
-            "pp_schedule": config.pp_schedule, "virtual_stages": config.virtual_stages,
-        },
+        "config": layout_row(config, searched),
         "predicted": {
             "memory_bytes": int(est.memory_bytes), "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
             "tflops_per_device": est.tflops_per_device, "mfu": est.mfu, "fits": est.fits,
@@ -197,7 +197,7 @@ def plan(
         "num_fit": num_fit,
         "rejected": dict(enum.rejected.most_common()),
         "vocab": vocab_dict(model.vocab_size, sorted({c.tp for c in valid})),
-        "candidates": [candidate_dict(c, e, with_cp=space.cps != [1]) for c, e in shown[:top]],
+        "candidates": [candidate_dict(c, e, searched=space.searched_axes()) for c, e in shown[:top]],
         "column": column_comparison(scored),
         **({"hint": hint} if hint else {}),
     }

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from trainer.contract.axes import AXES, AXIS
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.spec import SpaceSpec, StudySpec, padded_model
@@ -17,44 +20,61 @@ RULE_CROSS_NODE_TP = "tp spans nodes (space.allow_cross_node_tp is false)"
 RULE_CROSS_NODE_TENSOR = "tp x tp_col spans nodes (space.allow_cross_node_tp is false)"
 RULE_CROSS_NODE_EP = "ep spans nodes (space.allow_cross_node_ep is false)"
 RULE_CROSS_NODE_CP = "cp spans nodes (space.allow_cross_node_cp is false)"
-# Megatron-LM's guidance: context parallelism from about 8k tokens (shared notes, docs/parallelism.md).
-CP_FROM_SEQ_LEN = 8192
-CP_MAX_DEFAULT = 16  # the default space's largest cp (Llama 3's 128k stage used 16)
 RULE_QK_NORM_PROJ = "qk_norm 'proj' needs tp 1"
 RULE_TP_COL_HEADS = "tp_col > 1 needs the plain attention heads"
 
 
+def axis_values(model: ModelConfig, space: SpaceSpec, max_gpus: int) -> dict[str, list]:
+    """The values a study searches of each searched axis (trainer/contract/axes.py): the spec's
+    list, or, where it left an axis with a computed default (ep, cp) out, that default."""
+    return {
+        a.name: list(getattr(space, a.name))
+        if getattr(space, a.name) is not None
+        else a.space_auto(model, max_gpus)
+        for a in AXES
+        if a.searched
+    }
+
+
 def ep_values(model: ModelConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
-    """The ep degrees a study searches: space.ep, or by default 1 for a dense model and the
-    powers of two up to the experts and the GPUs for a mixture of experts (those the rules then
-    refuse are rejected with their reason)."""
-    if space.ep is not None:
-        return list(space.ep)
-    if not model.moe:
-        return [1]
-    out, ep = [], 1
-    while ep <= min(model.num_experts, max_gpus):
-        out.append(ep)
-        ep *= 2
-    return out
+    """The ep degrees a study searches (axis_values)."""
+    return axis_values(model, space, max_gpus)["ep"]
 
 
 def cp_values(model: ModelConfig, space: SpaceSpec, max_gpus: int) -> list[int]:
-    """The cp degrees a study searches: space.cp, or by default 1 below CP_FROM_SEQ_LEN tokens and
-    the powers of two up to CP_MAX_DEFAULT and the GPUs from it (those the rules refuse, e.g. a
-    sequence not divisible by 2 x cp, are rejected with their reason)."""
-    if space.cp is not None:
-        return list(space.cp)
-    if model.seq_len < CP_FROM_SEQ_LEN:
-        return [1]
-    out, cp = [], 1
-    while cp <= min(CP_MAX_DEFAULT, max_gpus):
-        out.append(cp)
-        cp *= 2
-    return out
+    """The cp degrees a study searches (axis_values)."""
+    return axis_values(model, space, max_gpus)["cp"]
 
 
-def layout(tp: int, pp: int, dp: int, **knobs) -> ParallelConfig:
+# The searched axes that multiply the world (their product leaves dp: tp, tp_col, pp, cp), and the
+# others, in the enumeration's nesting order (schedule, virtual stages, micro-batch, ZeRO, ...).
+_WORLD = tuple(a for a in AXES if a.searched and a.multiplies_world)
+_INNER = tuple(
+    sorted((a for a in AXES if a.searched and not a.multiplies_world), key=lambda a: a.space_order)
+)
+
+
+def _inner_combos(values: dict[str, list], chosen: dict[str, Any], i: int = 0) -> Iterator[dict[str, Any]]:
+    """Every combination of the inner axes' values that applies given `chosen` (space_narrow)."""
+    if i == len(_INNER):
+        yield dict(chosen)
+        return
+    axis = _INNER[i]
+    listed = values[axis.name]
+    for value in axis.space_narrow(chosen, listed) if axis.space_narrow else listed:
+        chosen[axis.name] = value
+        yield from _inner_combos(values, chosen, i + 1)
+    chosen.pop(axis.name, None)
+
+
+def _product_text(degrees: dict[str, int]) -> str:
+    """'tp (2) * tp_col (2) * pp (1) * cp (2)': the degrees that multiply to a device count, those
+    added later (tp_col, cp) only when used."""
+    return " * ".join(f"{a.name} ({degrees[a.name]})" for a in _WORLD
+                      if a.written == "always" or degrees[a.name] != a.default)  # fmt: skip
+
+
+def layout(tp: int = 1, pp: int = 1, dp: int = 1, **knobs) -> ParallelConfig:
     """A ParallelConfig from the tuner's view (whole dp + zero stage): ZeRO 0 replicates, higher
     stages shard over the whole dp degree (HSDP is not in the search space yet)."""
     zero = knobs.get("zero_stage", 0)
@@ -87,8 +107,11 @@ class SearchSpace:
         self.space = space or SpaceSpec()
         # A scaling study tries several device counts (space.num_gpus); by default, all of them.
         self.world_sizes = sorted(self.space.num_gpus or [num_gpus])
-        self.eps = ep_values(model, self.space, max(self.world_sizes))
-        self.cps = cp_values(model, self.space, max(self.world_sizes))
+        self.values = axis_values(model, self.space, max(self.world_sizes))
+
+    def searched_axes(self) -> set[str]:
+        """The axes this study tries at more than their default value."""
+        return {name for name, values in self.values.items() if values != [AXIS[name].default]}
 
     @classmethod
     def from_spec(cls, spec: StudySpec) -> SearchSpace:
@@ -97,50 +120,38 @@ class SearchSpace:
         )
 
     def _candidates(self) -> Iterator[ParallelConfig | tuple[str, str]]:
-        """Every combination of the space's values, as a config or, where tp, pp and micro-batch
-        cannot make a layout at all, as a (rule, message) rejection. pp = 1 has no schedule to
-        choose; tp = 1 has no sequence parallelism to choose. tp_col is the column degree of 2D
-        tensor parallelism: tp x tp_col ranks share each weight."""
-        s = self.space
-        schedules = [(sched, 1) for sched in s.pp_schedule if sched != "interleaved_1f1b"]
-        if "interleaved_1f1b" in s.pp_schedule:
-            schedules += [("interleaved_1f1b", v) for v in s.virtual_stages if v > 1]
-        for num_gpus, tp, tp_col, pp, cp in itertools.product(
-            self.world_sizes, s.tp, s.tp_col, s.pp, self.cps
-        ):
-            scheds = schedules if pp > 1 else [("1f1b", 1)]
-            sps = s.sequence_parallel if tp > 1 else [False]
-            combos = list(
-                itertools.product(
-                    scheds, s.micro_batch_size, s.zero_stage, s.activation_checkpoint, sps, self.eps
-                )
-            )
-            if num_gpus % (tp * tp_col * pp * cp):
-                col = f" * tp_col ({tp_col})" if tp_col > 1 else ""
-                ctx = f" * cp ({cp})" if cp > 1 else ""
-                msg = f"tp ({tp}){col} * pp ({pp}){ctx} does not divide {num_gpus} GPUs"
+        """Every combination of the space's values, as a config or, where the world's axes and the
+        micro-batch cannot make a layout at all, as a (rule, message) rejection. The axes that
+        multiply the world (tp, tp_col, pp, cp) leave dp; the others nest inside, each narrowed to
+        what applies (pp = 1 has no schedule to choose; tp = 1 has no sequence parallelism to
+        choose). tp_col is the column degree of 2D tensor parallelism: tp x tp_col ranks share
+        each weight."""
+        world_values = [self.values[a.name] for a in _WORLD]
+        for num_gpus, *degrees in itertools.product(self.world_sizes, *world_values):
+            chosen = {a.name: d for a, d in zip(_WORLD, degrees, strict=True)}
+            combos = list(_inner_combos(self.values, dict(chosen)))
+            used = math.prod(degrees)
+            if num_gpus % used:
+                msg = f"{_product_text(chosen)} does not divide {num_gpus} GPUs"
                 yield from itertools.repeat((RULE_GPUS, msg), len(combos))
                 continue
-            dp = num_gpus // (tp * tp_col * pp * cp)
-            for (sched, v), mbs, zero, ac, sp, ep in combos:
+            dp = num_gpus // used
+            for knobs in combos:
+                mbs = knobs["micro_batch_size"]
                 if self.global_batch_size % (dp * mbs):
                     msg = f"global batch {self.global_batch_size} not divisible by dp ({dp}) * micro_batch_size ({mbs})"
                     yield (RULE_BATCH, msg)
                     continue
-                yield layout(
-                    tp, pp, dp, micro_batch_size=mbs, num_microbatches=self.global_batch_size // (dp * mbs),
-                    zero_stage=zero, activation_checkpoint=ac, sequence_parallel=sp, pp_schedule=sched,
-                    virtual_stages=v, tp_col=tp_col, ep=ep, cp=cp,
-                )  # fmt: skip
+                yield layout(dp=dp, num_microbatches=self.global_batch_size // (dp * mbs), **knobs)
 
     def violations(self, config: ParallelConfig) -> list[tuple[str, str]]:
         """(rule, message) for every rule `config` breaks in this study."""
         out = []
         if config.world_size not in self.world_sizes:
             sizes = " or ".join(map(str, self.world_sizes))
-            col = "*tp_col" if config.tp_col > 1 else ""
-            ctx = "*cp" if config.cp > 1 else ""
-            out.append((RULE_GPUS, f"tp{col}*pp*dp{ctx} = {config.world_size} != {sizes} GPUs in the study"))
+            names = [a.name for a in _WORLD if a.written == "always" or getattr(config, a.name) != a.default]
+            names.insert(names.index("pp") + 1, "dp")  # dp_replicate x dp_shard, after pp in the mesh's words
+            out.append((RULE_GPUS, f"{'*'.join(names)} = {config.world_size} != {sizes} GPUs in the study"))
         if config.global_batch_size != self.global_batch_size:
             out.append((
                 RULE_BATCH,

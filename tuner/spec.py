@@ -18,10 +18,12 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
 
+from trainer.contract.axes import AXES, Axis
 from trainer.contract.devices import DEVICES, Device, DeviceKind, Dtype, device_kind, find_device
 from trainer.contract.model import (
     ATTENTIONS,
@@ -247,54 +249,59 @@ class TrainingSpec(_Strict):
         return v
 
 
-class SpaceSpec(_Strict):
-    """Allowed values of each knob; dp is what the GPUs leave, num_microbatches what the batch does."""
+class _SpaceRules(_Strict):
+    """What a study searches besides the axes' values: the device counts, and where groups may
+    span nodes. SpaceSpec adds one list per searched axis of the axis table (trainer/contract/axes.py)."""
 
-    tp: list[PositiveInt] = [1, 2, 4, 8]
-    # The column degree of 2D tensor parallelism (AxoNN's G_c; trainer/tp2d.py; tp is the row
-    # degree). [1]: 1D tensor parallelism only, as before the axis existed.
-    tp_col: list[PositiveInt] = [1]
-    pp: list[PositiveInt] = [1, 2, 4, 8, 16, 32, 64]
-    micro_batch_size: list[PositiveInt] = [1, 2, 4, 8]
-    zero_stage: list[Literal[0, 1, 2, 3]] = [0, 2, 3]
-    activation_checkpoint: list[Literal["none", "selective", "full"]] = ["none", "selective", "full"]
-    sequence_parallel: list[bool] = [False, True]
-    pp_schedule: list[Schedule] = ["1f1b", "interleaved_1f1b"]
-    virtual_stages: list[PositiveInt] = [2, 4]  # for interleaved_1f1b
     num_gpus: list[PositiveInt] | None = Field(
         None, description="device counts to try (a scaling study); default: the study's num_gpus"
     )
     # tp larger than a node runs (Megatron-LM does, slowly: Narayanan et al. 2021 fig. 13) and is
     # priced over the inter-node link; false excludes it from the study.
     allow_cross_node_tp: bool = True
-    # Expert parallelism (a mixture of experts only). None: [1] for a dense model, the powers of
-    # two up to the experts and the study's GPUs for a mixture of experts (tuner.space).
-    ep: list[PositiveInt] | None = None
     # An ep group is ep neighbouring ranks; across nodes its all-to-alls cross the network on
     # every MoE layer (tuner/moe.py prices them), so by default ep stays inside a node.
     allow_cross_node_ep: bool = False
-    # Context parallelism (each sequence split over cp ranks, trainer/context_parallel.py). None:
-    # [1] below CP_FROM_SEQ_LEN tokens (the K/V gathers buy nothing there, and a study's space
-    # stays what it was), the powers of two up to 16 and the study's GPUs from it (tuner.space).
-    cp: list[PositiveInt] | None = None
     # A cp group is cp ranks tp apart; across nodes its K/V gathers cross the network on every
     # layer (priced), which long sequences can afford: allowed by default.
     allow_cross_node_cp: bool = True
 
-    @field_validator("pp_schedule", mode="before")
+    @field_validator("pp_schedule", mode="before", check_fields=False)
     @classmethod
     def _schedule_aliases(cls, v: Any) -> Any:
         return [s.replace("-", "_") if isinstance(s, str) else s for s in v] if isinstance(v, list) else v
 
-    @field_validator("tp", "tp_col", "pp", "micro_batch_size", "zero_stage", "activation_checkpoint",
-                     "sequence_parallel", "pp_schedule", "virtual_stages", "num_gpus", "ep", "cp")  # fmt: skip
+    @field_validator("*")
     @classmethod
-    def _non_empty_unique(cls, v: list | None) -> list | None:
-        if v is None:
+    def _non_empty_unique(cls, v: Any) -> Any:
+        if not isinstance(v, list):
             return v
         if not v:
             raise ValueError("needs at least one value")
         return sorted(set(v), key=v.index)
+
+
+def _space_field(axis: Axis) -> tuple[Any, Any]:
+    """An axis's SpaceSpec field: a list of its values (a Literal of what a spec may list, or any
+    positive int), defaulting to the table's list; None where the space computes the default
+    from the model and the GPUs (ep, cp: tuner.space)."""
+    allowed = axis.space_choices or axis.choices
+    item = bool if axis.type is bool else Literal[allowed] if allowed else PositiveInt  # type: ignore[valid-type]
+    if axis.space_auto is not None:
+        return list[item] | None, Field(
+            None, description=f"{axis.help}; default: computed from the model and the GPUs"
+        )
+    return list[item], Field(list(axis.space_default), description=axis.help)
+
+
+# Allowed values of each axis; dp is what the GPUs leave, num_microbatches what the batch does.
+SpaceSpec = create_model(
+    "SpaceSpec", __base__=_SpaceRules, __module__=__name__,
+    **{axis.name: _space_field(axis) for axis in AXES if axis.searched},
+)  # fmt: skip
+SpaceSpec.__doc__ = (
+    "Allowed values of each knob; dp is what the GPUs leave, num_microbatches what the batch does."
+)
 
 
 class BudgetSpec(_Strict):

@@ -10,9 +10,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, Field, PlainSerializer, WithJsonSchema, create_model
 from sqlalchemy.orm import Session
 
+from trainer.contract.axes import AXES
 from tuner import store
 from tuner.cache import RevisionCache
 from tuner.db import Study, Trial, aware, utcnow
@@ -56,19 +57,13 @@ class LeaseOut(BaseModel):
     expires_in_s: float | None  # negative: expired (another worker may take the study)
 
 
-class TrialOut(BaseModel):
+class _TrialFields(BaseModel):
     number: int
     state: TrialWord
     layout: str
     config: dict[str, Any]
-    tp: int
-    pp: int
-    dp: int
-    micro_batch_size: int
-    num_microbatches: int
-    zero_stage: int
-    activation_checkpoint: str
-    sequence_parallel: bool
+    dp: int  # dp_replicate x dp_shard
+    world_size: int  # the devices the trial holds (ParallelConfig.world_size)
     tokens_per_s: float | None
     tflops_per_device: float | None
     mfu: float | None
@@ -92,6 +87,12 @@ class TrialOut(BaseModel):
     log_path: str | None = None
     started_at: dt.datetime | None
     finished_at: dt.datetime | None
+
+
+# A trial as the API shows it: its fields above plus one per parallel axis (trainer/contract/axes.py).
+TrialOut = create_model(
+    "TrialOut", __base__=_TrialFields, __module__=__name__, **{a.name: (a.type, ...) for a in AXES}
+)
 
 
 class StudySummary(WithFamily):
@@ -184,9 +185,8 @@ def lease(study: Study, now: dt.datetime | None = None) -> LeaseOut | None:
 
 def trial(t: Trial) -> TrialOut:
     return TrialOut(
-        number=t.number, state=t.state, layout=store.config_of(t).describe(), config=t.config, tp=t.tp, pp=t.pp,
-        dp=t.dp, micro_batch_size=t.micro_batch_size, num_microbatches=t.num_microbatches, zero_stage=t.zero_stage,
-        activation_checkpoint=t.activation_checkpoint, sequence_parallel=t.sequence_parallel,
+        number=t.number, state=t.state, layout=store.config_of(t).describe(), config=t.config,
+        **{a.name: getattr(t, a.name) for a in AXES}, dp=t.dp, world_size=t.world_size,
         tokens_per_s=t.tokens_per_s, tflops_per_device=t.tflops_per_device, mfu=t.mfu,
         peak_memory_bytes=t.peak_memory_bytes, step_time_median_s=t.step_time_median_s,
         predicted_tokens_per_s=t.predicted_tokens_per_s, predicted_memory_bytes=t.predicted_memory_bytes,

@@ -12,6 +12,7 @@ from api.deps import Read, SessionDep, SettingsDep, study_or_404
 from api.errors import ApiError, parse_spec
 from api.reads import cached_json
 from api.routers.studies import StudyId
+from trainer.contract.axes import axes_payload
 from tuner import store, views
 from tuner.plan import PlanError, parse_pins
 from tuner.plan import plan as run_plan
@@ -44,6 +45,23 @@ async def best(
         request, ("best", model, gpus, cluster, global_batch), _BEST_JSON,
         lambda s: views.best_or_predicted(s, model=model, cluster=cluster, num_gpus=gpus, global_batch=global_batch),
     )  # fmt: skip
+
+
+class AxisOut(BaseModel):
+    name: str
+    label: str
+    help: str
+    type: str  # int, bool or str
+    default: Any
+    choices: list[Any]  # the values the trainer accepts; empty for a degree (an int >= 1)
+    multiplies_world: bool
+
+
+@router.get("/api/axes", response_model=list[AxisOut], dependencies=[Read])
+def axes() -> list[dict[str, Any]]:
+    """The parallel axes of a layout, in order (trainer/contract/axes.py): every trial carries one
+    field per axis; the dashboard draws its parallel coordinates from this list."""
+    return axes_payload()
 
 
 @router.post("/api/plan", dependencies=[Read])

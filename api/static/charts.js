@@ -128,17 +128,21 @@ export function memory(div, trials, deviceMemoryGb) {
   done.length, { front: front.length, unit, deviceLine }, note);
 }
 
-// The knobs of each completed trial -> its tokens/s, one line per trial.
-const AC = ["none", "selective", "full"];
-export function parcoords(div, trials) {
+// The knobs of each completed trial -> its tokens/s, one line per trial: a dimension for every
+// parallel axis (GET /api/axes, trainer/contract/axes.py) whose value differs between trials.
+export function parcoords(div, trials, axes) {
   const done = measured(trials);
-  const knob = (label, key) => {
-    const values = done.map((t) => t[key]);
-    return { label, values, tickvals: [...new Set(values)].sort((a, b) => a - b) }; // only the values tried
+  const dimension = (a) => {
+    const values = done.map((t) => t[a.name]);
+    if (a.choices.length) { // categories at their index, named
+      const names = a.choices.map(String);
+      return { label: a.label, values: values.map((v) => names.indexOf(String(v))), tickvals: names.map((_, i) => i),
+               ticktext: names, range: [0, names.length - 1] };
+    }
+    return { label: a.label, values, tickvals: [...new Set(values)].sort((x, y) => x - y) }; // only the values tried
   };
-  const dimensions = [knob("tp", "tp"), knob("pp", "pp"), knob("dp", "dp"), knob("micro-batch", "micro_batch_size"),
-    { label: "act. ckpt", values: done.map((t) => AC.indexOf(t.activation_checkpoint)), tickvals: [0, 1, 2], ticktext: AC, range: [0, 2] },
-    { label: "tokens/s", values: done.map((t) => t.tokens_per_s) }];
+  const varied = (axes || []).filter((a) => new Set(done.map((t) => String(t[a.name]))).size > 1);
+  const dimensions = [...varied.map(dimension), { label: "tokens/s", values: done.map((t) => t.tokens_per_s) }];
   return draw(div, [{ type: "parcoords", dimensions, line: { color: done.map((t) => t.tokens_per_s), colorscale: "Viridis", showscale: true } }],
     { margin: { l: 48, r: 48, t: 48, b: 24 },
       annotations: done.length ? [] : empty("no completed trial yet") }, done.length);

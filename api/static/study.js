@@ -155,7 +155,7 @@ export async function showStudy(current, id, ctx) {
     memory: () => charts.memory(divs.memory, trials, study.spec.cluster?.device_memory_gb),
     predicted: () => charts.predicted(divs.predicted, trials, calibration),
     failures: () => charts.failures(divs.failures, trials),
-    parcoords: () => charts.parcoords(divs.parcoords, trials),
+    parcoords: () => charts.parcoords(divs.parcoords, trials, axes),
   };
   let drawing = null;
   let again = false;
@@ -192,6 +192,7 @@ export async function showStudy(current, id, ctx) {
 
   // The study's calibrated model: fitted when the study ends, read once more when it has.
   let calibration = null;
+  let axes = []; // the parallel axes (GET /api/axes): the parallel coordinates' dimensions
   const readCalibration = () => api(`/api/studies/${id}/calibration`);
 
   // --- live updates ---
@@ -228,10 +229,12 @@ export async function showStudy(current, id, ctx) {
   }
 
   // --- first load: study and all its trials in parallel; the table before plotly is ready ---
-  const [first, items, fit] = await Promise.all([api(`/api/studies/${id}`), fetchTrials(id, -1), readCalibration()]);
+  const [first, items, fit, axesRead] = await Promise.all([api(`/api/studies/${id}`), fetchTrials(id, -1), readCalibration(),
+    api("/api/axes")]);
   if (current !== ctx.page()) return;
   study = first;
   calibration = fit;
+  axes = axesRead;
   merge(items);
   performance.mark("tuner:trials-loaded");
   lastNumber = trials.length ? trials[trials.length - 1].number : -1;

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from api.main import create_app
 from tests import records
 from tests.records import record_trial
+from trainer.contract.axes import AXES
 from trainer.contract.parallel import ParallelConfig
 from tuner import store
 from tuner.db import connect
@@ -112,7 +113,12 @@ def test_results_trials_incremental_csv_best_metrics(client: TestClient, setting
     csv = client.get(f"/api/studies/{study_id}/trials.csv")
     assert csv.headers["content-type"].startswith("text/csv")
     lines = csv.text.strip().splitlines()
-    assert len(lines) == 4 and lines[0].startswith("number,state,layout,tp,tp_col,pp,dp")
+    assert len(lines) == 4 and lines[0].startswith("number,state,layout,tp,tp_col,pp,dp_replicate,dp_shard")
+    assert trials["items"][1]["dp_replicate"] == 2 and trials["items"][1]["world_size"] == 2
+    axes = client.get("/api/axes").json()  # the parallel coordinates' dimensions: one per axis
+    assert [a["name"] for a in axes] == [a.name for a in AXES] and all(
+        a["name"] in trials["items"][0] for a in axes
+    )
     best = client.get("/api/best").json()
     assert len(best) == 1 and best[0]["tokens_per_s"] == 1500.0 and best[0]["study_id"] == study_id
     assert best[0]["layout"] == "tp1 pp1 dpr2 mbs4x1" and best[0]["gpus"] == 2

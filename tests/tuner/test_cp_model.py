@@ -10,6 +10,7 @@ import pytest
 
 from tests.tuner.oracle_check import assert_every_rank_matches_the_oracle
 from trainer.context_parallel import head_tail_chunks
+from trainer.contract.axes import CP_FROM_SEQ_LEN
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
 from tuner import cp
@@ -18,7 +19,7 @@ from tuner.memmodel import memory
 from tuner.perfconstants import default_constants
 from tuner.perfmodel import estimate
 from tuner.plan import plan
-from tuner.space import CP_FROM_SEQ_LEN, RULE_CROSS_NODE_CP, SearchSpace, cp_values
+from tuner.space import RULE_CROSS_NODE_CP, SearchSpace, cp_values
 from tuner.spec import ClusterSpec, SpaceSpec, parse_spec
 
 LLAMA_8B = MODEL_PRESETS["llama3.1-8b"]

@@ -95,3 +95,45 @@ def test_0008_moves_a_trial_pruned_while_running_out_of_the_failures(database_ur
         (2, "predicted_oom", "predicted 90 GiB > 80 GB"),
     ]
     engine.dispose()
+
+
+def test_0010_stores_every_axis_and_the_device_count_from_the_layout(database_url: str) -> None:
+    """A cp trial written at revision 0009 (cp only in its config JSON) gets its axis columns and
+    its device count, cp included, and study_bests files it at that count (it was tp*tp_col*pp*dp)."""
+    engine = make_engine(database_url)
+    _to(engine, "0009")
+    meta = sa.MetaData()
+    meta.reflect(engine, only=["studies", "trials", "study_bests"])
+    studies, trials, bests = meta.tables["studies"], meta.tables["trials"], meta.tables["study_bests"]
+    cp2 = ParallelConfig(tp=2, dp_shard=2, cp=2, zero_stage=2, micro_batch_size=4)  # 8 devices
+    dp2 = ParallelConfig(tp=2, dp_replicate=2, micro_batch_size=4)  # 4 devices
+    with engine.begin() as conn:
+        conn.execute(studies.insert().values(
+            id=1, name="old", spec=SPEC.model_dump(mode="json"), status="COMPLETE", sampler="model",
+            model_key="gpt-tiny", num_params=1, cluster_key="cpu-local", num_gpus=8, created_at=NOW,
+        ))  # fmt: skip
+        for number, (config, tokens) in enumerate([(cp2, 900.0), (dp2, 500.0)]):
+            row = _trial(number, config, state="COMPLETE", told="score", tokens_per_s=tokens, device_s=1.0)
+            conn.execute(trials.insert().values(**{**row, "zero_stage": config.zero_stage}, tp_col=1))
+        # 0009's rebuild: both at "4 devices" (cp left out), the cp trial the best there
+        conn.execute(bests.insert().values(study_id=1, world_size=4, trial_id=1, tokens_per_s=900.0))
+    upgrade(engine)
+    with connect(database_url)() as s:
+        study = store.study_by_id(s, 1)
+        with_cp, without = store.trials(s, study)
+        assert (with_cp.world_size, with_cp.cp, with_cp.dp_shard, with_cp.dp_replicate, with_cp.ep) == (
+            8,
+            2,
+            2,
+            1,
+            1,
+        )
+        assert (without.world_size, without.cp, without.dp_replicate) == (4, 1, 2)
+        assert store.config_of(with_cp) == cp2
+        assert (store.best_at(s, 1, 8), store.best_at(s, 1, 4)) == (900.0, 500.0)
+    _to(engine, "0009", down=True)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT world_size, trial_id FROM study_bests")).all()
+        columns = {c["name"] for c in sa.inspect(conn).get_columns("trials")}
+    assert [tuple(r) for r in rows] == [(4, 1)] and "cp" not in columns and "world_size" not in columns
+    engine.dispose()

@@ -77,6 +77,17 @@ def _cp_token(p: ParallelConfig) -> str:
     return f"cp{p.cp}" + (f"(z{p.zero_stage})" if p.dp_shard == 1 and p.zero_stage else "")
 
 
+def _schedules(chosen: dict[str, Any], values: list[str]) -> list[str]:
+    """pp > 1: the listed schedules, the interleaved one last; pp 1: no schedule to choose."""
+    if chosen["pp"] == 1:
+        return ["1f1b"]
+    return sorted(values, key=lambda s: s == "interleaved_1f1b")
+
+
+def _virtual_stages(chosen: dict[str, Any], values: list[int]) -> list[int]:
+    return [v for v in values if v > 1] if chosen["pp_schedule"] == "interleaved_1f1b" else [1]
+
+
 @dataclass(frozen=True)
 class Axis:
     name: str  # the ParallelConfig field, the store's and the CSV's column, the sampler's knob
@@ -97,11 +108,18 @@ class Axis:
     space_default: tuple[Any, ...] | None = None
     space_auto: Callable[[ModelConfig, int], list[int]] | None = None
     space_choices: tuple[Any, ...] | None = None
+    # The space's enumeration nests the axes that do not multiply the world in this order (outer
+    # first), each inside every combination of the world's axes; space_narrow(chosen, values)
+    # keeps the listed values that apply given the axes chosen so far (sequence parallelism
+    # only with tp > 1, a schedule only with pp > 1).
+    space_order: int = 0
+    space_narrow: Callable[[dict[str, Any], list[Any]], list[Any]] | None = None
     sampler: SamplerKind = None
     knob_order: int = 0  # the samplers' knob order (kept as it was before the table: seeded runs repeat)
     token: Callable[[ParallelConfig], str] | None = None  # describe()'s part ("" when at rest)
     written: Written = "always"
     rules: Callable[[ParallelConfig, ModelConfig], Violations] | None = None
+    aliases: tuple[str, ...] = ()  # short names a user may type (tuner plan --config mbs=2)
     check_choices: bool = False  # a value outside `choices` is a violation ("unknown <name>")
 
     @property
@@ -128,26 +146,30 @@ AXES: tuple[Axis, ...] = (
          multiplies_world=True, mesh_order=2,
          token=lambda p: f"dps{p.dp_shard}(z{p.zero_stage})" if p.dp_shard > 1 else ""),
     Axis("micro_batch_size", int, "int", 1, "micro-batch", "sequences per micro-batch and data-parallel rank",
-         space_default=(1, 2, 4, 8), sampler="categorical", knob_order=5,
+         space_default=(1, 2, 4, 8), space_order=2, sampler="categorical", knob_order=5, aliases=("mbs",),
          token=lambda p: f"mbs{p.micro_batch_size}x{p.num_microbatches}"),
     Axis("num_microbatches", int, "int", 1, "micro-batches",
          "gradient accumulation steps; with pp > 1, micro-batches per pipeline flush"),
     Axis("zero_stage", int, "int", 0, "ZeRO", "ZeRO stage of the data-parallel sharding (0, 2, 3; FSDP2)",
-         choices=rules.ZERO_STAGES, space_default=(0, 2, 3), space_choices=(0, 1, 2, 3), sampler="categorical",
-         knob_order=6, rules=rules.zero_rules),
+         choices=rules.ZERO_STAGES, space_default=(0, 2, 3), space_choices=(0, 1, 2, 3), space_order=3,
+         sampler="categorical", knob_order=6, rules=rules.zero_rules, aliases=("zero",)),
     Axis("activation_checkpoint", str, "ActivationCheckpoint", "none", "act. ckpt",
          "activation checkpointing: none, selective (attention core) or full (every block)",
-         choices=ACTIVATION_CHECKPOINTS, space_default=ACTIVATION_CHECKPOINTS, sampler="categorical", knob_order=7,
+         choices=ACTIVATION_CHECKPOINTS, space_default=ACTIVATION_CHECKPOINTS, space_order=4, sampler="categorical",
+         knob_order=7, aliases=("ac",),
          token=lambda p: f"ac={p.activation_checkpoint}" if p.activation_checkpoint != "none" else "",
          check_choices=True),
     Axis("sequence_parallel", bool, "bool", False, "seq. par.", "sequence parallelism over the tp ranks",
-         choices=(False, True), space_default=(False, True), sampler="bool", knob_order=8, token=lambda p: "sp" if p.sequence_parallel else ""),
+         choices=(False, True), space_default=(False, True), space_order=5,
+         space_narrow=lambda chosen, values: values if chosen["tp"] > 1 else [False], sampler="bool", knob_order=8,
+         aliases=("sp",), token=lambda p: "sp" if p.sequence_parallel else ""),
     Axis("pp_schedule", str, "PipelineSchedule", "1f1b", "schedule", "the pipeline schedule",
-         choices=PIPELINE_SCHEDULES, space_default=("1f1b", "interleaved_1f1b"), check_choices=True),
+         choices=PIPELINE_SCHEDULES, space_default=("1f1b", "interleaved_1f1b"), space_order=0,
+         space_narrow=_schedules, check_choices=True),
     Axis("virtual_stages", int, "int", 1, "virtual stages", "pipeline stages per pp rank (interleaved 1F1B)",
-         space_default=(2, 4)),
+         space_default=(2, 4), space_order=1, space_narrow=_virtual_stages),
     Axis("ep", int, "int", 1, "ep", "expert parallelism, folded into dp x cp x tp (a mixture of experts only)",
-         space_auto=_ep_auto, sampler="int", knob_order=3, token=lambda p: f"ep{p.ep}" if p.ep > 1 else "",
+         space_auto=_ep_auto, space_order=6, sampler="int", knob_order=3, token=lambda p: f"ep{p.ep}" if p.ep > 1 else "",
          written="when_set", rules=rules.ep_rules),
     Axis("cp", int, "int", 1, "cp", "context parallelism: each sequence split over cp ranks",
          multiplies_world=True, mesh_order=3, space_auto=_cp_auto, sampler="int", knob_order=4, token=_cp_token,

@@ -1,7 +1,8 @@
 """optuna (TPE, GP, NSGA-II) and deephyper (CBO) behind the Sampler seam.
 
-Both see the layout as categorical knobs (tp, pp, micro-batch, zero stage, checkpointing, sequence
-parallelism, schedule); dp and the micro-batch count follow from them. A suggestion that is not a
+Both see the layout as categorical knobs (the samplers' axes of trainer/contract/axes.py: tp, pp,
+micro-batch, zero stage, checkpointing, sequence parallelism, with tp_col, ep and cp where used; then
+the schedule); dp and the micro-batch count follow from them. A suggestion that is not a
 valid layout, or one already run, is told back to them (invalid: as infeasible) and they are asked
 again; after MAX_RETRIES the base class takes a random unseen layout. Layouts that ran out of
 memory (and every other infeasible outcome: tuner/outcome.py feedback()) are constraints (optuna)
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from trainer.contract.axes import AXIS, SAMPLER_AXES
 from trainer.contract.parallel import ParallelConfig
 from tuner.outcome import Feedback, Outcome
 from tuner.samplers.base import BaseSampler
@@ -22,38 +24,36 @@ from tuner.samplers.base import BaseSampler
 if TYPE_CHECKING:
     from tuner.pricing import Pricing
 
-KNOBS = (
-    "tp",
-    "pp",
-    "micro_batch_size",
-    "zero_stage",
-    "activation_checkpoint",
-    "sequence_parallel",
-    "schedule",
+SCHEDULE = "schedule"  # pp_schedule with virtual_stages as one knob ("none" at pp 1), after the axes
+# The knobs every study has: the samplers' axes of the axis table (trainer/contract/axes.py) but
+# those added later (written only when set: tp_col, ep, cp), which are knobs only in a study whose
+# candidates use them, so a study without them keeps the search space it always had.
+KNOBS = (*(name for name in SAMPLER_AXES if AXIS[name].written == "always"), SCHEDULE)
+INT_KNOBS = tuple(name for name in SAMPLER_AXES if AXIS[name].sampler == "int")  # categorical ints
+# Categorical strings read back as ints (micro_batch_size, zero_stage); the others stay strings.
+_INT_STRINGS = tuple(
+    name for name in SAMPLER_AXES if AXIS[name].sampler == "categorical" and AXIS[name].type is int
 )
-INT_KNOBS = ("tp", "tp_col", "pp", "ep", "cp")  # categorical ints; the others categorical strings
 MAX_RETRIES = 16
 CBO_BATCH = 8
 
 
 def _knob_names(candidates: Sequence[ParallelConfig]) -> tuple[str, ...]:
-    """KNOBS, with 2D tensor parallelism's column degree after tp and expert and context
-    parallelism's degrees after pp when a candidate has one (a study without them keeps the search
-    space it always had). Without cp, cp2 dpr4 and cp1 dpr8 at a fixed device count would share
-    every knob: one key, and all but one of them unreachable."""
-    names = KNOBS if all(c.tp_col == 1 for c in candidates) else ("tp", "tp_col", *KNOBS[1:])
-    for axis in ("cp", "ep"):  # ep ends up first after pp
-        if any(getattr(c, axis) > 1 for c in candidates):
-            at = names.index("pp") + 1
-            names = (*names[:at], axis, *names[at:])
-    return names
+    """KNOBS, with a later axis's knob (2D tensor parallelism's column degree after tp, expert and
+    context parallelism's degrees after pp) when a candidate uses it. Without cp, cp2 dpr4 and cp1
+    dpr8 at a fixed device count would share every knob: one key, and all but one of them
+    unreachable."""
+    used = [
+        name for name in SAMPLER_AXES
+        if AXIS[name].written == "always" or any(getattr(c, name) != AXIS[name].default for c in candidates)
+    ]  # fmt: skip
+    return (*used, SCHEDULE)
 
 
 def _knobs(c: ParallelConfig, names: tuple[str, ...] = KNOBS) -> dict[str, Any]:
     sched = "none" if c.pp == 1 else f"{c.pp_schedule}/v{c.virtual_stages}"
-    values = {k: getattr(c, k) for k in names[:-1]}
-    values["sequence_parallel"] = str(c.sequence_parallel)  # categorical strings everywhere
-    return {**values, "schedule": sched}
+    values = {k: str(getattr(c, k)) if AXIS[k].sampler == "bool" else getattr(c, k) for k in names[:-1]}
+    return {**values, SCHEDULE: sched}  # booleans as categorical strings everywhere
 
 
 def _value(outcome: Outcome) -> float:
@@ -77,7 +77,7 @@ class _Categorical(BaseSampler):
         key = []
         for k in self.knobs:
             v = params[k]
-            if k in ("micro_batch_size", "zero_stage"):
+            if k in _INT_STRINGS:
                 v = int(v)
             key.append((k, v))
         return self.index.get(tuple(key))

@@ -22,8 +22,8 @@ REBUILD_BESTS_SQL = """
 DELETE FROM study_bests;
 INSERT INTO study_bests (study_id, world_size, trial_id, tokens_per_s)
 SELECT study_id, world, id, tokens_per_s FROM (
-    SELECT id, study_id, tp * tp_col * pp * dp AS world, tokens_per_s,
-           ROW_NUMBER() OVER (PARTITION BY study_id, tp * tp_col * pp * dp ORDER BY tokens_per_s DESC, id) AS r
+    SELECT id, study_id, world_size AS world, tokens_per_s,
+           ROW_NUMBER() OVER (PARTITION BY study_id, world_size ORDER BY tokens_per_s DESC, id) AS r
     FROM trials WHERE state = :complete AND tokens_per_s IS NOT NULL
 ) ranked WHERE r = 1
 """

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, object_session
 
+from trainer.contract.axes import AXES
 from trainer.contract.parallel import ParallelConfig
 from tuner.db import Study, StudyBest, Trial, aware, utcnow
 from tuner.outcome import ACTIVE_TRIAL, FailureKind, Feedback, Outcome, TrialState
@@ -30,11 +31,22 @@ def config_of(trial: Trial) -> ParallelConfig:
     return ParallelConfig.from_dict(trial.config)
 
 
-TRIAL_WORLD = Trial.tp * Trial.tp_col * Trial.pp * Trial.dp  # a trial's device count, in SQL
+# A trial's device count, in SQL: stored from ParallelConfig.world_size when the trial is added,
+# so the store never re-derives which axes multiply the world (it once left cp out).
+TRIAL_WORLD = Trial.world_size
 
 
 def world_size(trial: Trial) -> int:
-    return trial.tp * trial.tp_col * trial.pp * trial.dp
+    return trial.world_size
+
+
+def axis_columns(config: ParallelConfig) -> dict[str, Any]:
+    """A trial's layout columns: one per axis of the table, dp and the device count."""
+    return {
+        **{a.name: getattr(config, a.name) for a in AXES},
+        "dp": config.dp,
+        "world_size": config.world_size,
+    }
 
 
 def job_name(study: Study | int, number: int, attempt: int) -> str:
@@ -68,11 +80,7 @@ def add_trial(
     )
     trial = Trial(
         study_id=study.id, number=number, state=state, layout_key=layout_key(config),
-        config=config.to_dict(), tp=config.tp, tp_col=config.tp_col, pp=config.pp, dp=config.dp,
-        micro_batch_size=config.micro_batch_size, num_microbatches=config.num_microbatches,
-        zero_stage=config.zero_stage, activation_checkpoint=config.activation_checkpoint,
-        sequence_parallel=config.sequence_parallel, pp_schedule=config.pp_schedule,
-        virtual_stages=config.virtual_stages, predicted=predicted,
+        config=config.to_dict(), **axis_columns(config), predicted=predicted,
         predicted_tokens_per_s=(predicted or {}).get("tokens_per_s"),
         predicted_memory_bytes=(predicted or {}).get("memory_bytes"),
     )  # fmt: skip
