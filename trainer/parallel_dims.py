@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -28,12 +29,10 @@ class ParallelDims:
     cp: int = 1
 
     def __post_init__(self) -> None:
-        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp * self.tp_col
+        product = math.prod(getattr(self, a) for a in MESH_AXES)
         if product != self.world_size:
-            raise ValueError(
-                f"pp({self.pp}) * dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) "
-                f"* cp({self.cp}) * tp({self.tp}) * tp_col({self.tp_col}) = {product} != WORLD_SIZE({self.world_size})"
-            )
+            factors = " * ".join(f"{a}({getattr(self, a)})" for a in MESH_AXES)
+            raise ValueError(f"{factors} = {product} != WORLD_SIZE({self.world_size})")
         if self.stage_size % self.ep:
             raise ValueError(
                 f"ep({self.ep}) must divide dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) "
@@ -42,10 +41,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
-        return cls(
-            parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.tp, world_size, parallel.tp_col,
-            parallel.ep, parallel.cp,
-        )  # fmt: skip
+        return cls(**{a: getattr(parallel, a) for a in MESH_AXES}, ep=parallel.ep, world_size=world_size)
 
     @property
     def stage_size(self) -> int:

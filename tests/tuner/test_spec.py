@@ -8,7 +8,15 @@ import pytest
 
 from tuner.hardware import CLUSTER_PRESET_NAMES, cluster_preset
 from tuner.space import layout
-from tuner.spec import ClusterSpec, SpecError, benchmark_config, load_spec, padded_vocab, parse_spec
+from tuner.spec import (
+    ClusterSpec,
+    ModelSpec,
+    SpecError,
+    benchmark_config,
+    load_spec,
+    padded_vocab,
+    parse_spec,
+)
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"
 BASE = {
@@ -106,3 +114,24 @@ def test_the_trainer_gets_the_padded_vocabulary() -> None:
 def test_device_kind_picks_cpu_for_ranks_sharing_cores() -> None:
     assert ClusterSpec(**cluster_preset("cpu-local")).device_kind == "cpu"
     assert ClusterSpec(**cluster_preset("a100-80gb")).device_kind == "gpu"
+
+
+def test_model_spec_declares_every_model_field_with_its_default_and_choices() -> None:
+    """ModelSpec (the edge: field-level errors with bounds) re-declares ModelConfig's fields; it
+    must agree with the contract field for field, default for default, choice for choice."""
+    import dataclasses
+    import typing
+
+    from trainer.contract.model import ModelConfig
+
+    spec_fields = {k: v for k, v in ModelSpec.model_fields.items() if k != "preset"}
+    contract = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    assert list(spec_fields) == list(contract)
+    for name, f in contract.items():
+        declared = spec_fields[name]
+        default = None if f.default is dataclasses.MISSING else f.default
+        assert declared.is_required() == (f.default is dataclasses.MISSING), name
+        assert declared.is_required() or declared.default == default, name
+        literal = typing.get_type_hints(ModelConfig)[name]
+        if typing.get_origin(literal) is typing.Literal:
+            assert typing.get_args(declared.annotation) == typing.get_args(literal), name
