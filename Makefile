@@ -59,7 +59,7 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 bench: setup
-	$(BIN)/python bench/trainer_overhead.py
+	$(BIN)/python -m bench.trainer_overhead
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

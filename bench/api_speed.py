@@ -1,6 +1,6 @@
 """API latency with 100k trials in the database, and p99 under 200 requests/s on loopback.
 
-    .venv/bin/python bench/api_speed.py [--trials 100000] [--rate 200] [--seconds 10] [--workers 1 2]
+    .venv/bin/python -m bench.api_speed [--trials 100000] [--rate 200] [--seconds 10] [--workers 1 2]
         [--database-url URL]
 
 A database (SQLite file by default; --database-url for PostgreSQL) gets 10 studies and `--trials`
@@ -31,17 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import httpx
+from sqlalchemy import insert
 
-import httpx  # noqa: E402
-from sqlalchemy import insert  # noqa: E402
-
-from trainer.contract.parallel import ParallelConfig  # noqa: E402
-from tuner import store  # noqa: E402
-from tuner.db import Study, Trial, connect  # noqa: E402
-from tuner.outcome import FailureKind, TrialState  # noqa: E402
-from tuner.spec import parse_spec  # noqa: E402
+from trainer.contract.parallel import ParallelConfig
+from tuner import store
+from tuner.db import Study, Trial, connect
+from tuner.outcome import FailureKind, TrialState
+from tuner.spec import parse_spec
 
 TUNER = str(Path(sys.executable).parent / "tuner")
 MODELS = ["gpt-125m", "gpt-350m", "gpt-1.3b", "gpt-2.7b", "gpt-22b"]

@@ -18,7 +18,7 @@ Checked at the end, from the database and from sacct:
 - the best layout is the calm run's best, or measured within noise of it there, or the run
   says why not.
 
-    .venv/bin/python bench/chaos.py --trials 24 --seed 1 --json
+    .venv/bin/python -m bench.chaos --trials 24 --seed 1 --json
 
 Needs root (the Slurm cluster). Takes ~10-15 minutes on 2 cores (calm run included).
 """
@@ -42,19 +42,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from sqlalchemy.exc import SQLAlchemyError
 
-from sqlalchemy.exc import SQLAlchemyError  # noqa: E402
-
-from tests.postgres import PostgresServer, postgres_instance  # noqa: E402
-from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: E402
-from trainer.contract.trial_dir import CONFIG_FILE  # noqa: E402
-from tuner import store  # noqa: E402
-from tuner.db import connect, make_engine  # noqa: E402
-from tuner.dispatch import JobHandle  # noqa: E402
-from tuner.outcome import FailureKind, Feedback, StudyStatus, TrialState  # noqa: E402
-from tuner.spec import parse_spec  # noqa: E402
+from tests.postgres import PostgresServer, postgres_instance
+from tests.slurm_cluster import SlurmCluster, slurm_cluster
+from trainer.contract.trial_dir import CONFIG_FILE
+from tuner import store
+from tuner.db import connect, make_engine
+from tuner.dispatch import JobHandle
+from tuner.outcome import FailureKind, Feedback, StudyStatus, TrialState
+from tuner.spec import parse_spec
 
 TUNER = shutil.which("tuner", path=str(Path(sys.executable).parent)) or "tuner"
 KINDS = ("worker_kill", "sbatch_fail", "scancel", "slurmctld_restart", "postgres_restart", "rank_kill",

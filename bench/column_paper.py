@@ -1,7 +1,7 @@
 """On paper: where the performance model prefers 2D tensor parallelism (tp_col > 1), and by how
 much, in the seed studies' settings and AxoNN's (80B on 1024 A100s, small and large batches).
 
-    .venv/bin/python bench/column_paper.py [--json]
+    .venv/bin/python -m bench.column_paper [--json]
 
 For each setting: the planner's fastest layout predicted to fit with the study's space as written
 (tp_col 1), the fastest with tp_col > 1 when the same space also offers tp_col in {2, 4, 8}, its
@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tuner.plan import column_comparison, fastest_fitting
+from tuner.pricing import Pricing
+from tuner.space import SearchSpace
+from tuner.spec import load_spec, parse_spec
 
-from tuner.plan import column_comparison, fastest_fitting  # noqa: E402
-from tuner.pricing import Pricing  # noqa: E402
-from tuner.space import SearchSpace  # noqa: E402
-from tuner.spec import load_spec, parse_spec  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 COLUMNS = [1, 2, 4, 8]
 # (label, spec file, global batch override or None)

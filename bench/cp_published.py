@@ -2,7 +2,7 @@
 next to their measured throughput, uncalibrated; and what the planner picks for the same study
 (same model, sequence, GPUs and global batch; the space searches cp).
 
-    .venv/bin/python bench/cp_published.py
+    .venv/bin/python -m bench.cp_published
 
 Published:
 - torchtitan (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, docs/performance.md
@@ -46,19 +46,14 @@ with nothing overlapped and passes an explicit mask that no kernel skips (docs/p
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trainer.contract.parallel import ParallelConfig  # noqa: E402
-from tuner.perfmodel import Estimate  # noqa: E402
-from tuner.plan import fastest_fitting  # noqa: E402
-from tuner.pricing import Pricing  # noqa: E402
-from tuner.space import SearchSpace  # noqa: E402
-from tuner.spec import StudySpec, parse_spec  # noqa: E402
+from trainer.contract.parallel import ParallelConfig
+from tuner.perfmodel import Estimate
+from tuner.plan import fastest_fitting
+from tuner.pricing import Pricing
+from tuner.space import SearchSpace
+from tuner.spec import StudySpec, parse_spec
 
 TPS, TFLOPS = "tokens/s/GPU", "TFLOP/s/GPU"
 

@@ -1,6 +1,6 @@
 """Dispatch overhead per trial: local process groups vs Slurm job-per-trial vs allocation mode.
 
-    .venv/bin/python bench/dispatch_overhead.py [--trials 6]      (as root: starts a local Slurm cluster)
+    .venv/bin/python -m bench.dispatch_overhead [--trials 6]      (as root: starts a local Slurm cluster)
 
 The same study (gpt-tiny, world size 1, 1 warm-up + 2 measured steps, one trial at a time) runs
 with `tuner run` on each backend, side by side in one invocation, on a real single-node Slurm
@@ -22,15 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import yaml
 
-import yaml  # noqa: E402
-
-from tests.slurm_cluster import slurm_cluster  # noqa: E402
-from tuner import store  # noqa: E402
-from tuner.db import connect  # noqa: E402
-from tuner.outcome import TrialState  # noqa: E402
+from tests.slurm_cluster import slurm_cluster
+from tuner import store
+from tuner.db import connect
+from tuner.outcome import TrialState
 
 TUNER = str(Path(sys.executable).parent / "tuner")
 

@@ -1,7 +1,7 @@
 """The three Frontier runs of Dash et al. priced by the performance model, next to their published
 throughput, uncalibrated.
 
-    .venv/bin/python bench/frontier_runs.py
+    .venv/bin/python -m bench.frontier_runs
 
 Published: Dash, Lyngaas, Yin, Wang, Egele, Cong, Wang, Balaprakash, "Optimizing Distributed
 Training on Frontier for Large Language Models" (arXiv 2312.12705, ISC 2024), abstract: "GPU
@@ -50,19 +50,14 @@ tables, all fixed before this script was first run; it calibrates nothing.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trainer.contract.parallel import ParallelConfig  # noqa: E402
-from tuner.perfmodel import Estimate  # noqa: E402
-from tuner.plan import fastest_fitting  # noqa: E402
-from tuner.pricing import Pricing  # noqa: E402
-from tuner.space import SearchSpace  # noqa: E402
-from tuner.spec import StudySpec, parse_spec  # noqa: E402
+from trainer.contract.parallel import ParallelConfig
+from tuner.perfmodel import Estimate
+from tuner.plan import fastest_fitting
+from tuner.pricing import Pricing
+from tuner.space import SearchSpace
+from tuner.spec import StudySpec, parse_spec
 
 GCD_PEAK_TFLOPS = 191.5
 

@@ -3,7 +3,7 @@ group size, the bandwidth, the wait behind the compute before it, and what the t
 tensor parallelism adds per collective. The measured parts are the CPU defaults of the
 performance model (tuner/perfconstants.py); docs/benchmarks.md says how.
 
-    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/gloo_groups.py [--worlds 8 4 2]
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.gloo_groups [--worlds 8 4 2]
 
 For each world size W (gloo ranks on this machine, one thread each, as the trainer runs them) and
 group size g dividing it, W ranks start once per repeat, split into W/g groups of g consecutive
@@ -33,7 +33,6 @@ import os
 import resource
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -42,12 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
-from trainer.model import Block  # noqa: E402 (typing)
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.model import Block
 
 CALL_BYTES = (1024, 65536)  # a layer norm's statistics; a gpt-small activation (128 x 128 fp32)
 BANDWIDTH_BYTES = 4 << 20  # gpt-small's gradients are ~4.4 MB

@@ -3,7 +3,7 @@
 as trainer/moe.py GroupedExperts runs them) at n tokens per expert, its TFLOP/s over a large dense
 bf16 GEMM's on the same GPU, beside n / (n + ridge) with the ridge the model takes for the device.
 
-    PYTHONPATH=$PWD python bench/grouped_gemm.py [--json OUT.json]
+    python -m bench.grouped_gemm [--json OUT.json]
 
 Needs a GPU with torch._grouped_mm (compute capability >= 9, bf16). Forward only: the backward's
 data-gradient GEMMs have the forward's shapes; its weight gradients group over the token dimension
@@ -22,10 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trainer.moe import GROUPED_MM_ALIGN  # noqa: E402
+from trainer.moe import GROUPED_MM_ALIGN
 
 SHAPES = {  # name: (local experts, hidden, expert ffn)
     "qwen3-30b-a3b ep8": (16, 2048, 768),

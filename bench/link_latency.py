@@ -2,7 +2,7 @@
 across the links between nodes (shaped or not). The cluster specs of our own 4-node tables
 (bench/validation_data.py CLUSTERS) take their link latency from it.
 
-    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/link_latency.py --inter-node-mbit 200
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.link_latency --inter-node-mbit 200
 
 Starts a 4-node cluster (tests/slurm_cluster.py; each node a network namespace, links shaped to
 --inter-node-mbit), runs one 2-task job step in one node and one across two nodes (srun,
@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 SIZES = (8, 65536, 1 << 20)  # bytes: a scalar, a gpt-small activation (128 x 128 fp32), 1 MiB
 

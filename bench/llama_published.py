@@ -1,7 +1,7 @@
 """Published Llama 3.1 training runs on H100 priced by the performance model, next to their
 measured throughput, uncalibrated; and what the planner picks for the same study.
 
-    .venv/bin/python bench/llama_published.py
+    .venv/bin/python -m bench.llama_published
 
 Published: torchtitan's docs/performance.md (pytorch/torchtitan at eaea6f6, runs of 2024-12 with
 torchtitan 9dec370), "Grand Teton" hosts of 8 H100 with NVLink, 96 GB HBM2e at 2.4 TB/s, 400 Gb/s
@@ -28,18 +28,13 @@ slower).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trainer.contract.parallel import ParallelConfig  # noqa: E402
-from tuner.plan import fastest_fitting  # noqa: E402
-from tuner.pricing import Pricing  # noqa: E402
-from tuner.space import SearchSpace  # noqa: E402
-from tuner.spec import StudySpec, parse_spec  # noqa: E402
+from trainer.contract.parallel import ParallelConfig
+from tuner.plan import fastest_fitting
+from tuner.pricing import Pricing
+from tuner.space import SearchSpace
+from tuner.spec import StudySpec, parse_spec
 
 
 @dataclass(frozen=True)

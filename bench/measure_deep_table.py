@@ -1,7 +1,7 @@
 """Measure our third own table: a deeper GPT on 8 CPU ranks, where pp = 8 and full activation
 checkpointing are in the space (issue 13; held out from the CPU defaults, bench/priors.py).
 
-    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/measure_deep_table.py \\
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.measure_deep_table \\
         --out bench/own_tables/own_gpt-deep_8rank_gbs16.csv --repeats 2
 
 `gpt-deep`: 16 layers, hidden 64, 4 heads, seq 32, vocabulary 1024 (a multiple of 128 x 8, so no
@@ -21,20 +21,18 @@ import datetime as dt
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.measure_table import OWN_COLUMNS
+from trainer.contract.model import ModelConfig
+from trainer.contract.result import BenchmarkConfig
+from trainer.launch import run_local
+from tuner.space import SearchSpace
+from tuner.spec import SpaceSpec, padded_model
 
-from bench.measure_table import OWN_COLUMNS  # noqa: E402
-from trainer.contract.model import ModelConfig  # noqa: E402
-from trainer.contract.result import BenchmarkConfig  # noqa: E402
-from trainer.launch import run_local  # noqa: E402
-from tuner.space import SearchSpace  # noqa: E402
-from tuner.spec import SpaceSpec, padded_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODEL_NAME = "gpt-deep"
 MODEL = ModelConfig(num_layers=16, hidden_size=64, num_heads=4, vocab_size=1024, seq_len=32)

@@ -1,9 +1,9 @@
 """Measure a ground-truth table on this machine: every valid layout of a small GPT, run for real.
 
-    .venv/bin/python bench/measure_table.py --out bench/own_tables/own_gpt-tiny_8rank_gbs16.csv [--repeats 2]
-    .venv/bin/python bench/measure_table.py --slurm --nodes 4 --inter-node-mbit 200 \\
+    .venv/bin/python -m bench.measure_table --out bench/own_tables/own_gpt-tiny_8rank_gbs16.csv [--repeats 2]
+    .venv/bin/python -m bench.measure_table --slurm --nodes 4 --inter-node-mbit 200 \\
         --warmup-steps 1 --measure-steps 3 --out bench/own_tables/own_gpt-tiny_4node_200mbit_gbs16.csv
-    .venv/bin/python bench/measure_table.py --space cp --model llama-tiny --seq-len 2048 --global-batch 8 \\
+    .venv/bin/python -m bench.measure_table --space cp --model llama-tiny --seq-len 2048 --global-batch 8 \\
         --out bench/own_tables/own_llama-tiny_8rank_cp_gbs8.csv
 
 Every valid layout of the space below, each run `repeats` times; the row keeps the median
@@ -38,25 +38,23 @@ import platform
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig, BenchmarkResult
+from trainer.contract.topology import summary
+from trainer.launch import run_local
+from tuner.moe import measured_imbalance
+from tuner.space import SearchSpace
+from tuner.spec import SpaceSpec
 
-from trainer.contract.model import ModelConfig  # noqa: E402
-from trainer.contract.parallel import ParallelConfig  # noqa: E402
-from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
-from trainer.contract.result import BenchmarkConfig, BenchmarkResult  # noqa: E402
-from trainer.contract.topology import summary  # noqa: E402
-from trainer.launch import run_local  # noqa: E402
-from tuner.moe import measured_imbalance  # noqa: E402
-from tuner.space import SearchSpace  # noqa: E402
-from tuner.spec import SpaceSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 COLUMNS = ["source", "table_id", "model_name", "num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "seq_len", "vocab_size", "global_batch_size", "num_gpus", "gpu_type", "gpus_per_node", "tp", "pp", "dp", "micro_batch_size", "grad_accum_steps", "activation_checkpoint", "zero_stage", "framework", "measured_metric_name", "measured_value", "status", "alt_metric_name", "alt_value", "peak_memory_gb", "notes"]  # fmt: skip
 # Our tables add one column to the shared format: 2D tensor parallelism's column degree (tp_col;

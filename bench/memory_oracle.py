@@ -5,10 +5,10 @@ experts Mixtral-8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B with expert parallelism,
 on H100-80GB and on H200-141GB (`--suite moe`); Llama 3.1 8B and 70B at 32k-128k tokens with
 context parallelism on H100-80GB (`--suite long`).
 
-    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --json
-    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --suite llama --json
-    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --suite moe --json
-    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/memory_oracle.py --suite long --json
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --json
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite llama --json
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite moe --json
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite long --json
 
 For every layout the oracle builds the trainer at full size on fake tensors ("cuda" mode: bf16
 mixed precision, AdamW's foreach step, every step's peak) for the first and the last pipeline rank,
@@ -38,20 +38,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
+from trainer.memcheck import RankMemory, Simulation, Simulator, memcheck
+from tuner.hardware import cluster_preset
+from tuner.memmodel import memory
+from tuner.perfconstants import ModelConstants
+from tuner.spec import ClusterSpec, padded_model
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from trainer.contract.model import ModelConfig  # noqa: E402
-from trainer.contract.parallel import ParallelConfig  # noqa: E402
-from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
-from trainer.contract.result import BenchmarkConfig  # noqa: E402
-from trainer.memcheck import RankMemory, Simulation, Simulator, memcheck  # noqa: E402
-from tuner.hardware import cluster_preset  # noqa: E402
-from tuner.memmodel import memory  # noqa: E402
-from tuner.perfconstants import ModelConstants  # noqa: E402
-from tuner.spec import ClusterSpec, padded_model  # noqa: E402
 
 RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle.jsonl"
 LLAMA_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_llama.jsonl"

@@ -1,6 +1,6 @@
 """How accurate is the performance model after a study's first 5 trials?
 
-    .venv/bin/python bench/model_accuracy.py [--seeds 10] [--table FILE ...] [--json]
+    .venv/bin/python -m bench.model_accuracy [--seeds 10] [--table FILE ...] [--json]
 
 On the tables bench/search_efficiency.py replays (our own CPU tables in bench/own_tables/ and the
 vTrain 8-GPU tables, or --table FILE):
@@ -25,19 +25,15 @@ import dataclasses
 import json
 import random
 import statistics
-import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from scipy.stats import spearmanr
 
-from scipy.stats import spearmanr  # noqa: E402
-
-from bench.priors import PRIORS, inputs, prior  # noqa: E402
-from bench.search_efficiency import default_tables  # noqa: E402
-from bench.validation_data import Measurement, load_csv, load_tables  # noqa: E402
-from tuner import fitting, memmodel, perfconstants, perfmodel  # noqa: E402
+from bench.priors import PRIORS, inputs, prior
+from bench.search_efficiency import default_tables
+from bench.validation_data import Measurement, load_csv, load_tables
+from tuner import fitting, memmodel, perfconstants, perfmodel
 
 NUM_CALIBRATION = 5
 

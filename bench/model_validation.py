@@ -1,6 +1,6 @@
 """How well does the performance model rank layouts it was never fitted to?
 
-    .venv/bin/python bench/model_validation.py [--details] [--own]
+    .venv/bin/python -m bench.model_validation [--details] [--own]
 
 For every table of public GPU measurements in bench/data/ (bench/validation_data.py loads them),
 with at least MIN_ROWS layouts that ran:
@@ -29,18 +29,16 @@ import argparse
 import math
 import random
 import statistics
-import sys
 import zlib
 from pathlib import Path
 
+from scipy.stats import spearmanr
+
+from bench.priors import CPU_DEFAULT_TABLES, cold, inputs
+from bench.validation_data import Measurement, load_csv, load_tables
+from tuner import fitting, perfconstants, perfmodel, spec
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from scipy.stats import spearmanr  # noqa: E402
-
-from bench.priors import CPU_DEFAULT_TABLES, cold, inputs  # noqa: E402
-from bench.validation_data import Measurement, load_csv, load_tables  # noqa: E402
-from tuner import fitting, perfconstants, perfmodel, spec  # noqa: E402
 
 MIN_ROWS = 4  # a rank correlation over fewer layouts says little
 NUM_CALIBRATION = 3

@@ -1,7 +1,7 @@
 """Published mixture-of-experts training runs on H100 priced by the performance model, next to
 their measured throughput, uncalibrated; and what the planner picks for the same study.
 
-    .venv/bin/python bench/moe_published.py
+    .venv/bin/python -m bench.moe_published
 
 Published (H100 SXM 80 GB, 8 per node with NVLink 4, InfiniBand 8 x 400 Gb/s; sequence 4096):
 - NVIDIA's Megatron-Bridge performance summary (docs/performance-summary.md of
@@ -24,18 +24,13 @@ per-module recompute ("norm, act"; priced as our selective).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from trainer.contract.parallel import ParallelConfig  # noqa: E402
-from tuner.plan import fastest_fitting  # noqa: E402
-from tuner.pricing import Pricing  # noqa: E402
-from tuner.space import SearchSpace  # noqa: E402
-from tuner.spec import StudySpec, parse_spec  # noqa: E402
+from trainer.contract.parallel import ParallelConfig
+from tuner.plan import fastest_fitting
+from tuner.pricing import Pricing
+from tuner.space import SearchSpace
+from tuner.spec import StudySpec, parse_spec
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The demo's regime: gpt-tiny on 2 gloo ranks on this machine's 2 cores (one rank per core), a
 few layouts measured at steady state against the CPU defaults' prediction.
 
-    .venv/bin/python bench/one_rank_per_core.py [--warmup-steps 3] [--measure-steps 8]
+    .venv/bin/python -m bench.one_rank_per_core [--warmup-steps 3] [--measure-steps 8]
 
 The CPU defaults are fitted on tables of 8 ranks on 2 cores (tuner/perfconstants.py); this prints
 how far they are from one rank per core (docs/benchmarks.md, "One rank per core").
@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS

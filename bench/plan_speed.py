@@ -1,6 +1,6 @@
 """Speed of the planner: enumerating a big space, and `tuner plan` end to end.
 
-    .venv/bin/python bench/plan_speed.py
+    .venv/bin/python -m bench.plan_speed
 
 Issue 3's bounds: a 1T model on 3072 GPUs enumerates in under 1 s; `tuner plan --model gpt-175b
 --cluster frontier-mi250x --gpus 1024 --global-batch 640 --json` returns in under 3 s.
@@ -15,11 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tuner.space import SearchSpace  # noqa: E402
-from tuner.spec import parse_spec  # noqa: E402
+from tuner.space import SearchSpace
+from tuner.spec import parse_spec
 
 REPEATS = 5
 

@@ -11,24 +11,21 @@ Public tables were measured with frameworks that materialise the s x s attention
 (Megatron-LM 2021-22, Megatron-DeepSpeed, DeepSpeed, OneFlow: none ran flash attention), so their
 priors say `flash_attention=False`; our own trainer runs SDPA (no stored scores).
 
-    .venv/bin/python bench/priors.py --fit-cpu-defaults   # the CPU defaults in tuner/perfconstants.py
+    .venv/bin/python -m bench.priors --fit-cpu-defaults   # the CPU defaults in tuner/perfconstants.py
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.validation_data import Measurement, load_csv
+from tuner import fitting, perfconstants
+from tuner.pricing import Pricing
+from tuner.spec import ClusterSpec, TrainingSpec
 
-from bench.validation_data import Measurement, load_csv  # noqa: E402
-from tuner import fitting, perfconstants  # noqa: E402
-from tuner.pricing import Pricing  # noqa: E402
-from tuner.spec import ClusterSpec, TrainingSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PRIORS = ("cold", "warm")
 OWN_DATASET = "own_tables"  # bench/own_tables/: measured by this project's trainer

@@ -1,6 +1,6 @@
 """Proposal latency of each sampler with N finished trials in the study.
 
-    .venv/bin/python bench/sampler_latency.py [--trials 1000] [--asks 20] [--samplers model,tpe,...]
+    .venv/bin/python -m bench.sampler_latency [--trials 1000] [--asks 20] [--samplers model,tpe,...]
 
 The space: gpt-22b on 1024 A100s (thousands of valid layouts). The first N layouts a random
 sampler proposes are told as finished trials (the performance model with other constants is
@@ -13,19 +13,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tuner.outcome import Outcome  # noqa: E402
-from tuner.perfconstants import ModelConstants  # noqa: E402
-from tuner.pricing import Pricing  # noqa: E402
-from tuner.samplers import SAMPLERS, make_sampler  # noqa: E402
-from tuner.space import SearchSpace  # noqa: E402
-from tuner.spec import parse_spec  # noqa: E402
+from tuner.outcome import Outcome
+from tuner.perfconstants import ModelConstants
+from tuner.pricing import Pricing
+from tuner.samplers import SAMPLERS, make_sampler
+from tuner.space import SearchSpace
+from tuner.spec import parse_spec
 
 TRUTH = ModelConstants(compute_efficiency=0.45, comm_efficiency=0.6)
 

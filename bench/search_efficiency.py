@@ -1,6 +1,6 @@
 """How many real trials does each sampler need to find a near-best layout?
 
-    .venv/bin/python bench/search_efficiency.py [--seeds 20] [--table FILE ...] [--samplers ...] [--json]
+    .venv/bin/python -m bench.search_efficiency [--seeds 20] [--table FILE ...] [--samplers ...] [--json]
 
 Ground truth is a table of REAL measured trials (the column format of
 bench/data/README.md). Each sampler searches the table's layouts; a replay
@@ -24,18 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.priors import PRIORS, pricing, prior
+from bench.validation_data import DATA_DIR, Measurement, load_csv
+from tuner.outcome import FailureKind, Outcome
+from tuner.perfconstants import ModelConstants
+from tuner.samplers import SAMPLERS, make_sampler
 
-from bench.priors import PRIORS, pricing, prior  # noqa: E402
-from bench.validation_data import DATA_DIR, Measurement, load_csv  # noqa: E402
-from tuner.outcome import FailureKind, Outcome  # noqa: E402
-from tuner.perfconstants import ModelConstants  # noqa: E402
-from tuner.samplers import SAMPLERS, make_sampler  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 WITHIN = 0.05
 STEPS_PER_TRIAL = 10

@@ -2,7 +2,7 @@
 4-node Slurm cluster (2 ranks per node, all sharing this machine's cores), each run with
 OMP_NUM_THREADS set to each of `--threads` in turn, alternating, `--repeats` times.
 
-    flock /tmp/parallel-tuner-measure.lock .venv/bin/python bench/srun_threads.py --threads 2 1
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.srun_threads --threads 2 1
 
 `--threads 2` on this 2-core VM is what every srun rank ran with before trainer/benchmark.py's
 `slurm_threads` (torch's default: a thread per core); `1` is what the rule now gives two ranks on a
@@ -14,17 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.measure_table import slurm_runner  # noqa: E402
-from trainer.contract.parallel import ParallelConfig  # noqa: E402
-from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
-from trainer.contract.result import BenchmarkConfig  # noqa: E402
+from bench.measure_table import slurm_runner
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 
 P = ParallelConfig
 LAYOUTS = {  # from data parallel only to a pipeline across all 4 nodes with tp inside each

@@ -1,6 +1,6 @@
 """Our trainer at tp1 pp1 dp1 against a plain PyTorch loop of the same model, batch and dtype.
 
-    .venv/bin/python bench/trainer_overhead.py [--model small] [--mbs 8] [--steps 20] [--rounds 5]
+    .venv/bin/python -m bench.trainer_overhead [--model small] [--mbs 8] [--steps 20] [--rounds 5]
 
 Each round runs both variants, one after the other, in fresh child processes of this one (the
 order alternates between rounds), so that machine noise hits both alike. Both time the same way:
@@ -21,12 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from trainer.contract.parallel import ParallelConfig
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.result import BenchmarkConfig
 
-from trainer.contract.parallel import ParallelConfig  # noqa: E402
-from trainer.contract.presets import MODEL_PRESETS  # noqa: E402
-from trainer.contract.result import BenchmarkConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def bench_config(args: argparse.Namespace) -> BenchmarkConfig:
@@ -112,7 +111,15 @@ def main() -> None:
     for r in range(args.rounds):
         order = ["trainer", "plain"] if r % 2 == 0 else ["plain", "trainer"]
         for variant in order:
-            cmd = [sys.executable, __file__, "--child", variant, "--config", cfg.to_json()]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.trainer_overhead",
+                "--child",
+                variant,
+                "--config",
+                cfg.to_json(),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
             measured[variant].append(json.loads(out.strip().splitlines()[-1])["tokens_per_s"])
         print(

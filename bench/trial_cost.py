@@ -1,10 +1,10 @@
 """Trial cost before and after adaptive measurement and pruning while running, side by side.
 
-    .venv/bin/python bench/trial_cost.py [--spec studies/gpt-small-cpu.yaml] [--measure-steps N]
+    .venv/bin/python -m bench.trial_cost [--spec studies/gpt-small-cpu.yaml] [--measure-steps N]
                                          [--global-batch B] [--repeats R] [--json out.json]
                                          [--before-launcher spawn|torchrun]
                                          [--fork-server after|both|none]
-    .venv/bin/python bench/trial_cost.py --report out.json      (summarize a saved run again)
+    .venv/bin/python -m bench.trial_cost --report out.json      (summarize a saved run again)
 
 The same real study (local dispatch, the spec's sampler and seed) runs with `tuner run`, before
 and after alternating, R times each:
@@ -37,16 +37,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
+from trainer.contract.trial_dir import FORKSERVER_VAR, LAUNCHER_VAR
+from trainer.launch import LAUNCHERS
+from tuner import store
+from tuner.db import connect
+from tuner.outcome import PRUNED_RUNNING, TrialState
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import yaml  # noqa: E402
-
-from trainer.contract.trial_dir import FORKSERVER_VAR, LAUNCHER_VAR  # noqa: E402
-from trainer.launch import LAUNCHERS  # noqa: E402
-from tuner import store  # noqa: E402
-from tuner.db import connect  # noqa: E402
-from tuner.outcome import PRUNED_RUNNING, TrialState  # noqa: E402
 
 TUNER = str(Path(sys.executable).parent / "tuner")
 FIXED = {"stable_rel_ci": None, "prune_running_fraction": None}

@@ -13,12 +13,12 @@ import pytest
 
 pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_short_chaos_run_loses_nothing_and_runs_nothing_twice(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(BENCH), "--trials", "8", "--seed", "1", "--json", "--keep", str(tmp_path)],
-                          capture_output=True, text=True, timeout=1500)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "bench.chaos", "--trials", "8", "--seed", "1", "--json", "--keep",
+                           str(tmp_path)], capture_output=True, text=True, timeout=1500, cwd=ROOT)  # fmt: skip
     assert done.stdout.strip(), done.stderr[-3000:]
     figures = json.loads(done.stdout)
     summary = {
