@@ -87,7 +87,7 @@ class DatabaseBackend:
             return store.cancel(s, self._study(s, ref).id, "cancelled from the CLI").message
 
     def export(self, ref: str, fmt: str) -> str:
-        from tuner.export import export_layout, export_site
+        from tuner.exports import export_layout, export_site
 
         with self.sessions() as s:
             study = self._study(s, ref)

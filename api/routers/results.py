@@ -84,7 +84,7 @@ def export(
 ) -> Response:
     """The study's best layout as a launch config: torchtitan, Megatron-LM arguments, or an sbatch
     script running the bundled trainer."""
-    from tuner.export import export_layout, export_site
+    from tuner.exports import export_layout, export_site
 
     study = study_or_404(session, study_id)
     best = store.best_trial(session, study)

@@ -12,7 +12,7 @@ from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner import store
 from tuner.db import connect
-from tuner.export import export_layout
+from tuner.exports import export_layout
 from tuner.hardware import cluster_preset
 from tuner.outcome import Outcome
 from tuner.perfmodel import estimate

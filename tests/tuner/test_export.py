@@ -22,7 +22,7 @@ from trainer.contract.presets import MODEL_PRESETS
 from trainer.contract.result import BenchmarkConfig
 from trainer.pipeline import stage_layer_ranges
 from tuner.dispatch.sbatch import ROOT, SiteSettings
-from tuner.export import FORMATS, MEGATRON_SOURCE, TORCHTITAN_CONFIG_FN, TORCHTITAN_VERSION, export_layout
+from tuner.exports import FORMATS, MEGATRON_SOURCE, TORCHTITAN_CONFIG_FN, TORCHTITAN_VERSION, export_layout
 from tuner.spec import StudySpec, padded_model, parse_spec, slug
 
 GOLDEN = Path(__file__).parent / "golden"

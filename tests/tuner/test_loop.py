@@ -21,7 +21,7 @@ from tuner import store
 from tuner.db import Calibration, connect
 from tuner.dispatch import JobHandle
 from tuner.dispatch.local import LocalDispatcher
-from tuner.export import export_layout
+from tuner.exports import export_layout
 from tuner.fitting import Measurement, rms_log_error
 from tuner.loop import run_study
 from tuner.perfconstants import default_constants

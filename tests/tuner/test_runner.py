@@ -514,7 +514,7 @@ def test_the_exported_sbatch_reproduces_exactly_what_was_measured(tmp_path: Path
     import json
 
     from trainer.contract.result import BenchmarkConfig
-    from tuner.export import export_layout
+    from tuner.exports import export_layout
 
     env = Env(tmp_path, training={"precision": "bf16"}, trial={"device": "auto"})  # cpu-local: fp32 on CPU
     env.run()

@@ -2,7 +2,7 @@
 with and leaves behind, and of the variables that travel in its environment. Every side uses it:
 the launcher and its supervisor (trainer/launch.py), the fork server (trainer/forkserver.py), the
 trainer (trainer/benchmark.py, trainer/failures.py), every dispatcher (tuner/dispatch/) and the
-sbatch export (tuner/export.py). Torch-free: the tuner imports it (an import-linter contract in
+sbatch export (tuner/exports/sbatch.py). Torch-free: the tuner imports it (an import-linter contract in
 pyproject.toml keeps it so).
 
     config.json                  the BenchmarkConfig, written by whoever starts the trial (prepare)

@@ -1,6 +1,6 @@
 """What goes to `sbatch`: a site's defaults, one resource description rendered both as argv and
 as `#SBATCH` lines, and the job-script preamble. Used for trials (tuner/dispatch/slurm.py),
-allocations (tuner/dispatch/allocation.py) and exported scripts (tuner/export.py).
+allocations (tuner/dispatch/allocation.py) and exported scripts (tuner/exports/sbatch.py).
 
 Everything a user wrote reaches Slurm either as a validated name (tuner/spec.py: SlurmSpec) or as
 one argv element of `sbatch` (no shell); job scripts quote every value with shlex.quote.

@@ -1,216 +1,20 @@
-"""What the exports (tuner/export.py, tuner/export_model.py) add for the attention variants and the
-mixtures of experts of trainer/contract/model.py's ModelConfig: wide heads and q/k norms (Qwen3, OLMoE),
-DeepSeek's latent attention, and routed experts over expert parallelism (ParallelConfig.ep).
+"""The mixtures of experts for torchtitan 0.3.0: a flavor of its qwen3 (experts on grouped-query
+attention) or deepseek_v3.
 
-Megatron-LM (megatron-core 0.19.2; every flag is one of its parser's, tests/tuner/megatron_flags.txt,
-and scripts/check-megatron-export.py runs validate_args and builds its TransformerConfig):
-- experts: --num-experts, --moe-router-topk, --moe-ffn-hidden-size, a shared expert's
-  --moe-shared-expert-intermediate-size, the dense first layers as a --moe-layer-freq pattern,
-  --moe-grouped-gemm and the all-to-all dispatcher (--moe-token-dispatcher-type alltoall), the
-  one our trainer runs (issue 27: all_to_all_single);
-- the router: --moe-router-score-function; softmax with the top-k weights renormalised is
-  Megatron's default (softmax over the top-k logits: the same weights), unnormalised (OLMoE) is
-  --moe-router-pre-softmax; sigmoid scores are always renormalised (megatron/core/transformer/moe/
-  moe_utils.py: topk_routing_with_score_function), so sigmoid without renormalising is refused;
-  --moe-router-topk-scaling-factor, group-limited routing (--moe-router-num-groups,
-  --moe-router-group-topk), the auxiliary-loss-free expert bias (--moe-router-enable-expert-bias,
-  --moe-router-bias-update-rate; Megatron takes it with sigmoid scores only);
-- load balancing: ModelConfig.moe_aux_loss_coef is the sequence-wise auxiliary loss (its comment in
-  trainer/contract/model.py), Megatron's seq_aux_loss; none without it; --moe-router-force-load-balancing
-  for a study measured with balanced routing (BenchmarkConfig.moe_routing);
-- parallelism: --expert-model-parallel-size ep and --expert-tensor-parallel-size 1 (experts are
-  never split over tp: trainer/contract/rules.py, ep_rules); Megatron's expert grid
-  ETP x EP x EDP x PP then has the trainer's expert data parallelism (edp = dp x cp x tp / ep);
-- attention: --kv-channels for heads wider than hidden / heads, --qk-layernorm for per-head q/k
-  norms (OLMoE's norms over the whole projections have no Megatron flag: refused), and
-  --multi-latent-attention with its ranks and widths, plain RoPE (--rope-type rope; Megatron's
-  latent attention defaults to YaRN, whose fused kernel is YaRN only: --no-rope-fusion) and
-  --qk-layernorm for the q and kv latents' norms.
-torchtitan: see the torchtitan section below.
+A mixture of experts on the Llama block is a flavor of torchtitan's qwen3 model (models/qwen3:
+per-head q/k norms or none, rotary halves as our trainer and Hugging Face rotate them), its
+layers from torchtitan's own builders, the router, load balancing, shared expert and dense first
+layers set on them; latent attention is a flavor of its deepseek_v3 model (models/deepseek_v3,
+plain RoPE: no YaRN). Expert parallelism is `expert_parallel_degree`; torchtitan folds it into
+data_parallel_shard x context x tensor parallelism (distributed/parallel_dims.py: efsdp =
+dp_shard x cp x tp / ep), so a layout whose ep takes dp_replicate ranks is refused. torchtitan's
+MoE has no auxiliary loss (its balancing is the expert bias, `load_balance_coeff`): said in a note.
 """
 
 from __future__ import annotations
 
-import shlex
-
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
-
-
-def describe_moe(m: ModelConfig) -> str:
-    """The attention and expert fields beyond the dense families, for the header: '' for those."""
-    parts = []
-    if m.attention == "mla":
-        parts.append(
-            f"latent attention (q rank {m.q_lora_rank}, kv rank {m.kv_lora_rank}, heads of {m.qk_nope_head_dim} + "
-            f"{m.qk_rope_head_dim} rotary for q/k, {m.v_head_dim} for v)"
-        )
-    elif m.attention_head_dim:
-        parts.append(f"heads of {m.attention_head_dim}")
-    if m.qk_norm != "none":
-        parts.append(
-            {"head": "q/k norms per head", "proj": "q/k norms over the whole projections"}[m.qk_norm]
-        )
-    if m.moe:
-        experts = f"{m.num_experts} experts of {m.expert_ffn_size}, top {m.moe_top_k}"
-        if m.moe_shared_ffn_hidden_size:
-            experts += f", a shared expert of {m.moe_shared_ffn_hidden_size}"
-        if m.moe_dense_layers:
-            experts += f", {m.moe_dense_layers} dense first layer(s)"
-        router = f"{m.moe_router_score} router" + (
-            " renormalised" if m.moe_norm_topk else " not renormalised"
-        )
-        if m.moe_route_scale != 1:
-            router += f" x{m.moe_route_scale:g}"
-        if m.moe_groups > 1:
-            router += f", {m.moe_topk_groups} of {m.moe_groups} groups"
-        if m.moe_bias_update_rate:
-            router += f", expert bias rate {m.moe_bias_update_rate:g}"
-        if m.moe_aux_loss_coef:
-            router += f", auxiliary loss {m.moe_aux_loss_coef:g}"
-        parts.append(f"{experts} ({router})")
-    return "; ".join(parts)
-
-
-# --- Megatron-LM ---
-
-
-def megatron_attention_unsupported(m: ModelConfig) -> list[str]:
-    if m.qk_norm == "proj":
-        return [
-            "qk_norm 'proj' (OLMoE's RMSNorm over the whole q and k projections): Megatron-LM's "
-            "--qk-layernorm normalises each head"
-        ]
-    return []
-
-
-def megatron_attention_args(m: ModelConfig) -> list[tuple[str, object]]:
-    """Flags for the attention beyond multi-head / grouped-query attention of hidden / heads."""
-    if m.attention == "mla":
-        args: list[tuple[str, object]] = [("--multi-latent-attention", None)]
-        if m.q_lora_rank:
-            args.append(("--q-lora-rank", m.q_lora_rank))
-        return [
-            *args, ("--kv-lora-rank", m.kv_lora_rank), ("--qk-head-dim", m.qk_nope_head_dim),
-            ("--qk-pos-emb-head-dim", m.qk_rope_head_dim), ("--v-head-dim", m.v_head_dim),
-            ("--qk-layernorm", None), ("--rope-type", "rope"), ("--no-rope-fusion", None),
-        ]  # fmt: skip
-    args = [("--kv-channels", m.attention_head_dim)] if m.attention_head_dim else []
-    if m.qk_norm == "head":
-        args.append(("--qk-layernorm", None))
-    return args
-
-
-def megatron_moe_unsupported(m: ModelConfig) -> list[str]:
-    if not m.moe:
-        return []
-    reasons = []
-    if m.moe_router_score == "sigmoid" and not m.moe_norm_topk and m.moe_top_k > 1:
-        reasons.append(
-            "sigmoid router scores without renormalising the top-k (moe_norm_topk false): Megatron-LM "
-            "always renormalises sigmoid scores"
-        )
-    if m.moe_router_score == "softmax" and m.moe_norm_topk and m.moe_top_k == 1:
-        reasons.append(
-            "softmax top-1 routing renormalised (a weight of 1): Megatron-LM needs --moe-router-pre-softmax "
-            "for top-1, which keeps the softmax probability instead"
-        )
-    if m.moe_bias_update_rate and m.moe_router_score != "sigmoid":
-        reasons.append(
-            f"the expert bias (moe_bias_update_rate {m.moe_bias_update_rate:g}) with "
-            f"{m.moe_router_score!r} scores: Megatron-LM's --moe-router-enable-expert-bias takes sigmoid scores only"
-        )
-    return reasons
-
-
-def moe_layer_pattern(m: ModelConfig) -> str:
-    """--moe-layer-freq's pattern for the dense first layers: '([0]*3+[1]*58)' (1: experts)."""
-    return f"([0]*{m.moe_dense_layers}+[1]*{m.num_moe_layers})"
-
-
-def megatron_moe_args(m: ModelConfig, config: ParallelConfig, routing: str) -> list[tuple[str, object]]:
-    """The experts' flags, after the model's (megatron_model_args), and the expert layout."""
-    if not m.moe:
-        return []
-    args: list[tuple[str, object]] = [
-        ("--num-experts", m.num_experts), ("--moe-router-topk", m.moe_top_k),
-        ("--moe-ffn-hidden-size", m.expert_ffn_size),
-    ]  # fmt: skip
-    if m.moe_shared_ffn_hidden_size:
-        args.append(("--moe-shared-expert-intermediate-size", m.moe_shared_ffn_hidden_size))
-    if m.moe_dense_layers:
-        args.append(("--moe-layer-freq", shlex.quote(moe_layer_pattern(m))))
-    args.append(("--moe-router-score-function", m.moe_router_score))
-    if m.moe_router_score == "softmax" and not m.moe_norm_topk:
-        args.append(("--moe-router-pre-softmax", None))  # softmax over all experts, top-k weights as they are
-    if m.moe_route_scale != 1:
-        args.append(("--moe-router-topk-scaling-factor", f"{m.moe_route_scale:g}"))
-    if m.moe_groups > 1:
-        args += [("--moe-router-num-groups", m.moe_groups), ("--moe-router-group-topk", m.moe_topk_groups)]
-    if m.moe_bias_update_rate:
-        args += [("--moe-router-enable-expert-bias", None),
-                 ("--moe-router-bias-update-rate", f"{m.moe_bias_update_rate:g}")]  # fmt: skip
-    if m.moe_aux_loss_coef:
-        args += [("--moe-router-load-balancing-type", "seq_aux_loss"),
-                 ("--moe-aux-loss-coeff", f"{m.moe_aux_loss_coef:g}")]  # fmt: skip
-    else:
-        args.append(("--moe-router-load-balancing-type", "none"))
-    if routing == "balanced":
-        args.append(("--moe-router-force-load-balancing", None))
-    return [
-        *args, ("--moe-grouped-gemm", None), ("--moe-token-dispatcher-type", "alltoall"),
-        ("--expert-model-parallel-size", config.ep), ("--expert-tensor-parallel-size", 1),
-    ]  # fmt: skip
-
-
-def megatron_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> list[str]:
-    notes = []
-    if m.attention == "mla":
-        notes.append(
-            "latent attention with plain RoPE (--rope-type rope), as the trainer builds it; Megatron's fused "
-            "RoPE for latent attention is YaRN only (--no-rope-fusion)."
-        )
-    if not m.moe:
-        return notes
-    c = config
-    ranks, sizes = (
-        ("dp x cp x tp", f"dp {c.dp} x cp {c.cp} x tp {c.tp}")
-        if c.cp > 1
-        else ("dp x tp", f"dp {c.dp} x tp {c.tp}")
-    )
-    notes.append(
-        f"experts: ep {c.ep} x etp 1 over the {ranks} ranks of each stage, so expert data parallelism is "
-        f"{c.edp} ({sizes} / ep {c.ep}), as measured; dropless routing (no capacity factor)."
-    )
-    if m.moe_aux_loss_coef:
-        notes.append(
-            f"load balancing: the sequence-wise auxiliary loss (seq_aux_loss) x {m.moe_aux_loss_coef:g}, "
-            "ModelConfig.moe_aux_loss_coef."
-        )
-    notes.append(
-        "--moe-router-force-load-balancing: routing forced balanced, as the study measured it."
-        if routing == "balanced"
-        else "routing learned (dropless), as measured: per-expert load follows the router."
-    )
-    if c.zero_stage == 3 and c.ep > 1 and c.pp == 1:
-        notes.append(
-            "zero_stage 3 with ep > 1: Megatron's --use-torch-fsdp2 does not combine with expert "
-            "parallelism, so this uses the distributed optimizer: parameters are not sharded and memory "
-            "per GPU is higher than measured."
-        )
-    return notes
-
-
-# --- torchtitan 0.3.0: a flavor of its qwen3 (experts on grouped-query attention) or deepseek_v3 ---
-#
-# A mixture of experts on the Llama block is a flavor of torchtitan's qwen3 model (models/qwen3:
-# per-head q/k norms or none, rotary halves as our trainer and Hugging Face rotate them), its
-# layers from torchtitan's own builders, the router, load balancing, shared expert and dense first
-# layers set on them; latent attention is a flavor of its deepseek_v3 model (models/deepseek_v3,
-# plain RoPE: no YaRN). Expert parallelism is `expert_parallel_degree`; torchtitan folds it into
-# data_parallel_shard x context x tensor parallelism (distributed/parallel_dims.py: efsdp =
-# dp_shard x cp x tp / ep), so a layout whose ep takes dp_replicate ranks is refused. torchtitan's
-# MoE has no auxiliary loss (its balancing is the expert bias, `load_balance_coeff`): said in a note.
 
 
 def torchtitan_moe_builds(m: ModelConfig) -> bool:
@@ -294,7 +98,7 @@ def _moe_lines(m: ModelConfig, first: int) -> list[str]:
 
 def torchtitan_moe_model(m: ModelConfig, flavor: str, fn: str, embedding_init: str) -> list[str]:
     """The lines after the imports: torchtitan's helpers, BASE, FLAVOR, the model function and its
-    registration (as torchtitan_model does for a Llama: tuner/export_model.py)."""
+    registration (as torchtitan_model does for a Llama: models.py)."""
     base = [
         "",
         "# Data, tokenizer and optimizer: llama3_debugmodel's, whose tokenizer and data are in torchtitan's",

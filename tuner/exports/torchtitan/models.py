@@ -1,78 +1,29 @@
-"""The study's model in the terms of each stack that tuner/export.py writes for: the comment that
-names its block, torchtitan's Llama 3 model config, Megatron-LM's model flags, and what a stack
-cannot build.
-
-By family (ModelConfig.family, trainer/contract/model.py):
-- gpt (learned positions, LayerNorm, GELU): Megatron-LM's defaults. torchtitan has no such model,
-  so its export carries the layout only and names the model in a comment.
-- llama (Llama 3.x, Qwen2: RoPE, RMSNorm, SwiGLU, GQA): Megatron-LM with its Llama flags
-  (--swiglu, --normalization RMSNorm, --position-embedding-type rope, ...). torchtitan as a flavor
-  of its own llama3 model (`Llama3Model`), registered by the exported module and written as
-  torchtitan writes its 8B flavor. Tied heads are torchtitan's `enable_weight_tying` (its Llama 3.2
-  flavors use it); Qwen2's q/k/v bias is the bias of torchtitan's fused `wqkv` Linear, which its
-  sharding (colwise: the bias sharded with the rows) and checkpoint hooks already handle.
-- custom (another mix): Megatron-LM flag by flag; torchtitan the layout only, as for gpt.
+"""The study's model for torchtitan 0.3.0, by family (ModelConfig.family, trainer/contract/model.py):
+- llama (Llama 3.x, Qwen2: RoPE, RMSNorm, SwiGLU, GQA): a flavor of torchtitan's own llama3 model
+  (`Llama3Model`), registered by the exported module and written as torchtitan writes its 8B
+  flavor. Tied heads are torchtitan's `enable_weight_tying` (its Llama 3.2 flavors use it); Qwen2's
+  q/k/v bias is the bias of torchtitan's fused `wqkv` Linear, which its sharding (colwise: the bias
+  sharded with the rows) and checkpoint hooks already handle.
+- a mixture of experts: a flavor of its qwen3 or deepseek_v3 (moe.py).
+- gpt (learned positions, LayerNorm, GELU), custom (another mix), and a Llama block torchtitan's
+  llama3 is not (q/k norms, wide heads): torchtitan has no such model, so the export carries the
+  layout only and names the model in a comment.
 tests/tuner/test_export.py builds torchtitan's model on the meta device and compares its
-parameters with ModelConfig.num_params, and checks Megatron's parse of the flags (docs/exports.md).
+parameters with ModelConfig.num_params (docs/exports.md).
 """
 
 from __future__ import annotations
 
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
-from tuner.export_moe import (
-    describe_moe,
-    megatron_attention_args,
-    megatron_attention_unsupported,
-    megatron_moe_unsupported,
+from tuner.exports.torchtitan.moe import (
     torchtitan_moe_builds,
     torchtitan_moe_imports,
     torchtitan_moe_model,
     torchtitan_moe_unsupported,
 )
 
-# torchtitan's RMSNorm.Config default eps and Megatron-LM's --norm-epsilon default.
-DEFAULT_NORM_EPS = 1e-5
-# Megatron-LM's Llama 3.1 RoPE scaling (--use-rope-scaling) takes the factor as a flag
-# (--rope-scaling-factor) and fixes the rest (megatron/core/models/common/embeddings/
-# rotary_pos_embedding.py: RotaryEmbedding._apply_scaling): low/high frequency factors, original context.
-MEGATRON_ROPE_SCALING_FIXED = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-                               "rope_original_max_positions": 8192}  # fmt: skip
 TORCHTITAN_MODEL_FN = "study_model"
-
-
-def describe(m: ModelConfig) -> str:
-    """The block in words, for the header of every export: 'GPT: learned positions, pre-LN, GELU MLP,
-    untied head, no linear biases' for GPT-2/3."""
-    if m.positions == "learned":
-        positions = "learned positions"
-    else:
-        positions = f"RoPE base {_number(m.rope_theta)}"
-        if m.rope_scaling_factor is not None:
-            positions += (f" with Llama 3.1 scaling x{m.rope_scaling_factor:g} (frequency factors "
-                          f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original context "
-                          f"{m.rope_original_max_positions})")  # fmt: skip
-    norm = "pre-LN" if m.norm == "layernorm" else "pre-RMSNorm"
-    if m.norm != "layernorm" or m.norm_eps != DEFAULT_NORM_EPS:
-        norm += f" eps {m.norm_eps:g}"
-    mlp = "SwiGLU MLP" if m.mlp == "swiglu" else "GELU MLP"
-    head = "head tied to the token embedding" if m.tie_embeddings else "untied head"
-    biases = "biases on q, k and v only" if m.qkv_bias else "no linear biases"
-    extra = describe_moe(m)  # attention variants and experts (tuner/export_moe.py); '' for the dense families
-    return f"{_label(m)}: {positions}, {norm}, {mlp}, {head}, {biases}" + (f"; {extra}" if extra else "")
-
-
-def _number(x: float) -> str:
-    """500000.0 -> '500000' (not '5e+05'), 0.5 -> '0.5'."""
-    return str(int(x)) if x == int(x) else repr(x)
-
-
-def _label(m: ModelConfig) -> str:
-    label = {"gpt": "GPT", "llama": "Llama", "deepseek": "DeepSeek"}.get(m.family, "custom")
-    return label + (" mixture of experts" if m.moe else "")
-
-
-# --- torchtitan 0.3.0: a flavor of its llama3 model ---
 
 
 def _llama3(m: ModelConfig) -> bool:
@@ -83,7 +34,7 @@ def _llama3(m: ModelConfig) -> bool:
 
 def torchtitan_builds(m: ModelConfig) -> bool:
     """Whether the export writes the model as a flavor of a torchtitan model: its llama3, or for a
-    mixture of experts its qwen3 or deepseek_v3 (tuner/export_moe.py); else the layout only."""
+    mixture of experts its qwen3 or deepseek_v3 (moe.py); else the layout only."""
     return _llama3(m) or torchtitan_moe_builds(m)
 
 
@@ -93,7 +44,7 @@ def torchtitan_imports(m: ModelConfig) -> list[str]:
 
 def torchtitan_unsupported(m: ModelConfig, config: ParallelConfig) -> list[str]:
     """Why torchtitan cannot train this model in this layout (a model it builds; a mixture of
-    experts it has no flavor for: tuner/export_moe.py)."""
+    experts it has no flavor for: moe.py)."""
     if m.moe:
         reasons = torchtitan_moe_unsupported(m, config)
         if m.tie_embeddings and config.pp > 1:
@@ -209,7 +160,7 @@ def torchtitan_notes(m: ModelConfig, trained_vocab: int) -> list[str]:
     notes = (
         []
         if m.moe
-        else [  # qwen3 rotates halves; deepseek_v3: tuner/export_moe.py's notes
+        else [  # qwen3 rotates halves; deepseek_v3: moe.py's notes
             "RoPE: torchtitan rotates adjacent pairs of each head (Meta's Llama), our trainer the two halves "
             "(Hugging Face's): the same model up to a fixed order of q and k rows."
         ]
@@ -218,64 +169,3 @@ def torchtitan_notes(m: ModelConfig, trained_vocab: int) -> list[str]:
         notes.append(f"vocabulary: torchtitan builds the tokenizer's {m.vocab_size}; our trainer padded it "
                      f"to {trained_vocab} for tensor parallelism (Megatron-LM's rule).")  # fmt: skip
     return notes
-
-
-# --- Megatron-LM ---
-
-
-def megatron_unsupported(m: ModelConfig) -> list[str]:
-    reasons = megatron_attention_unsupported(m) + megatron_moe_unsupported(m)
-    if m.positions == "rope" and m.rope_theta != int(m.rope_theta):
-        reasons.append(f"rope_theta {m.rope_theta:g}: Megatron-LM's --rotary-base is an integer")
-    if m.rope_scaling_factor is not None:
-        for field, fixed in MEGATRON_ROPE_SCALING_FIXED.items():
-            if getattr(m, field) != fixed:
-                reasons.append(f"{field} {getattr(m, field):g}: Megatron-LM's Llama 3.1 RoPE scaling "
-                               f"fixes it at {fixed:g} (only the factor is a flag)")  # fmt: skip
-    return reasons
-
-
-def megatron_model_args(m: ModelConfig) -> list[tuple[str, object]]:
-    """The model's flags, from --num-layers to the dropouts: Megatron's defaults are GPT's block
-    (learned absolute positions, LayerNorm eps 1e-5, GELU, multi-head attention, a head tied to the
-    embedding, biases), so a GPT-2/3 model needs only its shape, --untie... and --disable-bias-linear.
-    --kv-channels is left out: Megatron's default is hidden / heads, which is ours."""
-    args: list[tuple[str, object]] = [
-        ("--num-layers", m.num_layers),
-        ("--hidden-size", m.hidden_size),
-        ("--num-attention-heads", m.num_heads),
-    ]
-    if m.kv_heads != m.num_heads:  # Megatron's query groups are the KV heads
-        args += [("--group-query-attention", None), ("--num-query-groups", m.kv_heads)]
-    args += megatron_attention_args(m)  # wide heads, q/k norms, latent attention (tuner/export_moe.py)
-    args += [
-        ("--ffn-hidden-size", m.ffn_size),
-        ("--seq-length", m.seq_len),
-        ("--max-position-embeddings", m.seq_len),
-    ]
-    if m.norm == "rmsnorm":
-        args.append(("--normalization", "RMSNorm"))
-    if m.norm != "layernorm" or m.norm_eps != DEFAULT_NORM_EPS:
-        args.append(("--norm-epsilon", f"{m.norm_eps:g}"))
-    if m.mlp == "swiglu":
-        args.append(("--swiglu", None))
-    if m.positions == "rope":
-        args += [("--position-embedding-type", "rope"), ("--rotary-base", int(m.rope_theta))]
-        if m.rope_scaling_factor is not None:
-            args += [("--use-rope-scaling", None), ("--rope-scaling-factor", f"{m.rope_scaling_factor:g}")]
-    if not m.tie_embeddings:
-        args.append(("--untie-embeddings-and-output-weights", None))
-    args.append(("--disable-bias-linear", None))
-    if m.qkv_bias:
-        args.append(("--add-qkv-bias", None))
-    args += [("--attention-dropout", m.dropout), ("--hidden-dropout", m.dropout)]
-    return args
-
-
-def megatron_model_note(m: ModelConfig) -> str:
-    if m.family == "gpt":
-        return "Megatron's defaults match the rest of the model: learned absolute positions, LayerNorm, GELU."
-    note = f"the {_label(m)} block is in the flags below (Megatron's defaults are GPT's)"
-    if m.positions == "rope":
-        note += "; Megatron's RoPE rotates the two halves of each head, as our trainer does"
-    return note + "."
