@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from tuner.cli_common import fail
+from tuner.cli.common import fail
 
 
 def serve(
@@ -32,7 +32,7 @@ def serve(
         from api.main import create_app
     except ImportError as e:
         fail(f"tuner serve needs the API's packages: pip install 'parallel-tuner[api]' ({e})")
-    from tuner.cli_common import sessions
+    from tuner.cli.common import sessions
     from tuner.worker import run_worker
 
     settings = ctx.obj

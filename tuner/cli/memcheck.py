@@ -8,17 +8,19 @@ as the analytic model adds it: tensor bytes x memory_scale + workspace_bytes, th
 
 from __future__ import annotations
 
-import inspect
 import json
 from typing import Annotated, Any
 
 import typer
 
 from trainer.contract.parallel import ParallelConfig
+from tuner.cli.common import fail, stored_constants
+from tuner.cli.options import SpecOptions, spec_data, with_spec_options
 from tuner.perfconstants import ModelConstants, default_constants
 from tuner.plan import PlanError, parse_pins
 from tuner.plan import plan as run_plan
 from tuner.pricing import Pricing
+from tuner.space import layout
 from tuner.spec import SpecError, StudySpec, benchmark_config, parse_spec
 
 
@@ -83,10 +85,8 @@ def verify_candidates(study: StudySpec, result: dict[str, Any], constants: Model
 
 
 def _config_of(knobs: dict[str, Any]) -> ParallelConfig:
-    """A candidate's ParallelConfig (plan lists dp; the space splits it by zero stage)."""
-    dp, zero = knobs["dp"], knobs["zero_stage"]
-    rest = {k: v for k, v in knobs.items() if k != "dp"}
-    return ParallelConfig(**rest, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1)
+    """A candidate's ParallelConfig (plan lists dp whole; the space splits it by zero stage)."""
+    return layout(**knobs)
 
 
 def _size(nbytes: float) -> str:
@@ -116,72 +116,44 @@ def print_check(config: ParallelConfig, result: dict[str, Any]) -> None:
                                               for r in o["ranks"]))  # fmt: skip
 
 
-def memcheck(ctx: typer.Context, **flags: Any) -> None:
+@with_spec_options
+def memcheck(
+    ctx: typer.Context,
+    opts: SpecOptions,
+    all_stages: Annotated[
+        bool, typer.Option("--all-stages", help="every pipeline rank, not only the first and last")
+    ] = False,
+    exact: Annotated[
+        bool, typer.Option("--exact", help="simulate every micro-batch (default on GPUs: extend two counts)")
+    ] = False,
+    processes: Annotated[
+        int | None, typer.Option(help="ranks simulated at once (default: the CPU cores)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the check as JSON")] = False,
+) -> None:
     """Check one layout's memory with the memory oracle: the trainer built at full size on fake
     tensors and a fake process group, stepped once with the schedule's micro-batches and the
     optimizer; peak per rank (worst stage) and what it holds. Model, cluster and precision as
     `tuner plan` takes them; --config pins the layout (the planner's best among the layouts that
     agree with the pins is checked)."""
-    from tuner.cli import _fail, _spec_from_flags, _stored_constants
-
-    data = _spec_from_flags(**flags)
     try:
-        study = parse_spec(data, str(flags["spec"]) if flags["spec"] else "memcheck")
-        constants = _stored_constants(study.cluster.name) or default_constants(study.cluster)
-        ranked = run_plan(
-            study, pins=parse_pins(flags["config"]), top=1, include_unfit=True, constants=constants
-        )
+        study = parse_spec(spec_data(opts), str(opts.spec) if opts.spec else "memcheck")
+        constants = stored_constants(study.cluster.name) or default_constants(study.cluster)
+        ranked = run_plan(study, pins=parse_pins(opts.config), top=1, include_unfit=True, constants=constants)
         if not ranked["candidates"]:
             raise PlanError("no valid layout agrees with --config")
         config = _config_of(ranked["candidates"][0]["config"])
-        result = check(study, config, constants, all_stages=flags["all_stages"], exact=flags["exact"],
-                       processes=flags["processes"])  # fmt: skip
+        result = check(study, config, constants, all_stages=all_stages, exact=exact, processes=processes)
     except (SpecError, PlanError, ValueError) as e:
-        _fail(str(e))
-    if flags["as_json"]:
+        fail(str(e))
+    if as_json:
         typer.echo(json.dumps({"config": config.to_dict(), **result}, indent=1))
         return
     print_check(config, result)
 
 
-def _with_plan_flags(fn):
-    """`fn` taking `tuner plan`'s model/cluster/training flags (one definition, tuner/cli.py)
-    followed by its own; typer reads the combined signature."""
-    from tuner.cli import plan
-
-    shared = [
-        p for name, p in inspect.signature(plan, eval_str=True).parameters.items() if name not in _NOT_SHARED
-    ]
-    own = [
-        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
-        *shared,
-        _option(
-            "all_stages", bool, False, "--all-stages", help="every pipeline rank, not only the first and last"
-        ),
-        _option(
-            "exact",
-            bool,
-            False,
-            "--exact",
-            help="simulate every micro-batch (default on GPUs: extend two counts)",
-        ),
-        _option("processes", int | None, None, help="ranks simulated at once (default: the CPU cores)"),
-        _option("as_json", bool, False, "--json", help="print the check as JSON"),
-    ]
-    fn.__signature__ = inspect.Signature(own)
-    return fn
-
-
-_NOT_SHARED = {"top", "include_unfit", "as_json", "verify_memory"}
-
-
-def _option(name: str, kind: Any, default: Any, *decls: str, help: str) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[kind, typer.Option(*decls, help=help)])  # fmt: skip
-
-
 def register(app: typer.Typer) -> None:
-    app.command()(_with_plan_flags(memcheck))
+    app.command()(memcheck)
 
 
 def print_verified(result: dict[str, Any]) -> None:

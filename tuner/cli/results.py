@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from tuner.backend import Backend, BackendError, DatabaseBackend, HttpBackend
-from tuner.cli_common import console, fail, sessions
+from tuner.cli.common import console, fail, sessions
 from tuner.models import model_label
 from tuner.outcome import StudyStatus
 from tuner.payoff import describe as describe_payoff
@@ -194,7 +194,7 @@ def export(
     url: Url = None, token: Token = None,
 ) -> None:  # fmt: skip
     """The study's best layout as a ready launch config."""
-    from tuner.export import FORMATS
+    from tuner.exports import FORMATS
 
     if fmt not in FORMATS:
         fail(f"--format: {fmt!r} is not one of {list(FORMATS)}")

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tuner import store
-from tuner.cli_common import console, fail, sessions
+from tuner.cli.common import console, fail, sessions
 from tuner.dispatch import BACKENDS, close_dispatcher, make_dispatcher
 from tuner.loop import Progress as LoopProgress
 from tuner.loop import run_study
@@ -22,7 +22,7 @@ from tuner.outcome import StudyStatus
 from tuner.settings import Settings
 from tuner.spec import SpecError, load_spec
 
-STUDIES_DIR = Path(__file__).resolve().parent.parent / "studies"
+STUDIES_DIR = Path(__file__).resolve().parents[2] / "studies"
 
 
 def _run(spec_path: Path, name: str | None, settings: Settings, backend: str | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -9,6 +10,7 @@ from rich.console import Console
 from sqlalchemy.orm import sessionmaker
 
 from tuner.db import DatabaseError, connect
+from tuner.perfconstants import ModelConstants
 from tuner.settings import Settings
 
 console = Console()
@@ -25,3 +27,18 @@ def sessions(settings: Settings) -> sessionmaker:
         return connect(settings.database_url)
     except DatabaseError as e:
         fail(str(e))
+
+
+def stored_constants(cluster_name: str) -> ModelConstants | None:
+    """The constants the last study on this cluster fitted (the database of TUNER_DATABASE_URL),
+    or None: plan never creates a database and works without one."""
+    from tuner import store
+
+    url = Settings.from_env().database_url
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        return None
+    try:
+        with connect(url)() as s:
+            return store.latest_constants(s, cluster_name)
+    except DatabaseError:
+        return None

@@ -1,0 +1,144 @@
+"""`tuner plan`: rank a study's layouts by the performance model, without running any."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from tuner.cli.common import fail, stored_constants
+from tuner.cli.options import SpecOptions, spec_data, with_spec_options
+from tuner.models import model_key, model_label
+from tuner.plan import PlanError, parse_pins
+from tuner.plan import plan as run_plan
+from tuner.spec import SpecError, StudySpec, parse_spec
+
+
+@with_spec_options
+def plan(
+    opts: SpecOptions,
+    top: Annotated[int, typer.Option(min=1, help="how many layouts to list")] = 10,
+    include_unfit: Annotated[
+        bool, typer.Option(help="also list layouts predicted to run out of memory")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+    explain: Annotated[
+        bool,
+        typer.Option("--explain", help="each listed layout's predicted step, term by term (they add up)"),
+    ] = False,
+    verify_memory: Annotated[
+        bool,
+        typer.Option("--verify-memory", help="check each listed layout with the memory oracle (needs torch)"),
+    ] = False,
+) -> None:
+    """Rank every valid layout by the performance model, without running any."""
+    try:
+        study = parse_spec(spec_data(opts), str(opts.spec) if opts.spec else "plan")
+        constants = stored_constants(study.cluster.name)
+        result = run_plan(
+            study, pins=parse_pins(opts.config), top=top, include_unfit=include_unfit, constants=constants
+        )
+        if verify_memory:
+            from tuner.cli.memcheck import verify_candidates
+
+            verify_candidates(study, result, constants)
+    except (SpecError, PlanError, ValueError) as e:
+        fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+        return
+    _print_plan(study, result)
+    if explain:
+        _print_terms(result)
+    if verify_memory:
+        from tuner.cli.memcheck import print_verified
+
+        print_verified(result)
+
+
+def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
+    m, c = study.gpt(), study.cluster
+    typer.echo(f"{model_label(model_key(m, study.model.preset))}: {m.num_params / 1e9:.2f}B parameters, seq {m.seq_len}, global "
+               f"batch {study.training.global_batch_size}, {study.devices} x {c.name} devices "
+               f"({c.peak_tflops:g} TFLOP/s, {c.device_memory_gb:g} GB)")  # fmt: skip
+    vocab = result["vocab"]
+    padded = ", ".join(f"{v} at tp {t}" for t, v in vocab["padded_by_tp"].items())
+    typer.echo(f"vocabulary {vocab['vocab_size']}, padded to a multiple of {vocab['divisible_by']} x tp "
+               f"(Megatron-LM): {padded or '-'}")  # fmt: skip
+    typer.echo(
+        f"space {result['space_size']}, valid {result['num_valid']}, predicted to fit {result['num_fit']}\n"
+    )
+    moe = m.moe  # a mixture of experts: an ep column
+    cp = any(
+        "cp" in cand["config"] for cand in result["candidates"]
+    )  # context parallelism searched: a cp column
+    head = (f"{'tp':>5} {'pp':>3} {'dp':>5}" + (f" {'cp':>3}" if cp else "") + (f" {'ep':>4}" if moe else "")
+            + f" {'mbs':>3} {'nmb':>5} {'zero':>4} "
+            f"{'ckpt':>9} {'sp':>3} {'schedule':>18} {'vocab':>7} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")  # fmt: skip
+    typer.echo(head)
+    for cand in result["candidates"]:
+        k, p = cand["config"], cand["predicted"]
+        sched = (
+            k["pp_schedule"] + (f"/v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+            if k["pp"] > 1
+            else "-"
+        )
+        flag = "" if p["fits"] else "  (does not fit)"
+        tp = f"{k['tp']}x{k['tp_col']}" if k.get("tp_col", 1) > 1 else str(k["tp"])  # row x column
+        ep = f" {k.get('ep', 1):>4}" if moe else ""
+        ctx = f" {k.get('cp', 1):>3}" if cp else ""
+        typer.echo(
+            f"{tp:>5} {k['pp']:>3} {k['dp']:>5}{ctx}{ep} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
+            f"{k['zero_stage']:>4} {k['activation_checkpoint']:>9} {'y' if k['sequence_parallel'] else 'n':>3} "
+            f"{sched:>18} {cand['vocab_size']:>7} {p['memory_bytes'] / 2**30:>8.1f} {p['tflops_per_device']:>8.1f} {p['mfu']:>6.1%} "
+            f"{p['tokens_per_s']:>11.0f}{flag}"
+        )
+    if result["candidates"] and result["candidates"][0].get("experts"):
+        typer.echo(f"\nthe fastest layout's {result['candidates'][0]['experts']}")
+    for line in result.get("hint", []):
+        typer.echo(f"\n{line}" if line is result["hint"][0] else line)
+    if result.get("column"):
+        typer.echo("\n2D tensor parallelism (tp x tp_col), the fastest layout of each column degree:")
+        for entry in result["column"]:
+            typer.echo(f"  tp_col {entry['tp_col']}: {entry['layout'] or '-'}: {entry['why']}")
+    if result["rejected"]:
+        typer.echo("\nrejected layouts by reason:")
+        for reason, count in result["rejected"].items():
+            typer.echo(f"{count:>7}  {reason}")
+
+
+def _print_terms(result: dict[str, Any]) -> None:
+    """Each candidate's step time as the sum of its terms (tuner.perfmodel.StepTerms), largest
+    first; terms under 0.05 % of the step are folded into one line so the sum still holds."""
+    from tuner.perfmodel import TERM_LABELS
+
+    typer.echo("\nwhere each step goes (seconds; the terms add up to the step):")
+    for rank, cand in enumerate(result["candidates"], 1):
+        p = cand["predicted"]
+        step, terms = p["step_time_s"], sorted(p["terms"].items(), key=lambda kv: -kv[1])
+        shown = [(k, v) for k, v in terms if v >= 5e-4 * step]
+        rest = sum(v for k, v in terms if v < 5e-4 * step)
+        parts = [f"{TERM_LABELS[k]} {v:.4g} ({v / step:.0%})" for k, v in shown]
+        if rest > 0:
+            parts.append(f"other terms {rest:.2g}")
+        typer.echo(f"{rank:>3}. {_layout(cand['config'])}: step {step:.4g} s = " + " + ".join(parts))
+        if cand.get("experts"):
+            typer.echo(f"     {cand['experts']}")
+
+
+def _layout(k: dict[str, Any]) -> str:
+    tp = f"{k['tp']}x{k['tp_col']}" if k.get("tp_col", 1) > 1 else str(k["tp"])
+    sched = (
+        f" {k['pp_schedule']}" + (f"/v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+        if k["pp"] > 1
+        else ""
+    )
+    cp = f" cp{k['cp']}" if k.get("cp", 1) > 1 else ""
+    return (f"tp{tp} pp{k['pp']}{sched} dp{k['dp']}{cp} z{k['zero_stage']} mbs{k['micro_batch_size']}x{k['num_microbatches']}"
+            + (f" ac={k['activation_checkpoint']}" if k["activation_checkpoint"] != "none" else "")
+            + (" sp" if k["sequence_parallel"] else "") + (f" ep{k['ep']}" if k.get("ep", 1) > 1 else ""))  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(plan)
