@@ -14,6 +14,8 @@ workspace_bytes and memory_scale.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -480,25 +482,40 @@ def _interleaved_moments(
     to_next = [stage + j * p.pp < p.num_stages - 1 for j in range(len(r.chunks))]
     to_previous = [stage + j * p.pp > 0 for j in range(len(r.chunks))]
     held, grads, started = 0.0, 0.0, set()
-    moments: list[tuple[float, float, float]] = []
-    for kind, j in interleaved_order(p.pp, p.virtual_stages, p.num_microbatches, stage):
+    # The peak moment by its sum, the first of equal ones: max(moments, key=sum), kept as it goes
+    # (a + b + c is sum's order). The walk is a plan's hottest loop: the moments are inlined.
+    best, best_sum = None, -math.inf
+    zero3, layers, flow = p.zero_stage == 3, r.layers, r.flow
+    for kind, j in _order(p.pp, p.virtual_stages, p.num_microbatches, stage):
         if kind == "F":
             held += acts[j] + (r.boundary if to_next[j] else 0.0)
             if last_rank and j == home:  # the loss, computed at the end of the last stage's forward
-                moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held + r.loss))
+                a, b, c = r.root if zero3 else r.whole, grads, held + r.loss
+                if a + b + c > best_sum:
+                    best, best_sum = (a, b, c), a + b + c
             continue
         others = held - acts[j]
-        moments.append((working, grads + fresh, others + r.layers * r.chunks[j] + r.flow))
-        if p.zero_stage == 3:  # a backward that does not sync leaves its layers gathered (see above)
-            moments.append((r.whole, grads + fresh, others + r.layer + r.flow))
+        b, c = grads + fresh, others + layers * r.chunks[j] + flow
+        if working + b + c > best_sum:
+            best, best_sum = (working, b, c), working + b + c
+        if zero3:  # a backward that does not sync leaves its layers gathered (see above)
+            c = others + r.layer + flow
+            if r.whole + b + c > best_sum:
+                best, best_sum = (r.whole, b, c), r.whole + b + c
         held = others + (r.boundary if to_previous[j] else 0.0)
         if j not in started:  # its gradients, whole and in fp32 until the step's last backward
             started.add(j)
             grads += grads_of[j]
-    return max(moments, key=sum)
+    return best
 
 
 def interleaved_order(pp: int, v: int, n: int, rank: int) -> list[tuple[str, int]]:
+    """The forwards and backwards of pipeline rank `rank`, in torch's interleaved order (_order)."""
+    return list(_order(pp, v, n, rank))
+
+
+@functools.lru_cache(maxsize=4096)  # a plan asks the same few (pp, v, n, rank) for every layout
+def _order(pp: int, v: int, n: int, rank: int) -> tuple[tuple[str, int], ...]:
     """The forwards ("F") and backwards ("B") of pipeline rank `rank` in the order torch's
     ScheduleInterleaved1F1B runs them, each with its local stage (0 .. v-1: stage rank + j pp):
     a warm-up of (v - 1) x round + 2 (pp - 1 - rank) forwards, rounds of n // max(1, n // pp)
@@ -515,7 +532,7 @@ def interleaved_order(pp: int, v: int, n: int, rank: int) -> list[tuple[str, int
             order.append(("F", (op // per_round) % v))
         if op >= warmup:
             order.append(("B", v - 1 - ((op - warmup) // per_round) % v))
-    return order
+    return tuple(order)
 
 
 def _chunk_shares(num_layers: int, p: ParallelConfig, stage: int) -> tuple[float, ...]:
@@ -550,7 +567,7 @@ def _in_flight(p: ParallelConfig, stage: int) -> float:
         return float(n)
     if v > 1:  # the most local stages' forwards whose backward is still to come, torch's order
         held = peak = 0
-        for kind, _ in interleaved_order(pp, v, n, stage):
+        for kind, _ in _order(pp, v, n, stage):
             held += 1 if kind == "F" else -1
             peak = max(peak, held)
         return peak / v

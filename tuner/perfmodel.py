@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from dataclasses import dataclass, field
 
 from trainer.contract.model import ModelConfig
@@ -88,11 +89,13 @@ class StepTerms:
 
     @property
     def total_s(self) -> float:
-        return sum(dataclasses.astuple(self))
+        return sum(_TERM_VALUES(self))  # field order, as astuple summed them (bit for bit)
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
+
+_TERM_VALUES = operator.attrgetter(*(f.name for f in dataclasses.fields(StepTerms)))
 
 # How `tuner plan --explain`, the API and the dashboard name each term.
 TERM_LABELS = {

@@ -4,6 +4,7 @@ studies/, JSON bodies, CLI flags); the tuner works on trainer/contract/s frozen 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +59,7 @@ def padded_vocab(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_B
     return -(-vocab_size // multiple) * multiple
 
 
+@functools.lru_cache(maxsize=1024)  # every layout of a plan asks it again (frozen, hashable models)
 def padded_model(model: ModelConfig, tp: int) -> ModelConfig:
     """`model` with the vocabulary padded for tensor parallelism `tp`: what the trainer builds and
     what the performance model prices. `model.vocab_size` is the tokenizer's, as the user gave it."""

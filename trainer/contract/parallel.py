@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.contract.axes import AXES
@@ -39,6 +40,13 @@ ActivationCheckpoint = Literal["none", "selective", "full"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 
 
+# What the methods below read of the table, looked up once (a plan asks them of every layout).
+_WORLD = operator.attrgetter(*(a.name for a in AXES if a.multiplies_world))
+_DEGREES = tuple(a.name for a in AXES if a.type is int and not a.choices)  # each >= 1
+_RULES = tuple(a.rules for a in AXES if a.rules is not None)  # in the table's order
+_CHOICES = tuple((a.name, a.choices) for a in AXES if a.check_choices)
+
+
 class _Layout:
     """ParallelConfig's behaviour; its fields are the axes (below)."""
 
@@ -48,7 +56,7 @@ class _Layout:
 
     @property
     def world_size(self) -> int:
-        return math.prod(getattr(self, a.name) for a in AXES if a.multiplies_world)
+        return math.prod(_WORLD(self))
 
     @property
     def global_batch_size(self) -> int:
@@ -71,18 +79,17 @@ class _Layout:
         """(rule, message) for every rule this layout breaks: every degree >= 1, then each axis's
         own rules in the table's order, then the values outside an axis's choices."""
         out: Violations = []
-        for a in AXES:
-            if a.type is int and not a.choices and getattr(self, a.name) < 1:
-                out.append((f"{a.name} must be >= 1", f"{a.name} must be >= 1, got {getattr(self, a.name)}"))
+        for name in _DEGREES:
+            if getattr(self, name) < 1:
+                out.append((f"{name} must be >= 1", f"{name} must be >= 1, got {getattr(self, name)}"))
         if out:
             return out
-        for a in AXES:
-            if a.rules is not None:
-                out += a.rules(self, model)
-        for a in AXES:
-            value = getattr(self, a.name)
-            if a.check_choices and value not in a.choices:
-                out.append((f"unknown {a.name}", f"{a.name} {value!r} is not one of {list(a.choices)}"))
+        for rules in _RULES:
+            out += rules(self, model)
+        for name, choices in _CHOICES:
+            value = getattr(self, name)
+            if value not in choices:
+                out.append((f"unknown {name}", f"{name} {value!r} is not one of {list(choices)}"))
         return out
 
     def describe(self) -> str:
