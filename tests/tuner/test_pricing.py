@@ -3,11 +3,14 @@ in, a layout is priced once, and every second of a predicted step belongs to a n
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 
+from tests.tuner.golden_predictions import GOLDEN as GOLDEN_PREDICTIONS
+from tests.tuner.golden_predictions import record
 from tests.tuner.test_runner import Env
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
@@ -49,15 +52,23 @@ def _specs_of_every_preset():
 SPECS = [(p.name, load_spec(p)) for p in STUDIES] + list(_specs_of_every_preset())
 
 
+# Every layout of every spec in make test; every SAMPLE-th (a prime, so the sample walks through
+# every knob's values) in make test-fast, where the whole property costs two minutes.
+SAMPLE = 17
+
+
+@pytest.mark.parametrize(
+    "stride", [pytest.param(1, marks=pytest.mark.slow, id="every"), pytest.param(SAMPLE, id="sample")]
+)
 @pytest.mark.parametrize(("name", "spec"), SPECS, ids=[n for n, _ in SPECS])
-def test_the_terms_add_up_to_the_step_time_for_every_layout(name: str, spec) -> None:
+def test_the_terms_add_up_to_the_step_time_for_every_layout(name: str, spec, stride: int) -> None:
     """The property `tuner plan --explain` rests on: the named terms are the step, every one of
     them non-negative, and communication across nodes only where a group crosses a node."""
     priced = Pricing.for_study(spec)
     valid = SearchSpace.from_spec(spec).enumerate().valid
     assert valid
     one_node = spec.devices <= spec.cluster.gpus_per_node
-    for config in valid:
+    for config in valid[::stride]:
         est = priced.estimate(config)
         terms = est.terms.as_dict()
         assert set(terms) == set(TERM_LABELS)
@@ -149,3 +160,15 @@ def test_an_fp32_gpu_study_is_priced_against_the_fp32_peak() -> None:
     low, high = (Pricing(model, cluster, d, ModelConstants()).estimate(config) for d in ("bf16", "fp32"))
     assert high.terms.compute_s > 10 * low.terms.compute_s
     assert high.mfu == pytest.approx(high.tflops_per_device / 19.5)
+
+
+def test_predictions_are_the_recorded_ones_for_every_study_and_preset() -> None:
+    """Every study in studies/ and every model preset (tests/tuner/golden_predictions.py: a sample
+    of each one's valid layouts, recorded by the code before the house was rebuilt around the axis
+    table): the same layouts are valid, and each one's step, memory, throughput, fit and every term
+    are the recorded ones, to the last bit."""
+    rows = json.loads(GOLDEN_PREDICTIONS.read_text())
+    now = record()
+    assert len(now) == len(rows) > 1000
+    for old, new in zip(rows, now, strict=True):
+        assert new == old, (old["case"], old["config"])
