@@ -39,10 +39,12 @@ system-deps:
 	else echo "Chromium missing (dashboard tests): sudo apt-get install chromium" >&2; exit 1; fi
 	@bash scripts/slurm-local.sh install
 
-# Everything but the multi-process runs, the Slurm cluster, the browser and the slow GP sampler:
-# under a minute, for the edit-test loop (the study runner's state machine is in it).
+# Everything but the multi-process runs, the Slurm cluster, the browser, the memory oracle's
+# simulations and the slow single-process groups: under 3 minutes on 2 cores, for the edit-test
+# loop (the study runner's state machine is in it). Bytecode is cached for it (pytest rewrites
+# and re-parses ~400 modules a run when PYTHONDONTWRITEBYTECODE is set).
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not distributed and not slurm and not browser and not slow"
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests -m "not distributed and not slurm and not browser and not slow and not oracle"
 
 # Every declared dependency at its floor (constraints/floors.txt) in a throwaway venv, then ruff and
 # the fast group there (scripts/check-floors.sh, docs/dependencies.md). Needs PyPI; CI runs it.

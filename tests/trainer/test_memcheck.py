@@ -95,6 +95,7 @@ def test_the_breakdown_sums_to_the_peak_of_each_phase() -> None:
     assert all(set(rank.phases) == {"forward_backward", "optimizer"} for rank in report.ranks)
 
 
+@pytest.mark.oracle
 def test_the_last_stage_keeps_no_logits_of_finished_microbatches() -> None:
     """torch's schedule.step returns the last stage's outputs concatenated unless told not to:
     every micro-batch's logits would stay until the step ends (331 GiB on a 1T layout with 1024
@@ -109,6 +110,7 @@ def test_the_last_stage_keeps_no_logits_of_finished_microbatches() -> None:
     assert 0 <= peaks[8] - peaks[4] < logits  # 4 more micro-batches: ~70 KiB (kept: > 2 MiB)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(
     "parallel",
     [
@@ -199,6 +201,7 @@ def test_a_wrapper_subclass_counts_by_the_tensors_it_wraps() -> None:
         assert tracker.live_bytes() == 1024
 
 
+@pytest.mark.oracle
 def test_tensor_parallelism_without_data_parallelism_steps_foreach_adamw() -> None:
     """A GPU trial's AdamW is foreach; with tp and no dp the position embedding stays a plain
     tensor beside the DTensor shards, which one foreach list cannot hold. The oracle steps AdamW as

@@ -186,6 +186,7 @@ LLAMA_405B = ["plan", "--model", "llama3.1-405b", "--cluster", "h100-80gb", "--g
               "--global-batch", "2048"]  # fmt: skip
 
 
+@pytest.mark.slow  # plans of the largest spaces, in a process each: a minute on 2 cores
 @pytest.mark.parametrize("args", [LLAMA_70B, LLAMA_405B], ids=["70b-hf-config", "405b-preset"])
 def test_plan_of_a_gqa_model_rejects_tp_past_its_kv_heads(args: list[str]) -> None:
     """Issue 26: Llama 3.1's 8 KV heads cap tp at 8. The default space offers tp up to the query
@@ -202,6 +203,7 @@ def test_plan_of_a_gqa_model_rejects_tp_past_its_kv_heads(args: list[str]) -> No
     assert int(kv_line.split()[0]) == doc["rejected"]["tp must divide num_kv_heads"]
 
 
+@pytest.mark.slow  # plans of the largest spaces, in a process each: a minute on 2 cores
 def test_plan_of_an_hf_config_is_the_preset_it_names() -> None:
     from_file = json.loads(tuner(*LLAMA_70B, "--json", "--top", "5").stdout)
     preset = json.loads(
@@ -227,6 +229,7 @@ def test_plan_refuses_an_hf_config_it_cannot_read(args: list[str], message: str)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # plans of the largest spaces, in a process each: a minute on 2 cores
 def test_plan_reads_a_mixture_of_experts_and_says_what_it_leaves_out(tmp_path: Path) -> None:
     """Mixtral's file is its preset (the label with total and active parameters); DeepSeek-V3's
     notes (tuner/hfconfig.py: hf_config_notes) go to stderr; experts on a dense architecture are

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.tuner.test_cli import tuner
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
@@ -16,6 +18,7 @@ SHAPE = ["--layers", "4", "--hidden", "64", "--heads", "8", "--vocab", "256", "-
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=8, vocab_size=256, seq_len=32)
 
 
+@pytest.mark.oracle
 def test_memcheck_reports_the_oracles_peak_of_the_pinned_layout() -> None:
     proc = tuner("memcheck", *SHAPE, "--cluster", "cpu-local", "--gpus", "4", "--global-batch", "8",
                  "--config", "tp=2,pp=2,mbs=1,pp_schedule=1f1b,sp=false,ac=none", "--json")  # fmt: skip
@@ -32,6 +35,7 @@ def test_memcheck_reports_the_oracles_peak_of_the_pinned_layout() -> None:
     assert out["predicted"]["tensor_bytes"] > 0 and oracle["fits"] and out["predicted"]["fits"]
 
 
+@pytest.mark.oracle
 def test_plan_verify_memory_checks_each_listed_layout() -> None:
     proc = tuner("plan", *SHAPE, "--cluster", "a100-80gb", "--gpus", "8", "--global-batch", "16", "--top", "2",
                  "--verify-memory", "--json")  # fmt: skip
@@ -54,6 +58,7 @@ def test_memcheck_bad_pins_exit_2_without_traceback() -> None:
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.oracle
 def test_memcheck_of_a_mixture_of_experts_simulates_balanced_routing() -> None:
     """A study of learned routing: the oracle needs tokens per expert it can know, so it and the
     model beside it take balanced routing, and the output says so; the plan's candidate (with its

@@ -156,6 +156,7 @@ CP_LAYOUTS = [
 ]  # fmt: skip
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("parallel", CP_LAYOUTS)
 def test_cp_layouts_match_the_oracle(parallel: ParallelConfig) -> None:
     from trainer.contract.result import BenchmarkConfig

@@ -125,6 +125,7 @@ COLUMN_LAYOUTS = [
 ]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("parallel", COLUMN_LAYOUTS)
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_the_column_degree_matches_the_oracle(parallel: ParallelConfig, device: str) -> None:
@@ -149,6 +150,7 @@ AUTOCAST_LAYOUTS = [
 ]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("parallel", AUTOCAST_LAYOUTS)
 def test_autocast_layouts_match_the_oracle(parallel: ParallelConfig) -> None:
     from trainer.contract.result import BenchmarkConfig
@@ -259,6 +261,7 @@ LLAMA_LAYOUTS = [
 ]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(("model", "parallel"), LLAMA_LAYOUTS)
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_the_llama_block_matches_the_oracle_on_every_stage(
@@ -288,6 +291,7 @@ MOMENT_LAYOUTS = [
 ]  # fmt: skip
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(("model", "parallel", "stage"), MOMENT_LAYOUTS)
 def test_pipeline_moments_match_the_oracle(model: ModelConfig, parallel: ParallelConfig, stage: int) -> None:
     from trainer.contract.result import BenchmarkConfig
@@ -320,6 +324,7 @@ def test_the_interleaved_order_is_torchs(pp: int, v: int, n: int) -> None:
         ]
 
 
+@pytest.mark.oracle
 def test_an_interleaved_rank_holds_its_sends_and_its_own_stages_gradients() -> None:
     """Llama-small, 8 layers, pp 4 x v 2, 4 micro-batches, against the oracle: +5 to +22 % by
     rank when the model counted every micro-batch's sends from the start and every local stage's

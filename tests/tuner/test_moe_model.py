@@ -318,6 +318,7 @@ ORACLE_MOE_LAYOUTS = [
 ]  # fmt: skip
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("parallel", ORACLE_MOE_LAYOUTS)
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_moe_layouts_match_the_oracle(
