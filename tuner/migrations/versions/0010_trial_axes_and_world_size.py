@@ -14,6 +14,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from tuner.outcome import TrialState
+
 revision = "0010"
 down_revision = "0009"
 branch_labels = None
@@ -22,7 +24,7 @@ depends_on = None
 NEW_AXES = ("dp_replicate", "dp_shard", "ep", "cp")
 # The layout axes that multiply the world at this revision (trainer/contract/axes.py then).
 WORLD = ("tp", "tp_col", "pp", "dp_replicate", "dp_shard", "cp")
-COMPLETE = "COMPLETE"  # TrialState.COMPLETE's stored value, the same since revision 0001
+COMPLETE = TrialState.COMPLETE.value  # the stored value, the same since revision 0001
 
 
 def _rebuild_bests(world: str) -> None:
