@@ -135,7 +135,7 @@ def row(run: Run) -> str:
     est = pricing.estimate(run.layout)
     predicted = metric(est, run)
     # Priced even where our rules refuse the layout, with the rule named (a gap to report).
-    refused = run.layout.problems(spec.gpt())
+    refused = run.layout.problems(spec.as_model_config())
     notes = [n for n in (run.mapped, *(f"our rules refuse: {r}" for r in refused)) if n]
     note = f" ({'; '.join(notes)})" if notes else ""
     best = fastest_fitting(pricing.rank(SearchSpace.from_spec(spec).enumerate().valid))

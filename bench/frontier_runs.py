@@ -97,7 +97,7 @@ def their_metric(
     spec: StudySpec, p: ParallelConfig, est: Estimate, peak_tflops: float = GCD_PEAK_TFLOPS
 ) -> float:
     """Megatron-DeepSpeed's throughput_calculator over the device peak, on our predicted step time."""
-    m, B = spec.gpt(), p.global_batch_size
+    m, B = spec.as_model_config(), p.global_batch_size
     s, layers, h, V = m.seq_len, m.num_layers, m.hidden_size, est.vocab_size
     f = 4 if p.activation_checkpoint != "none" else 3
     flops = 24 * f * B * s * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h))
@@ -173,7 +173,7 @@ def narayanan_rows() -> list[dict]:
             p
         )
         theirs = their_metric(spec, p, est, peak_tflops=spec.cluster.peak_tflops)
-        out.append({"size": spec.gpt().num_params, "gpus": gpus, "layout": describe(p), "mfu": est.mfu,
+        out.append({"size": spec.as_model_config().num_params, "gpus": gpus, "layout": describe(p), "mfu": est.mfu,
                     "theirs": theirs, "published": published, "error": theirs / published - 1})  # fmt: skip
     return out
 

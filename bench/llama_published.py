@@ -89,7 +89,7 @@ def main() -> None:
     for run in RUNS:
         spec = study(run)
         pricing = Pricing.for_study(spec)
-        problems = run.layout.problems(spec.gpt())
+        problems = run.layout.problems(spec.as_model_config())
         if problems:
             raise SystemExit(f"{run.preset} {run.layout.describe()}: {problems}")
         est = pricing.estimate(run.layout)

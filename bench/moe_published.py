@@ -95,7 +95,7 @@ def main() -> None:
     for run in RUNS:
         spec = study(run)
         pricing = Pricing.for_study(spec)
-        problems = run.layout.problems(spec.gpt())
+        problems = run.layout.problems(spec.as_model_config())
         if problems:
             print(f"| {run.source} | {run.preset} | {run.gpus} | {run.layout.describe()} | {run.published:,.0f} "
                   f"({run.stack}) | not expressible: {'; '.join(problems)} | | | | | |")  # fmt: skip

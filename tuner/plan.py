@@ -184,7 +184,7 @@ def plan(
         else:
             reasons = "; ".join(f"{enum.examples[r]} ({n} layouts)" for r, n in enum.rejected.most_common())
         raise PlanError(f"--config: no valid layout agrees with {pins}: {reasons}")
-    model = spec.gpt()
+    model = spec.as_model_config()
     scored = pricing.rank(valid)
     num_fit = sum(e.fits for _, e in scored)
     shown = scored if include_unfit else [(c, e) for c, e in scored if e.fits]

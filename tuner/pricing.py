@@ -44,7 +44,7 @@ class Pricing:
         run in (the rule tuner.spec.benchmark_config uses), and `constants` (default: the
         cluster's device kind's defaults; callers pass the database's calibration)."""
         return cls(
-            spec.gpt(), spec.cluster, spec.trial_dtype, constants or default_constants(spec.cluster),
+            spec.as_model_config(), spec.cluster, spec.trial_dtype, constants or default_constants(spec.cluster),
             spec.moe_imbalance,
         )  # fmt: skip
 

@@ -116,7 +116,11 @@ class SearchSpace:
     @classmethod
     def from_spec(cls, spec: StudySpec) -> SearchSpace:
         return cls(
-            spec.gpt(), spec.devices, spec.cluster.gpus_per_node, spec.training.global_batch_size, spec.space
+            spec.as_model_config(),
+            spec.devices,
+            spec.cluster.gpus_per_node,
+            spec.training.global_batch_size,
+            spec.space,
         )
 
     def _candidates(self) -> Iterator[ParallelConfig | tuple[str, str]]:

@@ -161,16 +161,18 @@ class ModelSpec(_Strict):
     @model_validator(mode="after")
     def _a_model(self) -> ModelSpec:
         try:  # the cross-field rules (heads divide hidden, KV heads divide heads, ...) are ModelConfig's
-            self.gpt()
+            self.as_model_config()
         except ValueError as e:
             raise ValueError(str(e).removeprefix("ModelConfig: ").replace("ModelConfig.", "")) from None
         return self
 
-    def gpt(self, seq_len: int | None = None) -> ModelConfig:
+    def as_model_config(self, seq_len: int | None = None) -> ModelConfig:
         fields = self.model_dump(exclude={"preset"})
         if seq_len is not None:
             fields["seq_len"] = seq_len
         return ModelConfig(**fields)
+
+    gpt = as_model_config  # its name before other families shared it; kept for one release
 
 
 class ClusterSpec(_Strict):
@@ -413,7 +415,9 @@ class StudySpec(_Strict):
         if not isinstance(space, dict) or "tp" in space:
             return data
         try:
-            model = ModelSpec.model_validate(_expand_preset(data.get("model"), model_preset)).gpt()
+            model = ModelSpec.model_validate(
+                _expand_preset(data.get("model"), model_preset)
+            ).as_model_config()
         except ValueError:  # a bad model: its own field reports it
             return data
         return {**data, "space": {**space, "tp": default_tp(model)}}
@@ -448,7 +452,7 @@ class StudySpec(_Strict):
                 f"num_gpus ({gpus}) must be a multiple of gpus_per_node ({c.gpus_per_node}) or divide it "
                 f"(whole nodes, or a part of one node)"
             )
-        model = self.gpt()
+        model = self.as_model_config()
         heads, what = (
             (model.kv_heads, "num_kv_heads")
             if model.kv_heads < model.num_heads
@@ -475,8 +479,10 @@ class StudySpec(_Strict):
     def seq_len(self) -> int:
         return self.training.seq_len or self.model.seq_len
 
-    def gpt(self) -> ModelConfig:
-        return self.model.gpt(self.seq_len)
+    def as_model_config(self) -> ModelConfig:
+        return self.model.as_model_config(self.seq_len)
+
+    gpt = as_model_config  # its name before other families shared it; kept for one release
 
     @property
     def device(self) -> Literal["cpu", "cuda"]:
@@ -516,7 +522,7 @@ def benchmark_config(
         else None
     )
     return BenchmarkConfig(
-        model=padded_model(spec.gpt(), config.tp), parallel=config, warmup_steps=t.warmup_steps, measure_steps=t.measure_steps,
+        model=padded_model(spec.as_model_config(), config.tp), parallel=config, warmup_steps=t.warmup_steps, measure_steps=t.measure_steps,
         min_measure_steps=t.min_measure_steps, stable_rel_ci=t.stable_rel_ci, abandon_below_tokens_per_s=floor,
         seed=spec.seed, device=device, dtype=dtype, max_memory_bytes=int(spec.cluster.device_memory_bytes),
         moe_routing=spec.training.moe_routing,

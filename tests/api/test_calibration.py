@@ -77,7 +77,7 @@ def test_completed_trials_priced_by_the_studys_own_calibration(setup: tuple[Test
     assert sorted(t["layout"] for t in body["trials"]) == sorted(by_layout)  # completed trials only
     for t in body["trials"]:
         cfg, tokens = by_layout[t["layout"]]
-        est = estimate(spec.gpt(), cfg, spec.cluster, "fp32", fitted)
+        est = estimate(spec.as_model_config(), cfg, spec.cluster, "fp32", fitted)
         assert (t["tokens_per_s"], t["proposed_tokens_per_s"]) == (tokens, 1000.0)
         assert t["calibrated_tokens_per_s"] == pytest.approx(est.tokens_per_s)
         assert t["calibrated_memory_bytes"] == pytest.approx(est.memory_bytes)

@@ -310,9 +310,12 @@ def torchtitan_parsed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
     folder = tmp_path_factory.mktemp("torchtitan")
     modules = {}
     for case, (spec, *_) in CASES.items():
-        modules[case] = ((GOLDEN / f"export_torchtitan_{case}.txt").read_text(), spec.gpt().num_layers)
+        modules[case] = (
+            (GOLDEN / f"export_torchtitan_{case}.txt").read_text(),
+            spec.as_model_config().num_layers,
+        )
     for name, (spec, config) in MORE_TORCHTITAN.items():
-        modules[name] = (export_layout("torchtitan", spec, config), spec.gpt().num_layers)
+        modules[name] = (export_layout("torchtitan", spec, config), spec.as_model_config().num_layers)
     pipelined = modules["gpt13b_h100"][0]
     modules["no_cuda_graphs_rule"] = ("".join(line for line in pipelined.splitlines(keepends=True)
                                               if "disable_cuda_graphs" not in line), 24)  # fmt: skip
@@ -365,7 +368,7 @@ def test_torchtitan_parses_the_export_into_the_measured_layout(case: str, torcht
         assert par["pipeline_parallel_schedule"] == {"gpipe": "GPipe", "1f1b": "1F1B",
                                                      "interleaved_1f1b": "Interleaved1F1B"}[c.pp_schedule]  # fmt: skip
         # torchtitan's own pipeline split gives every stage the layers our trainer gave it.
-        ranges = stage_layer_ranges(spec.gpt().num_layers, c.num_stages)
+        ranges = stage_layer_ranges(spec.as_model_config().num_layers, c.num_stages)
         assert parsed["stage_layers"] == [list(r) for r in ranges]
     else:
         assert (parsed["gradient_accumulation_steps"], train["local_batch_size"]) == (c.num_microbatches,
@@ -456,7 +459,7 @@ def test_torchtitan_builds_the_studys_model(case: str, torchtitan_parsed: dict) 
     against the layout) has the parameters ModelConfig counts. A GPT study's export keeps the base's
     model (torchtitan has no GPT): the layout only."""
     spec, _ = TORCHTITAN_CASES[case]
-    m, model = spec.gpt(), torchtitan_parsed[case]["model"]
+    m, model = spec.as_model_config(), torchtitan_parsed[case]["model"]
     if m.moe:
         _check_moe_model(spec, model)
         return
@@ -482,7 +485,7 @@ def _check_moe_model(spec: StudySpec, model: dict) -> None:
     """A mixture of experts as a flavor of torchtitan's qwen3 (grouped-query attention) or
     deepseek_v3 (latent attention): every field the export sets, read back from torchtitan's config,
     and the parameters of the model it builds on the meta device are ModelConfig's."""
-    m = spec.gpt()
+    m = spec.as_model_config()
     assert (model["name"], model["flavor"]) == (
         "deepseek_v3" if m.attention == "mla" else "qwen3",
         slug(spec.name),
@@ -737,7 +740,9 @@ def test_megatron_flags_describe_the_studys_model(case: str) -> None:
     scaling, the head untied or not, q/k/v bias: what the flags say, over Megatron's defaults, is the
     study's model (a GPT study's flags are the ones it had)."""
     spec, _ = MEGATRON_CASES[case]
-    assert _megatron_model(_megatron_args(_megatron_export(case))[1]) == _megatron_expected(spec.gpt())
+    assert _megatron_model(_megatron_args(_megatron_export(case))[1]) == _megatron_expected(
+        spec.as_model_config()
+    )
 
 
 MEGATRON_WHEEL = "megatron-core==0.19.2"  # the first release with megatron/training; it needs Python 3.12
@@ -779,7 +784,7 @@ def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path, meg
         args = parsed[str(paths[case])]
         if not args["group_query_attention"]:  # TransformerConfig: one group per head
             args["num_query_groups"] = args["num_attention_heads"]
-        expected = _megatron_expected(spec.gpt())
+        expected = _megatron_expected(spec.as_model_config())
         assert {k: args[k] for k in expected} == expected, case
         assert (args["max_position_embeddings"], args["rotary_percent"], args["rotary_interleaved"]) == (
             spec.seq_len, 1.0, False)  # fmt: skip
@@ -788,7 +793,7 @@ def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path, meg
         assert args["context_parallel_size"] == config.cp, case
         if config.cp > 1:  # the K/V all-gather our trainer measured, as TransformerConfig holds it
             assert args["cp_comm_type"] == "all_gather", case
-        assert args == args | _megatron_moe_expected(spec.gpt(), config), case
+        assert args == args | _megatron_moe_expected(spec.as_model_config(), config), case
 
 
 def _megatron_moe_expected(m: ModelConfig, config: ParallelConfig) -> dict:
@@ -1088,7 +1093,7 @@ def test_a_custom_block_exports_flag_by_flag_to_megatron_and_as_a_layout_to_torc
     as for GPT, and says so."""
     spec = _spec({"preset": "gpt-tiny", "norm": "rmsnorm"}, "h100-80gb", 2, 2, "bf16")
     megatron = export_layout("megatron", spec, ParallelConfig(dp_replicate=2))
-    assert _megatron_model(_megatron_args(megatron)[1]) == _megatron_expected(spec.gpt())
+    assert _megatron_model(_megatron_args(megatron)[1]) == _megatron_expected(spec.as_model_config())
     assert "--normalization RMSNorm" in megatron and "--swiglu" not in megatron and "rope" not in megatron
     titan = export_layout("torchtitan", spec, ParallelConfig(dp_replicate=2))
     assert (
@@ -1128,7 +1133,7 @@ def test_sbatch_is_valid_bash_with_directives_first_and_the_config_inline(case: 
         f"#SBATCH --job-name={slug(spec.name)}" in lines and f"#SBATCH --ntasks={config.world_size}" in lines
     )
     cfg = _heredoc_config(script)
-    assert (cfg.parallel, cfg.model) == (config, padded_model(spec.gpt(), config.tp))
+    assert (cfg.parallel, cfg.model) == (config, padded_model(spec.as_model_config(), config.tp))
     assert lines[-1].endswith("-m trainer.benchmark --config config.json --out result.json")
     # A benchmark on nodes of its own, stopped by the first failing line, and no path of the machine
     # that exported it: the trainer comes from the site's python.

@@ -250,16 +250,16 @@ def _spec_file(tmp_path: Path, model: str, config: str = "Llama-3.1-70B", **extr
 def test_a_spec_reads_hf_config_relative_to_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(CONFIGS)  # not where the spec is
     spec = load_spec(_spec_file(tmp_path, "{hf_config: models/config.json, seq_len: 4096}"))
-    assert spec.gpt() == dataclasses.replace(MODEL_PRESETS["llama3.1-70b"], seq_len=4096)
+    assert spec.as_model_config() == dataclasses.replace(MODEL_PRESETS["llama3.1-70b"], seq_len=4096)
     assert spec.model.preset is None and "hf_config" not in spec.model_dump()["model"]  # fields, not a path
-    assert spec.space.tp == default_tp(spec.gpt()) == [1, 2, 4, 8, 16, 32, 64]
-    assert model_key(spec.gpt(), spec.model.preset) == "llama3.1-70b"
+    assert spec.space.tp == default_tp(spec.as_model_config()) == [1, 2, 4, 8, 16, 32, 64]
+    assert model_key(spec.as_model_config(), spec.model.preset) == "llama3.1-70b"
 
 
 def test_an_override_changes_the_model_read(tmp_path: Path) -> None:
     spec = load_spec(_spec_file(tmp_path, "{hf_config: models/config.json, num_layers: 40}"))
-    assert spec.gpt().num_layers == 40 and spec.gpt().num_kv_heads == 8
-    key = model_key(spec.gpt())
+    assert spec.as_model_config().num_layers == 40 and spec.as_model_config().num_kv_heads == 8
+    key = model_key(spec.as_model_config())
     assert key == "llama-L40-h8192-a64-kv8" and model_label(key) == "llama-L40-h8192-a64-kv8 (llama)"
 
 

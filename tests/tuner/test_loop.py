@@ -92,7 +92,7 @@ def test_failed_trials_are_recorded_and_the_study_completes(tmp_path: Path) -> N
     with sessions() as s:
         (row,) = s.scalars(select(Calibration)).all()
         assert (row.cluster_key, row.num_points, row.study_id) == ("cpu-local", 3, trials[0].study_id)
-        points = [Measurement(spec.gpt(), store.config_of(t), spec.cluster, t.step_time_median_s, "fp32")
+        points = [Measurement(spec.as_model_config(), store.config_of(t), spec.cluster, t.step_time_median_s, "fp32")
                   for t in trials if t.state == "COMPLETE"]  # fmt: skip
         fitted = store.latest_constants(s, "cpu-local")
         # it fits them better than the constants the study began with (a fresh database: the CPU

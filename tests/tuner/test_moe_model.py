@@ -378,7 +378,7 @@ def test_plan_cli_shows_the_ep_column_and_the_experts_line() -> None:
 def test_moe_studies_load_and_have_fitting_ep_layouts() -> None:
     for name in ("qwen3-30b-a3b-h100.yaml", "deepseek-v3-h100.yaml"):
         spec = load_spec(ROOT / "studies" / name)
-        assert spec.gpt().moe and spec.training.moe_routing == "learned"
+        assert spec.as_model_config().moe and spec.training.moe_routing == "learned"
         valid = SearchSpace.from_spec(spec).enumerate().valid
         best = Pricing.for_study(spec).fastest_fitting([c for c in valid if c.ep > 1])
         assert best is not None and best[0].ep > 1, name

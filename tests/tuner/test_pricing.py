@@ -96,7 +96,7 @@ def test_a_cpu_study_is_priced_in_the_dtype_its_trials_run_in() -> None:
     priced = Pricing.for_study(spec)
     assert trial.dtype == priced.dtype == "fp32"
     est = priced.estimate(config)
-    model = padded_model(spec.gpt(), config.tp)
+    model = padded_model(spec.as_model_config(), config.tp)
     assert est.memory_bytes == memory(model, config, "fp32", priced.constants)["memory_bytes"]
     # bf16 pricing holds fp32 master weights too, but half-size activations and no fp32 residual
     assert est.memory_bytes > memory(model, config, "bf16", priced.constants)["memory_bytes"]
@@ -111,7 +111,7 @@ def test_the_runner_stores_the_prediction_in_the_trials_dtype(tmp_path: Path) ->
     for t in env.trials():
         config = ParallelConfig.from_dict(t.config)
         assert benchmark_config(env.spec, config).dtype == "fp32"
-        model = padded_model(env.spec.gpt(), config.tp)
+        model = padded_model(env.spec.as_model_config(), config.tp)
         assert t.predicted["memory_bytes"] == memory(model, config, "fp32", constants)["memory_bytes"]
 
 

@@ -58,7 +58,7 @@ def plan(
 
 
 def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
-    m, c = study.gpt(), study.cluster
+    m, c = study.as_model_config(), study.cluster
     typer.echo(f"{model_label(model_key(m, study.model.preset))}: {m.num_params / 1e9:.2f}B parameters, seq {m.seq_len}, global "
                f"batch {study.training.global_batch_size}, {study.devices} x {c.name} devices "
                f"({c.peak_tflops:g} TFLOP/s, {c.device_memory_gb:g} GB)")  # fmt: skip

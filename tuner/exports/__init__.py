@@ -76,7 +76,7 @@ def export_layout(
             f"{fmt}: cannot express layout {config.describe()}: tp_col {config.tp_col} is 2D tensor "
             "parallelism (AxoNN's column axis), which neither Megatron-LM nor torchtitan implements"
         )
-    problems = config.problems(spec.gpt())
+    problems = config.problems(spec.as_model_config())
     if problems:
         raise ValueError(f"layout {config.describe()} cannot run the study's model: " + "; ".join(problems))
     target = TARGETS[fmt]

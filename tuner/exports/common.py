@@ -17,7 +17,7 @@ DEFAULT_NORM_EPS = 1e-5
 
 def header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
     """Comment lines (without '# ') shared by every format: which study, layout, model, batch."""
-    m, c = spec.gpt(), config
+    m, c = spec.as_model_config(), config
     nodes, per_node = layout_resources(benchmark_config(spec, config), spec.cluster.gpus_per_node)
     folded = "dp x cp x tp" if c.cp > 1 else "dp x tp"
     lines = [

@@ -40,7 +40,7 @@ class StudyExists(ValueError):
 
 def create_study(session: Session, spec: StudySpec) -> Study:
     """A PENDING study row; its name must be new."""
-    m = spec.gpt()
+    m = spec.as_model_config()
     study = Study(
         name=spec.name, spec=spec.model_dump(mode="json"), status=StudyStatus.PENDING, sampler=spec.sampler,
         model_key=model_key(m, spec.model.preset),

@@ -61,8 +61,10 @@ MEGATRON_CP_COMM_TYPE = "all_gather"
 
 
 def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
-    layers, c = spec.gpt().num_layers, config
-    reasons = megatron_unsupported(spec.gpt()) + megatron_cp_unsupported(spec.gpt(), config)
+    layers, c = spec.as_model_config().num_layers, config
+    reasons = megatron_unsupported(spec.as_model_config()) + megatron_cp_unsupported(
+        spec.as_model_config(), config
+    )
     if c.pp > 1 and layers % c.num_stages:
         reasons.append(
             f"num_layers ({layers}) is not a multiple of pp ({c.pp}) x virtual_stages ({c.virtual_stages}) "
@@ -81,7 +83,7 @@ def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
 
 def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = None) -> str:
     """`torchrun ... pretrain_gpt.py` with the layout's arguments, one per line."""
-    m, c = spec.gpt(), config
+    m, c = spec.as_model_config(), config
     fsdp = _megatron_fsdp2(spec, config)
     args = [
         ("--tensor-model-parallel-size", c.tp),
@@ -144,7 +146,12 @@ def _microbatch_group(config: ParallelConfig) -> int:
 def _megatron_fsdp2(spec: StudySpec, config: ParallelConfig) -> bool:
     """zero_stage 3 runs as --use-torch-fsdp2, which validate_args refuses with pipeline parallelism,
     with expert parallelism and with a head tied to the embedding."""
-    return config.zero_stage == 3 and config.pp == 1 and config.ep == 1 and not spec.gpt().tie_embeddings
+    return (
+        config.zero_stage == 3
+        and config.pp == 1
+        and config.ep == 1
+        and not spec.as_model_config().tie_embeddings
+    )
 
 
 def _megatron_env(spec: StudySpec, config: ParallelConfig) -> tuple[str, str]:
@@ -193,7 +200,7 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
         notes.append("zero_stage 3 with pp > 1: Megatron's --use-torch-fsdp2 does not combine with "
                      "pipeline parallelism, so this uses the distributed optimizer: parameters are not "
                      "sharded and memory per GPU is higher than measured.")  # fmt: skip
-    elif c.zero_stage == 3 and spec.gpt().tie_embeddings:
+    elif c.zero_stage == 3 and spec.as_model_config().tie_embeddings:
         notes.append("zero_stage 3 with a tied head: Megatron's --use-torch-fsdp2 requires "
                      "--untie-embeddings-and-output-weights, so this uses the distributed optimizer: "
                      "parameters are not sharded and memory per GPU is higher than measured.")  # fmt: skip

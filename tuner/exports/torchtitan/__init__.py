@@ -82,10 +82,12 @@ TORCHTITAN_CP_LOAD_BALANCER = "headtail"
 def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
     """torchtitan derives the stage count from `pipeline_parallel_layers_per_stage` (ceil(layers /
     layers per stage)); beyond its default of 2 stages per rank some counts have no such value."""
-    reasons = torchtitan_unsupported(spec.gpt(), config) + torchtitan_cp_unsupported(spec.gpt(), config)
+    reasons = torchtitan_unsupported(spec.as_model_config(), config) + torchtitan_cp_unsupported(
+        spec.as_model_config(), config
+    )
     if config.pp == 1 or config.virtual_stages <= 2:
         return reasons
-    layers, stages = spec.gpt().num_layers, config.num_stages
+    layers, stages = spec.as_model_config().num_layers, config.num_stages
     if math.ceil(layers / _layers_per_stage(layers, stages)) != stages:
         reasons.append(f"no pipeline_parallel_layers_per_stage splits {layers} layers into {stages} stages")
     return reasons
@@ -118,7 +120,7 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
     ac_module, ac_expr = TORCHTITAN_AC[c.activation_checkpoint]
     body = [
         *([f"from {ac_module} import {ac_expr.split('.')[0]}"] if ac_module else []),
-        *(torchtitan_imports(spec.gpt()) if torchtitan_builds(spec.gpt()) else []),
+        *(torchtitan_imports(spec.as_model_config()) if torchtitan_builds(spec.as_model_config()) else []),
         "from torchtitan.models.llama3.config_registry import llama3_debugmodel",
         "from torchtitan.trainer import Trainer",
         *_torchtitan_model(spec),
@@ -131,7 +133,7 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
         "    config.compile.enable_async_tensor_parallel = False  # measured without async TP",
         *(
             ["    config.debug.moe_force_load_balance = True  # balanced routing, as measured"]
-            if spec.gpt().moe and routing(spec, config) == "balanced"
+            if spec.as_model_config().moe and routing(spec, config) == "balanced"
             else []
         ),
         f"    config.activation_checkpoint = {ac_expr}",
@@ -143,7 +145,7 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
 def _torchtitan_model(spec: StudySpec) -> list[str]:
     """The lines between the imports and the config function: BASE, and for a model torchtitan
     builds (models.py) the model as a flavor of its llama3."""
-    m = spec.gpt()
+    m = spec.as_model_config()
     if not torchtitan_builds(m):
         why = ("torchtitan has no GPT with learned positions; llama3 is the nearest family" if m.family == "gpt"
                else "torchtitan has no model with this block; its llama3 is RMSNorm, SwiGLU and RoPE")  # fmt: skip
@@ -159,7 +161,7 @@ def _torchtitan_model(spec: StudySpec) -> list[str]:
 
 def _torchtitan_config(spec: StudySpec) -> list[str]:
     """The config function's first lines: BASE, with the study's model where torchtitan builds it."""
-    m = spec.gpt()
+    m = spec.as_model_config()
     if not torchtitan_builds(m):
         return ['    """BASE with the measured layout."""', "    config = BASE()"]
     return [
@@ -183,7 +185,7 @@ def _torchtitan_parallelism(spec: StudySpec, config: ParallelConfig) -> list[str
         f"enable_sequence_parallel = {c.sequence_parallel}",
         *torchtitan_cp_parallelism(c),
         f"pipeline_parallel_degree = {c.pp}",
-        *torchtitan_moe_parallelism(spec.gpt(), c),
+        *torchtitan_moe_parallelism(spec.as_model_config(), c),
     ]
     if c.pp == 1:
         return lines
@@ -194,7 +196,7 @@ def _torchtitan_parallelism(spec: StudySpec, config: ParallelConfig) -> list[str
         "pipeline_parallel_last_stage_less_layers = 0",
     ]
     if c.virtual_stages > 2:  # torchtitan's default for a looped schedule is 2 stages per rank
-        per_stage = _layers_per_stage(spec.gpt().num_layers, c.num_stages)
+        per_stage = _layers_per_stage(spec.as_model_config().num_layers, c.num_stages)
         lines.append(f"pipeline_parallel_layers_per_stage = {per_stage}  # {c.num_stages} stages")
     return lines
 
@@ -209,7 +211,7 @@ def _torchtitan_training(spec: StudySpec, config: ParallelConfig) -> list[str]:
     lines = [
         f"local_batch_size = {c.micro_batch_size * (c.num_microbatches if c.pp > 1 else 1)}",
         f"global_batch_size = {c.global_batch_size}",
-        f"seq_len = {spec.gpt().seq_len}",
+        f"seq_len = {spec.as_model_config().seq_len}",
         f'mixed_precision_param = "{"float32" if spec.training.precision == "fp32" else "bfloat16"}"',
     ]
     if _no_cuda_graphs(spec, c):
@@ -220,7 +222,7 @@ def _torchtitan_training(spec: StudySpec, config: ParallelConfig) -> list[str]:
 def _no_cuda_graphs(spec: StudySpec, config: ParallelConfig) -> bool:
     """Trainer.Config refuses CUDA graphs (its default) with pipeline parallelism, and with expert
     parallelism over its all-to-all token dispatcher (it synchronises with the CPU)."""
-    return config.pp > 1 or (spec.gpt().moe and config.ep > 1)
+    return config.pp > 1 or (spec.as_model_config().moe and config.ep > 1)
 
 
 def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
@@ -245,9 +247,11 @@ def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
         )
     if spec.training.precision == "fp16":
         notes.append("fp16 study: torchtitan's mixed precision is bfloat16 (the trainer measured bf16 too).")
-    notes += torchtitan_cp_notes(spec.gpt(), c, builds=torchtitan_builds(spec.gpt()))
-    notes += torchtitan_moe_notes(spec.gpt(), c, routing(spec, config))
-    return notes + torchtitan_notes(spec.gpt(), padded_vocab(spec.gpt().vocab_size, c.tp))
+    notes += torchtitan_cp_notes(spec.as_model_config(), c, builds=torchtitan_builds(spec.as_model_config()))
+    notes += torchtitan_moe_notes(spec.as_model_config(), c, routing(spec, config))
+    return notes + torchtitan_notes(
+        spec.as_model_config(), padded_vocab(spec.as_model_config().vocab_size, c.tp)
+    )
 
 
 # --- context parallelism ---
