@@ -40,11 +40,11 @@ system-deps:
 	@bash scripts/slurm-local.sh install
 
 # Everything but the multi-process runs, the Slurm cluster, the browser, the memory oracle's
-# simulations and the slow single-process groups: under 3 minutes on 2 cores, for the edit-test
+# simulations, other frameworks' checks of our exports and the slow single-process groups, for the edit-test
 # loop (the study runner's state machine is in it). Bytecode is cached for it (pytest rewrites
 # and re-parses ~400 modules a run when PYTHONDONTWRITEBYTECODE is set).
 test-fast: setup
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests -m "not distributed and not slurm and not browser and not slow and not oracle"
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests -m "not distributed and not slurm and not browser and not slow and not oracle and not external"
 
 # Every declared dependency at its floor (constraints/floors.txt) in a throwaway venv, then ruff and
 # the fast group there (scripts/check-floors.sh, docs/dependencies.md). Needs PyPI; CI runs it.

@@ -5,6 +5,17 @@ from pathlib import Path
 
 import pytest
 
+# Fixtures that run another framework's own code on our exports in a subprocess (torchtitan's
+# ConfigManager, Megatron's validate_args and interleaved schedule; tests/tuner/test_export.py):
+# a test that uses one is marked `external` (in make test, not make test-fast).
+EXTERNAL_FIXTURES = {"torchtitan_parsed", "megatron_schedules", "megatron_src"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if EXTERNAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.external)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:

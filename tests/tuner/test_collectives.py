@@ -169,6 +169,7 @@ def test_dedicated_devices_wait_for_nothing_and_pay_no_framework_call() -> None:
         assert e.terms.collective_wait_s == 0.0 and e.tp_comm_s > 0.0
 
 
+@pytest.mark.slow  # a least-squares fit over every dev table: 20 s
 def test_the_cpu_defaults_are_the_fit_and_the_2d_table_is_kept_out_of_it() -> None:
     """CPU_CONSTANTS are a least-squares fit (`bench/priors.py --fit-cpu-defaults`) on the dev tables
     only: the held-out 2D and gpt-deep tables judge the result, never feed it. The fit's objective

@@ -95,6 +95,7 @@ def test_full_checkpointing_costs_a_third_more_compute_and_saves_memory() -> Non
 # --- calibration -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a least-squares fit on many synthetic measurements: 10 s
 def test_calibrate_recovers_known_constants_from_noisy_measurements() -> None:
     truth = ModelConstants(compute_efficiency=0.42, comm_efficiency=0.55, dp_overlap=0.6, layer_floor_s=1.5e-3,
                            microbatch_overhead_s=8e-3)  # fmt: skip

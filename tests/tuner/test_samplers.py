@@ -20,7 +20,8 @@ from tuner.space import SearchSpace
 from tuner.spec import ClusterSpec, SpaceSpec
 
 # optuna's GP sampler refits its Gaussian process on every ask (~20 s for a small space here).
-NAMES = [pytest.param(n, marks=pytest.mark.slow) if n == "gp" else n for n in SAMPLERS]
+# GP and deephyper's CBO refit their surrogate on every ask (seconds a drive): in make test only.
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in ("gp", "cbo") else n for n in SAMPLERS]
 
 MODEL = ModelConfig(num_layers=8, hidden_size=256, num_heads=8, vocab_size=1024, seq_len=128)
 CLUSTER = ClusterSpec(**{**cluster_preset("a100-80gb"), "device_memory_gb": 0.4, "num_nodes": 1})
