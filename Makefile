@@ -24,7 +24,7 @@ demo: setup
 test: setup system-deps
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
 
 # The store tests start their own PostgreSQL server, the Slurm tests their own Slurm cluster
 # (scripts/slurm-local.sh), the dashboard tests drive Debian's chromium (Playwright's own browser
@@ -40,11 +40,12 @@ system-deps:
 	@bash scripts/slurm-local.sh install
 
 # Everything but the multi-process runs, the Slurm cluster, the browser, the memory oracle's
-# simulations, other frameworks' checks of our exports and the slow single-process groups, for the edit-test
-# loop (the study runner's state machine is in it). Bytecode is cached for it (pytest rewrites
-# and re-parses ~400 modules a run when PYTHONDONTWRITEBYTECODE is set).
+# simulations, other frameworks' checks of our exports and the slow single-process groups, for the
+# edit-test loop (the study runner's state machine is in it): on both cores (pytest-xdist), with
+# bytecode cached (pytest rewrites and re-parses ~400 modules a run when PYTHONDONTWRITEBYTECODE is
+# set). 2 min 43 s on this 2-core VM (docs/benchmarks.md, "Test suite"). make test stays one process.
 test-fast: setup
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests -m "not distributed and not slurm and not browser and not slow and not oracle and not external"
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests -n 2 -m "not distributed and not slurm and not browser and not slow and not oracle and not external"
 
 # Every declared dependency at its floor (constraints/floors.txt) in a throwaway venv, then ruff and
 # the fast group there (scripts/check-floors.sh, docs/dependencies.md). Needs PyPI; CI runs it.
