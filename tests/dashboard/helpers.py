@@ -214,11 +214,7 @@ def bulk_trials(server: Server, study_id: int, num_trials: int) -> None:
             ok = outcome.ok and rng.random() < 0.85
             rows.append({
                 "study_id": study_id, "number": number, "state": TrialState.COMPLETE if ok else TrialState.FAIL,
-                "layout_key": f"bulk-{number}", "config": c.to_dict(), "tp": c.tp, "pp": c.pp, "dp": c.dp,
-                "micro_batch_size": c.micro_batch_size, "num_microbatches": c.num_microbatches,
-                "zero_stage": c.zero_stage, "activation_checkpoint": c.activation_checkpoint,
-                "sequence_parallel": c.sequence_parallel, "pp_schedule": c.pp_schedule,
-                "virtual_stages": c.virtual_stages, "predicted": predicted,
+                "layout_key": f"bulk-{number}", "config": c.to_dict(), **store.axis_columns(c), "predicted": predicted,
                 "predicted_tokens_per_s": predicted["tokens_per_s"], "predicted_memory_bytes": predicted["memory_bytes"],
                 "tokens_per_s": outcome.tokens_per_s if ok else None, "tflops_per_device": outcome.tflops_per_device if ok else None,
                 "mfu": outcome.mfu if ok else None, "peak_memory_bytes": outcome.peak_memory_bytes if ok else None,
