@@ -7,6 +7,7 @@ import dataclasses
 
 from pydantic import BaseModel, computed_field
 
+from trainer.contract.families import FAMILIES, family_of
 from trainer.contract.model import ModelConfig
 from trainer.contract.presets import MODEL_PRESETS
 
@@ -22,16 +23,17 @@ def _same_model(model: ModelConfig, known: ModelConfig) -> bool:
 
 
 def model_key(model: ModelConfig, preset: str | None = None) -> str:
-    """The preset's name; for a model of another family than GPT with a preset's fields (a
+    """The preset's name; for a model of a family without bare keys with a preset's fields (a
     Hugging Face config.json of a published model: tuner/hfconfig.py), that preset's name, its
-    seq_len aside (a study trains at its own); else the shape: "L24-h2048-a16" for a GPT, as
-    keys always were, and the family with the KV heads before it for another family
-    ("llama-L32-h4096-a32-kv8"), so that a GPT and a Llama of one shape are not one model; a
-    mixture of experts adds its experts and top-k ("llama-moe-L48-h2048-a32-kv4-e128k8")."""
+    seq_len aside (a study trains at its own); else the shape: "L24-h2048-a16" for a dense model of
+    the family with bare keys (GPT's, as keys always were: Family.bare_key), and the architecture
+    with the KV heads before it otherwise ("llama-L32-h4096-a32-kv8"), so that a GPT and a Llama of
+    one shape are not one model; a mixture of experts adds its experts and top-k
+    ("llama-moe-L48-h2048-a32-kv4-e128k8")."""
     if preset:
         return preset
     shape = f"L{model.num_layers}-h{model.hidden_size}-a{model.num_heads}"
-    if model.family == "gpt" and not model.moe:
+    if family_of(model).bare_key and not model.moe:  # a mixture of experts' key names its experts
         return shape
     for name, known in MODEL_PRESETS.items():
         if _same_model(model, known):
@@ -40,12 +42,16 @@ def model_key(model: ModelConfig, preset: str | None = None) -> str:
     return f"{model.architecture}-{shape}-kv{model.kv_heads}{experts}"
 
 
+_BARE = next(f.name for f in FAMILIES.values() if f.bare_key)  # the family whose keys are bare shapes
+
+
 def model_family(key: str) -> str:
-    """The family of a model_key: a preset's, or the prefix of a shape key (none: GPT)."""
+    """The family of a model_key: a preset's, or the prefix of a shape key (none: the family with
+    bare keys)."""
     if key in MODEL_PRESETS:
         return MODEL_PRESETS[key].family
     family, sep, _ = key.partition("-L")
-    return family.removesuffix("-moe") if sep and family else "gpt"
+    return family.removesuffix("-moe") if sep and family else _BARE
 
 
 def model_architecture(key: str) -> str:
@@ -53,7 +59,7 @@ def model_architecture(key: str) -> str:
     if key in MODEL_PRESETS:
         return MODEL_PRESETS[key].architecture
     family, sep, _ = key.partition("-L")
-    return family if sep and family else "gpt"
+    return family if sep and family else _BARE
 
 
 def _count(n: int) -> str:
@@ -64,7 +70,7 @@ def model_label(key: str) -> str:
     """The key with its architecture, as listings show it: "llama3.1-8b (llama)"; a mixture-of-experts
     preset with its total and active parameters: "qwen3-30b-a3b (llama-moe, 30.5B total, 3.35B active)"."""
     arch = model_architecture(key)
-    if key in MODEL_PRESETS and MODEL_PRESETS[key].moe:
+    if key in MODEL_PRESETS and MODEL_PRESETS[key].moe:  # a mixture of experts: its total and active
         m = MODEL_PRESETS[key]
         return f"{key} ({arch}, {_count(m.num_params)} total, {_count(m.num_active_params)} active)"
     return f"{key} ({arch})"

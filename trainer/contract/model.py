@@ -8,16 +8,26 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from trainer.contract.blocks import (
+    ATTENTION_KINDS,
+    MLP_KINDS_TABLE,
+    NORM_KINDS,
+    POSITIONS_KINDS,
+    AttentionPart,
+    MLPPart,
+    NormPart,
+    PositionsPart,
+)
 from trainer.contract.dicts import from_dict
 
 Norm = Literal["layernorm", "rmsnorm"]
 MLPKind = Literal["gelu", "swiglu"]
 Positions = Literal["learned", "rope"]
-NORMS = ("layernorm", "rmsnorm")
-MLP_KINDS = ("gelu", "swiglu")
-POSITIONS = ("learned", "rope")
+NORMS = tuple(NORM_KINDS)  # the parts' tables (trainer/contract/blocks.py); the Literals above agree
+MLP_KINDS = tuple(MLP_KINDS_TABLE)
+POSITIONS = tuple(POSITIONS_KINDS)
 AttentionKind = Literal["mha", "mla"]
-ATTENTIONS = ("mha", "mla")  # mha: multi-head or grouped-query; mla: DeepSeek's latent attention
+ATTENTIONS = tuple(ATTENTION_KINDS)  # mha: multi-head or grouped-query; mla: DeepSeek's latent attention
 QKNorm = Literal["none", "head", "proj"]
 QK_NORMS = ("none", "head", "proj")  # head: per head over head_dim (Qwen3); proj: over all heads (OLMoE)
 RouterScore = Literal["softmax", "sigmoid"]
@@ -206,24 +216,34 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        """'gpt' (LayerNorm, GELU, learned positions), 'llama' (RMSNorm, SwiGLU, RoPE: Llama,
-        Mistral, Qwen2, and the mixtures of experts built on that block: Mixtral, Qwen3-MoE, OLMoE),
-        'deepseek' (latent attention) or 'custom' for another mix. `moe` says whether the MLPs
+        """The registered family whose block this model's parts make (trainer/contract/families/:
+        'gpt', 'llama', 'deepseek', or 'custom' for another mix). `moe` says whether the MLPs
         are experts; `architecture` says both."""
-        if self.attention == "mla":
-            return "deepseek"
-        block = (self.norm, self.mlp, self.positions)
-        return {("layernorm", "gelu", "learned"): "gpt", ("rmsnorm", "swiglu", "rope"): "llama"}.get(
-            block, "custom"
-        )
+        from trainer.contract.families import family_of  # the registry's presets import this module
+
+        return family_of(self).name
+
+    @property
+    def norm_kind(self) -> NormPart:
+        return NORM_KINDS[self.norm]
+
+    @property
+    def mlp_kind(self) -> MLPPart:
+        return MLP_KINDS_TABLE[self.mlp]
+
+    @property
+    def positions_kind(self) -> PositionsPart:
+        return POSITIONS_KINDS[self.positions]
+
+    @property
+    def attention_kind(self) -> AttentionPart:
+        return ATTENTION_KINDS[self.attention]
 
     @property
     def ffn_size(self) -> int:
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        if self.mlp == "swiglu":  # Llama: 2/3 of 4h, rounded up to a multiple of 256
-            return -(-(8 * self.hidden_size // 3) // 256) * 256
-        return 4 * self.hidden_size
+        """ffn_hidden_size, or the MLP's default width: GELU's 4h, Llama's 2/3 of 4h rounded up
+        to a multiple of 256 (MLPPart.ffn_size)."""
+        return self.ffn_hidden_size or self.mlp_kind.ffn_size(self.hidden_size)
 
     @property
     def moe(self) -> bool:
@@ -263,7 +283,7 @@ class ModelConfig:
     @property
     def mlp_matrices(self) -> int:
         """Matrices per MLP (or expert): SwiGLU's three, GELU's two."""
-        return 3 if self.mlp == "swiglu" else 2
+        return self.mlp_kind.matrices
 
     @property
     def attention_matmul_params(self) -> int:
@@ -362,11 +382,11 @@ class ModelConfig:
     @property
     def norm_params(self) -> int:
         """One norm's parameters: LayerNorm's weight and bias, RMSNorm's weight."""
-        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
+        return self.norm_kind.params * self.hidden_size
 
     @property
     def num_embedding_params(self) -> int:
-        return (self.vocab_size + (self.seq_len if self.positions == "learned" else 0)) * self.hidden_size
+        return (self.vocab_size + (self.seq_len if self.positions_kind.learned else 0)) * self.hidden_size
 
     @property
     def num_head_params(self) -> int:
