@@ -22,6 +22,9 @@ from tuner.spec import ClusterSpec, SpaceSpec
 # optuna's GP sampler refits its Gaussian process on every ask (~20 s for a small space here).
 # GP and deephyper's CBO refit their surrogate on every ask (seconds a drive): in make test only.
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in ("gp", "cbo") else n for n in SAMPLERS]
+# GP's drives are shorter (each ask refits, seconds each on 2 cores), still well past its 5 random
+# startup trials (tuner/samplers/external.py), so the surrogate proposes most of them.
+LONG = {"gp": 12}
 
 MODEL = ModelConfig(num_layers=8, hidden_size=256, num_heads=8, vocab_size=1024, seq_len=128)
 CLUSTER = ClusterSpec(**{**cluster_preset("a100-80gb"), "device_memory_gb": 0.4, "num_nodes": 1})
@@ -73,14 +76,16 @@ def test_space_is_big_enough_to_mean_something() -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_valid_and_never_repeated(name: str) -> None:
-    proposed = drive(make(name), 25)
-    assert len(proposed) == 25 and len(set(proposed)) == 25
+    n = LONG.get(name, 25)
+    proposed = drive(make(name), n)
+    assert len(proposed) == n and len(set(proposed)) == n
     assert all(c in CANDIDATES for c in proposed)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_deterministic_per_seed(name: str) -> None:
-    assert drive(make(name, seed=3), 12) == drive(make(name, seed=3), 12)
+    n = 9 if name in LONG else 12
+    assert drive(make(name, seed=3), n) == drive(make(name, seed=3), n)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -103,7 +108,7 @@ def test_replayed_oom_layouts_are_never_proposed_again(name: str) -> None:
     for c in history:
         rebuilt.replay(c, run_trial(c))
     rebuilt.replay(pending, None)
-    later = drive(rebuilt, 15)
+    later = drive(rebuilt, 6 if name in LONG else 15)
     assert not set(later) & (set(history) | {pending})
     assert not set(later) & set(ooms)
 
