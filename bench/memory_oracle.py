@@ -48,6 +48,8 @@ from trainer.memcheck import RankMemory, Simulation, Simulator, memcheck
 from tuner.hardware import cluster_preset
 from tuner.memmodel import memory
 from tuner.perfconstants import ModelConstants
+from tuner.plan import parse_pins
+from tuner.space import layout
 from tuner.spec import ClusterSpec, padded_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,37 +59,39 @@ LLAMA_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_llama.jsonl"
 CLUSTER = "a100-80gb"
 LLAMA_CLUSTER = "h100-80gb"
 
-# (tp, pp, schedule, virtual stages, micro-batch, checkpointing, sequence parallel, zero stage):
+# Each shape is a layout as `tuner plan --config` pins one (tuner/plan.py parse_pins: an axis's
+# name or alias = its value, the axes left out at their default), dp and the micro-batch count
+# derived from the GPUs and the global batch (ZeRO > 0 shards the whole dp):
 # tp 8 within a node with SP and selective recompute is Korthikanti's recipe, pp as deep as the
 # model needs (Narayanan table 1: 175B t8 p16 on 1024 GPUs, 1T t8 p64 on 3072), and around it
 # what a planner weighs: less tp, full or no recompute, FSDP2 stages, GPipe and interleaving.
-SHAPES: dict[str, list[tuple]] = {
+SHAPES: dict[str, list[str]] = {
     "gpt-22b": [
-        (8, 1, "1f1b", 1, 1, "selective", True, 0),
-        (8, 1, "1f1b", 1, 2, "selective", True, 3),
-        (8, 1, "1f1b", 1, 4, "full", True, 2),
-        (8, 1, "1f1b", 1, 1, "none", False, 3),
-        (4, 1, "1f1b", 1, 1, "selective", True, 2),
-        (4, 2, "1f1b", 1, 1, "none", True, 0),
-        (8, 2, "1f1b", 1, 2, "selective", False, 2),
-        (4, 4, "interleaved_1f1b", 2, 1, "selective", True, 0),
-        (2, 4, "gpipe", 1, 1, "full", False, 3),
+        "tp=8,ac=selective,sp=true",
+        "tp=8,mbs=2,ac=selective,sp=true,zero=3",
+        "tp=8,mbs=4,ac=full,sp=true,zero=2",
+        "tp=8,zero=3",
+        "tp=4,ac=selective,sp=true,zero=2",
+        "tp=4,pp=2,sp=true",
+        "tp=8,pp=2,mbs=2,ac=selective,zero=2",
+        "tp=4,pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=selective,sp=true",
+        "tp=2,pp=4,pp_schedule=gpipe,ac=full,zero=3",
     ],
     "gpt-175b": [
-        (8, 16, "1f1b", 1, 1, "selective", True, 0),
-        (8, 8, "1f1b", 1, 1, "selective", True, 2),
-        (8, 8, "interleaved_1f1b", 2, 1, "selective", True, 0),
-        (8, 12, "1f1b", 1, 2, "full", True, 3),
-        (4, 16, "1f1b", 1, 1, "full", False, 0),
-        (8, 4, "1f1b", 1, 1, "full", True, 3),
-        (8, 32, "1f1b", 1, 1, "none", True, 0),
+        "tp=8,pp=16,ac=selective,sp=true",
+        "tp=8,pp=8,ac=selective,sp=true,zero=2",
+        "tp=8,pp=8,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=selective,sp=true",
+        "tp=8,pp=12,mbs=2,ac=full,sp=true,zero=3",
+        "tp=4,pp=16,ac=full",
+        "tp=8,pp=4,ac=full,sp=true,zero=3",
+        "tp=8,pp=32,sp=true",
     ],
     "gpt-1t": [
-        (8, 64, "1f1b", 1, 1, "selective", True, 0),
-        (8, 32, "1f1b", 1, 1, "full", True, 2),
-        (8, 32, "interleaved_1f1b", 2, 1, "selective", True, 0),
-        (8, 16, "1f1b", 1, 1, "full", True, 3),
-        (8, 64, "1f1b", 1, 2, "full", False, 0),
+        "tp=8,pp=64,ac=selective,sp=true",
+        "tp=8,pp=32,ac=full,sp=true,zero=2",
+        "tp=8,pp=32,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=selective,sp=true",
+        "tp=8,pp=16,ac=full,sp=true,zero=3",
+        "tp=8,pp=64,mbs=2,ac=full",
     ],
 }
 GPUS = {"gpt-22b": (1024, 2048), "gpt-175b": (1024, 2048), "gpt-1t": (2048, 3072)}
@@ -104,42 +108,42 @@ GLOBAL_BATCHES = {
 # tp 8, pp 16, interleaved, FSDP) and deeper, shallower and tp-free pipelines. Each with tp 1 too:
 # FSDP alone or with a pipeline. Global batches in sequences: 1M-4M tokens (8B), 2M-8M (70B),
 # Llama 3's 8M and 16M (405B).
-LLAMA_SHAPES: dict[str, list[tuple]] = {
+LLAMA_SHAPES: dict[str, list[str]] = {
     "llama3.1-8b": [
-        (1, 1, "1f1b", 1, 1, "none", False, 3),
-        (1, 1, "1f1b", 1, 1, "selective", False, 2),
-        (1, 1, "1f1b", 1, 2, "full", False, 3),
-        (1, 1, "1f1b", 1, 1, "none", False, 0),
-        (1, 2, "1f1b", 1, 1, "selective", False, 2),
-        (1, 4, "interleaved_1f1b", 2, 1, "none", False, 0),
-        (1, 2, "gpipe", 1, 1, "full", False, 3),
-        (2, 1, "1f1b", 1, 1, "none", True, 3),
-        (4, 1, "1f1b", 1, 2, "selective", True, 2),
-        (8, 1, "1f1b", 1, 1, "none", True, 0),
-        (2, 2, "gpipe", 1, 1, "full", False, 3),
+        "zero=3",
+        "ac=selective,zero=2",
+        "mbs=2,ac=full,zero=3",
+        "",
+        "pp=2,ac=selective,zero=2",
+        "pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2",
+        "pp=2,pp_schedule=gpipe,ac=full,zero=3",
+        "tp=2,sp=true,zero=3",
+        "tp=4,mbs=2,ac=selective,sp=true,zero=2",
+        "tp=8,sp=true",
+        "tp=2,pp=2,pp_schedule=gpipe,ac=full,zero=3",
     ],
     "llama3.1-70b": [
-        (1, 1, "1f1b", 1, 1, "full", False, 3),
-        (1, 4, "1f1b", 1, 1, "selective", False, 3),
-        (1, 8, "1f1b", 1, 1, "full", False, 2),
-        (8, 1, "1f1b", 1, 1, "full", True, 3),
-        (8, 2, "1f1b", 1, 1, "none", True, 2),
-        (8, 4, "1f1b", 1, 1, "selective", True, 0),
-        (4, 4, "interleaved_1f1b", 2, 1, "selective", True, 2),
+        "ac=full,zero=3",
+        "pp=4,ac=selective,zero=3",
+        "pp=8,ac=full,zero=2",
+        "tp=8,ac=full,sp=true,zero=3",
+        "tp=8,pp=2,sp=true,zero=2",
+        "tp=8,pp=4,ac=selective,sp=true",
+        "tp=4,pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=selective,sp=true,zero=2",
     ],
     "llama3.1-405b": [
-        (1, 16, "1f1b", 1, 1, "full", False, 3),
-        (1, 32, "1f1b", 1, 1, "selective", False, 3),
-        (8, 16, "interleaved_1f1b", 2, 1, "none", True, 2),
-        (8, 16, "1f1b", 1, 1, "selective", True, 2),
-        (8, 8, "1f1b", 1, 1, "full", True, 3),
-        (8, 32, "1f1b", 1, 1, "none", True, 0),
-        (4, 16, "1f1b", 1, 1, "full", True, 3),
+        "pp=16,ac=full,zero=3",
+        "pp=32,ac=selective,zero=3",
+        "tp=8,pp=16,pp_schedule=interleaved_1f1b,virtual_stages=2,sp=true,zero=2",
+        "tp=8,pp=16,ac=selective,sp=true,zero=2",
+        "tp=8,pp=8,ac=full,sp=true,zero=3",
+        "tp=8,pp=32,sp=true",
+        "tp=4,pp=16,ac=full,sp=true,zero=3",
     ],
 }
 LLAMA_GPUS = {"llama3.1-8b": (16, 64), "llama3.1-70b": (64, 256), "llama3.1-405b": (1024, 2048)}
 LLAMA_GLOBAL_BATCHES = {"llama3.1-8b": (128, 512), "llama3.1-70b": (256, 1024), "llama3.1-405b": (1024, 2048)}
-# The MoE suite (issue 27), at 4096 tokens, shapes with expert parallelism as a ninth field (ep,
+# The MoE suite (issue 27), at 4096 tokens, shapes with expert parallelism (ep,
 # folded into dp x tp as the trainer does; SP wherever tp > 1, as EP with TP needs). Mixtral-8x7B
 # (8 experts of 14336, top 2) as Megatron's MoE recipes run it (tp 1, ep 8, pp 4-8; Megatron-LM
 # examples/mixtral) and around it tp 2-8 with smaller ep, interleaving and GPipe; Qwen3-30B-A3B
@@ -148,36 +152,36 @@ LLAMA_GLOBAL_BATCHES = {"llama3.1-8b": (128, 512), "llama3.1-70b": (256, 1024), 
 # uneven stages) on 16 nodes: Megatron-Bridge's pp 8-16 with ep 8 and tp 1-8, ep 16-32 across nodes.
 # One GPU count per model, three global batches (they share the simulations): 72 layouts; each
 # fit judged on both clusters (the oracle's bytes do not depend on the device).
-MOE_SHAPES: dict[str, list[tuple]] = {
+MOE_SHAPES: dict[str, list[str]] = {
     "mixtral-8x7b": [
-        (1, 4, "1f1b", 1, 1, "selective", False, 2, 8),
-        (1, 8, "1f1b", 1, 1, "full", False, 3, 8),
-        (2, 4, "1f1b", 1, 1, "selective", True, 2, 4),
-        (4, 2, "1f1b", 1, 1, "full", True, 3, 8),
-        (1, 4, "interleaved_1f1b", 2, 1, "full", False, 0, 8),
-        (2, 8, "1f1b", 1, 2, "full", True, 2, 2),
-        (1, 2, "gpipe", 1, 1, "full", False, 3, 8),
-        (8, 1, "1f1b", 1, 1, "full", True, 3, 8),
+        "pp=4,ac=selective,zero=2,ep=8",
+        "pp=8,ac=full,zero=3,ep=8",
+        "tp=2,pp=4,ac=selective,sp=true,zero=2,ep=4",
+        "tp=4,pp=2,ac=full,sp=true,zero=3,ep=8",
+        "pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=full,ep=8",
+        "tp=2,pp=8,mbs=2,ac=full,sp=true,zero=2,ep=2",
+        "pp=2,pp_schedule=gpipe,ac=full,zero=3,ep=8",
+        "tp=8,ac=full,sp=true,zero=3,ep=8",
     ],
     "qwen3-30b-a3b": [
-        (1, 1, "1f1b", 1, 1, "full", False, 3, 8),
-        (1, 2, "1f1b", 1, 1, "full", False, 2, 8),
-        (1, 4, "1f1b", 1, 2, "selective", False, 2, 4),
-        (2, 2, "1f1b", 1, 1, "selective", True, 2, 4),
-        (1, 1, "1f1b", 1, 2, "full", False, 3, 16),
-        (4, 1, "1f1b", 1, 1, "full", True, 3, 8),
-        (1, 4, "interleaved_1f1b", 2, 1, "none", False, 0, 4),
-        (2, 1, "1f1b", 1, 1, "selective", True, 3, 2),
+        "ac=full,zero=3,ep=8",
+        "pp=2,ac=full,zero=2,ep=8",
+        "pp=4,mbs=2,ac=selective,zero=2,ep=4",
+        "tp=2,pp=2,ac=selective,sp=true,zero=2,ep=4",
+        "mbs=2,ac=full,zero=3,ep=16",
+        "tp=4,ac=full,sp=true,zero=3,ep=8",
+        "pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ep=4",
+        "tp=2,ac=selective,sp=true,zero=3,ep=2",
     ],
     "qwen3-235b-a22b": [
-        (1, 8, "1f1b", 1, 1, "full", False, 2, 16),
-        (2, 8, "1f1b", 1, 1, "selective", True, 2, 8),
-        (4, 4, "1f1b", 1, 1, "full", True, 3, 8),
-        (1, 16, "1f1b", 1, 1, "selective", False, 0, 8),
-        (4, 8, "interleaved_1f1b", 2, 1, "full", True, 2, 8),
-        (1, 4, "1f1b", 1, 1, "full", False, 3, 32),
-        (2, 4, "1f1b", 1, 2, "full", True, 2, 16),
-        (2, 16, "gpipe", 1, 1, "full", True, 2, 4),
+        "pp=8,ac=full,zero=2,ep=16",
+        "tp=2,pp=8,ac=selective,sp=true,zero=2,ep=8",
+        "tp=4,pp=4,ac=full,sp=true,zero=3,ep=8",
+        "pp=16,ac=selective,ep=8",
+        "tp=4,pp=8,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=full,sp=true,zero=2,ep=8",
+        "pp=4,ac=full,zero=3,ep=32",
+        "tp=2,pp=4,mbs=2,ac=full,sp=true,zero=2,ep=16",
+        "tp=2,pp=16,pp_schedule=gpipe,ac=full,sp=true,zero=2,ep=4",
     ],
 }
 MOE_GPUS = {"mixtral-8x7b": (64,), "qwen3-30b-a3b": (16,), "qwen3-235b-a22b": (128,)}
@@ -185,28 +189,28 @@ MOE_GLOBAL_BATCHES = {"mixtral-8x7b": (128, 256, 512), "qwen3-30b-a3b": (64, 128
                       "qwen3-235b-a22b": (256, 512, 1024)}  # fmt: skip
 MOE_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_moe.jsonl"
 # The long-sequence suite (issue 28): Llama 3.1 8B and 70B at 32k-128k tokens on H100-80GB with
-# context parallelism as a tenth field (cp, folded with dp: FSDP2 over dp_shard x cp) and the
-# sequence length as an eleventh. 8B on 64 GPUs as the plan of issue 28 weighs it (FSDP with cp
+# context parallelism (cp, folded with dp: FSDP2 over dp_shard x cp) and the sequence length
+# (seq=, not an axis: the model's). 8B on 64 GPUs as the plan of issue 28 weighs it (FSDP with cp
 # 2-16, tp 1-4 with SP, a pipeline, replicated weights); 70B on 256 GPUs with tp 8 in a node and
 # cp 2-8 across nodes (Megatron's long-context recipes: tp 8, cp 2-8, pp 1-4), interleaving, no
 # recompute at 32k. Three global batches per model (1-8M tokens), sharing the simulations.
-LONG_SHAPES: dict[str, list[tuple]] = {
+LONG_SHAPES: dict[str, list[str]] = {
     "llama3.1-8b": [
-        (1, 1, "1f1b", 1, 1, "full", False, 3, 1, 8, 131072),
-        (2, 1, "1f1b", 1, 1, "full", True, 3, 1, 16, 131072),
-        (1, 1, "1f1b", 1, 1, "selective", False, 2, 1, 4, 32768),
-        (2, 1, "1f1b", 1, 1, "none", True, 3, 1, 4, 65536),
-        (1, 2, "1f1b", 1, 1, "full", False, 2, 1, 4, 65536),
-        (4, 1, "1f1b", 1, 1, "full", True, 0, 1, 2, 32768),
-        (1, 4, "interleaved_1f1b", 2, 1, "selective", False, 2, 1, 2, 65536),
+        "ac=full,zero=3,cp=8,seq=131072",
+        "tp=2,ac=full,sp=true,zero=3,cp=16,seq=131072",
+        "ac=selective,zero=2,cp=4,seq=32768",
+        "tp=2,sp=true,zero=3,cp=4,seq=65536",
+        "pp=2,ac=full,zero=2,cp=4,seq=65536",
+        "tp=4,ac=full,sp=true,cp=2,seq=32768",
+        "pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=selective,zero=2,cp=2,seq=65536",
     ],
     "llama3.1-70b": [
-        (8, 1, "1f1b", 1, 1, "full", True, 3, 1, 4, 131072),
-        (8, 2, "1f1b", 1, 1, "full", True, 2, 1, 2, 65536),
-        (4, 4, "1f1b", 1, 1, "selective", True, 2, 1, 2, 32768),
-        (8, 1, "1f1b", 1, 1, "full", True, 3, 1, 8, 131072),
-        (2, 4, "interleaved_1f1b", 2, 1, "full", True, 2, 1, 4, 65536),
-        (8, 4, "1f1b", 1, 1, "none", True, 0, 1, 2, 32768),
+        "tp=8,ac=full,sp=true,zero=3,cp=4,seq=131072",
+        "tp=8,pp=2,ac=full,sp=true,zero=2,cp=2,seq=65536",
+        "tp=4,pp=4,ac=selective,sp=true,zero=2,cp=2,seq=32768",
+        "tp=8,ac=full,sp=true,zero=3,cp=8,seq=131072",
+        "tp=2,pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=full,sp=true,zero=2,cp=4,seq=65536",
+        "tp=8,pp=4,sp=true,cp=2,seq=32768",
     ],
 }
 LONG_GPUS = {"llama3.1-8b": (64,), "llama3.1-70b": (256,)}
@@ -255,6 +259,14 @@ SMALL_LAYOUTS = [
 ]  # fmt: skip
 
 
+def _shape(text: str) -> tuple[dict[str, Any], int | None]:
+    """A shape's pinned axes and its sequence length (seq=; None: the preset's)."""
+    items = text.split(",")
+    seq = [int(item.removeprefix("seq=")) for item in items if item.startswith("seq=")]
+    pins = parse_pins(",".join(item for item in items if not item.startswith("seq=")))
+    return pins, (seq[0] if seq else None)
+
+
 def layouts(suite: str = "large") -> list[tuple[str, ModelConfig, ParallelConfig, str]]:
     """Every (label, model, layout, device) of a suite, valid for the trainer."""
     if suite == "small":
@@ -265,20 +277,16 @@ def layouts(suite: str = "large") -> list[tuple[str, ModelConfig, ParallelConfig
     all_shapes, all_gpus, batches = SUITES[suite][:3]
     for name, shapes in all_shapes.items():
         for shape, gpus, gbs in itertools.product(shapes, all_gpus[name], batches[name]):
-            # ep, cp and the sequence length are optional trailing fields (1, 1, the preset's)
-            tp, pp, schedule, v, mbs, ac, sp, zero, ep, cp, seq = (*shape, *(1, 1, None)[len(shape) - 8 :])
-            dp = gpus // (tp * pp * cp)
-            if gpus % (tp * pp * cp) or gbs % (dp * mbs):
+            pins, seq = _shape(shape)
+            knobs = ParallelConfig(**pins)  # dp 1: the degrees and the micro-batch
+            dp = gpus // (knobs.tp * knobs.pp * knobs.cp)
+            if gpus % (knobs.tp * knobs.pp * knobs.cp) or gbs % (dp * knobs.micro_batch_size):
                 continue
-            p = ParallelConfig(
-                tp=tp, pp=pp, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, micro_batch_size=mbs,
-                num_microbatches=gbs // (dp * mbs), zero_stage=zero, activation_checkpoint=ac, sequence_parallel=sp,
-                pp_schedule=schedule, virtual_stages=v, ep=ep, cp=cp,
-            )  # fmt: skip
+            p = layout(**pins, dp=dp, num_microbatches=gbs // (dp * knobs.micro_batch_size))
             model = (
                 MODEL_PRESETS[name] if seq is None else dataclasses.replace(MODEL_PRESETS[name], seq_len=seq)
             )
-            model = padded_model(model, tp)
+            model = padded_model(model, p.tp)
             if not p.problems(model):
                 out.append((name, model, p, "cuda"))
     return out

@@ -12,6 +12,8 @@ from typing import Any
 from trainer.contract.axes import AXES, AXIS
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
+from trainer.contract.result import layout_not_built
+from trainer.contract.rules import zero_rules
 from tuner.spec import SpaceSpec, StudySpec, padded_model
 
 RULE_GPUS = "tp * pp must divide the GPU count"  # tp * tp_col * pp with a column axis
@@ -20,8 +22,6 @@ RULE_CROSS_NODE_TP = "tp spans nodes (space.allow_cross_node_tp is false)"
 RULE_CROSS_NODE_TENSOR = "tp x tp_col spans nodes (space.allow_cross_node_tp is false)"
 RULE_CROSS_NODE_EP = "ep spans nodes (space.allow_cross_node_ep is false)"
 RULE_CROSS_NODE_CP = "cp spans nodes (space.allow_cross_node_cp is false)"
-RULE_QK_NORM_PROJ = "qk_norm 'proj' needs tp 1"
-RULE_TP_COL_HEADS = "tp_col > 1 needs the plain attention heads"
 
 
 def axis_values(model: ModelConfig, space: SpaceSpec, max_gpus: int) -> dict[str, list]:
@@ -186,27 +186,10 @@ class SearchSpace:
                 "the context-parallel group's K/V gathers would cross nodes on every layer (set "
                 "space.allow_cross_node_cp to search it)",
             ))  # fmt: skip
-        # What the trainer does not build (trainer.contract.result.trainer_problems), as rules of the space.
-        if self.model.qk_norm == "proj" and tensor > 1:
-            out.append((
-                RULE_QK_NORM_PROJ,
-                f"qk_norm 'proj' (one norm over all heads' q and k, OLMoE) needs tp 1, got tp {config.tp}"
-                + (f" x tp_col {config.tp_col}" if config.tp_col > 1 else "")
-                + ": a tensor-parallel rank holds only its heads",
-            ))  # fmt: skip
-        if config.tp_col > 1 and (self.model.qk_norm != "none" or self.model.attention_head_dim is not None):
-            out.append((
-                RULE_TP_COL_HEADS,
-                f"tp_col ({config.tp_col}) > 1 with qk_norm {self.model.qk_norm!r} or attention_head_dim "
-                f"{self.model.attention_head_dim} is not built in the trainer (2D tensor parallelism splits "
-                "heads by hidden/heads); use tp_col 1",
-            ))  # fmt: skip
-        if config.zero_stage == 1:  # the perf model can price it; the bundled trainer cannot run it
-            out.append((
-                "zero_stage 1 not offered by the trainer",
-                "zero_stage 1 is not offered by the bundled trainer (FSDP2 has no optimizer-only "
-                "sharding); stage 2 moves the same bytes",
-            ))  # fmt: skip
+        # What the trainer does not build, as a trial refuses it (trainer.contract.result).
+        out += layout_not_built(self.model, config)
+        if config.zero_stage == 1:  # the perf model prices it, the contract refuses it; the rest as stage 2
+            out += zero_rules(config, self.model)
             config = ParallelConfig(**{**config.to_dict(), "zero_stage": 2})
         # The trainer builds the vocabulary padded for the layout's tp (tuner.spec.padded_model),
         # so an unpadded tokenizer vocabulary (GPT-2's 50257) never rules a tp out. The column

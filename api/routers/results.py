@@ -50,6 +50,7 @@ async def best(
 class AxisOut(BaseModel):
     name: str
     label: str
+    heading: str  # its column's heading in a table of layouts: the label, or a shorter word
     help: str
     type: str  # int, bool or str
     default: Any

@@ -2,7 +2,7 @@
 // sets data-points on its plot's div after plotly has drawn it: the number of marks of its main
 // trace, so tests can compare what was drawn with the database.
 
-import { el, fmt, loadPlotly, plotText, UNITS, unitOf } from "./lib.js";
+import { el, fmt, loadPlotly, plotText, UNITS, unitOf, variedAxes } from "./lib.js";
 import { FINISHED_TRIAL, TRIAL } from "./vocabulary.js";
 
 // Headings and notes are HTML above the plot (chartFrame), not plotly titles: the mode bar, shown
@@ -141,8 +141,7 @@ export function parcoords(div, trials, axes) {
     }
     return { label: a.label, values, tickvals: [...new Set(values)].sort((x, y) => x - y) }; // only the values tried
   };
-  const varied = (axes || []).filter((a) => new Set(done.map((t) => String(t[a.name]))).size > 1);
-  const dimensions = [...varied.map(dimension), { label: "tokens/s", values: done.map((t) => t.tokens_per_s) }];
+  const dimensions = [...variedAxes(axes, done).map(dimension), { label: "tokens/s", values: done.map((t) => t.tokens_per_s) }];
   return draw(div, [{ type: "parcoords", dimensions, line: { color: done.map((t) => t.tokens_per_s), colorscale: "Viridis", showscale: true } }],
     { margin: { l: 48, r: 48, t: 48, b: 24 },
       annotations: done.length ? [] : empty("no completed trial yet") }, done.length);

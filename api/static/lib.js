@@ -105,4 +105,6 @@ export const isCancellable = (status) => CANCELLABLE_STUDY.includes(status);
 export const statusBadge = (status) => el("span", { class: `badge ${status}` }, status);
 // A model as the listings name it: its key and its family ("llama3.1-8b (llama)", tuner/models.py).
 export const modelLabel = (r) => (r.family ? `${r.model} (${r.family})` : r.model);
+// The parallel axes (GET /api/axes, trainer/contract/axes.py) whose value differs between trials.
+export const variedAxes = (axes, trials) => (axes || []).filter((a) => new Set(trials.map((t) => String(t[a.name]))).size > 1);
 export const fact = (label, value, cls) => el("div", { class: cls }, el("dt", {}, label), el("dd", {}, value));

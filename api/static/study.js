@@ -235,6 +235,7 @@ export async function showStudy(current, id, ctx) {
   study = first;
   calibration = fit;
   axes = axesRead;
+  table.setAxes(axes);
   merge(items);
   performance.mark("tuner:trials-loaded");
   lastNumber = trials.length ? trials[trials.length - 1].number : -1;

@@ -1,19 +1,19 @@
 // The trial table (sort by any column, filter by text, 100 rows a page, so 5000 trials stay
 // responsive) and one trial's detail.
 
-import { el, fact, fmt } from "./lib.js";
+import { el, fact, fmt, variedAxes } from "./lib.js";
 import { FINISHED_TRIAL } from "./vocabulary.js";
 
 export const FINISHED = new Set(FINISHED_TRIAL);
 const ROWS_PER_PAGE = 100;
-const COLUMNS = [ // [key, header, cell text, class]
+// [key, header, cell text, class]: the trial's, then one per parallel axis whose value differs
+// between the study's trials (GET /api/axes, in the axis table's order), then the figures.
+const FIRST = [
   ["number", "#", (t) => String(t.number), "num"],
   ["state", "state", (t) => (t.stop_reason ? `${t.state}, stopped early` : t.state), ""], // early: measured, not failed
   ["layout", "layout", (t) => t.layout, "mono"],
-  ["tp", "tp", (t) => String(t.tp), "num"],
-  ["pp", "pp", (t) => String(t.pp), "num"],
-  ["dp", "dp", (t) => String(t.dp), "num"],
-  ["micro_batch_size", "mbs", (t) => String(t.micro_batch_size), "num"],
+];
+const FIGURES = [
   ["tokens_per_s", "tokens/s", (t) => fmt.int(t.tokens_per_s), "num"],
   ["tflops_per_device", "TFLOP/s per device", (t) => fmt.num(t.tflops_per_device), "num"],
   ["mfu", "MFU", (t) => fmt.pct(t.mfu), "num"],
@@ -22,12 +22,14 @@ const COLUMNS = [ // [key, header, cell text, class]
   ["vs_predicted", "measured vs predicted", (t) => fmt.error(t.tokens_per_s, t.predicted_tokens_per_s), "num"],
   ["failure_kind", "failure", (t) => t.failure_kind || "", ""],
 ];
+const axisColumn = (a) => [a.name, a.heading, (t) => String(t[a.name]), a.type === "int" ? "num" : ""];
 const sortValue = (t, key) =>
   key === "vs_predicted" ? (t.tokens_per_s && t.predicted_tokens_per_s ? t.tokens_per_s / t.predicted_tokens_per_s : null) : t[key];
 
 export class TrialTable {
   constructor(onSelect) {
-    Object.assign(this, { key: "number", dir: 1, filter: "", page: 0, selected: null, trials: [], onSelect });
+    Object.assign(this, { key: "number", dir: 1, filter: "", page: 0, selected: null, trials: [], axes: [], onSelect });
+    this.columns = [...FIRST, ...FIGURES];
     this.search = new Map(); // number -> the lower-case text the filter box matches
     this.thead = el("thead");
     this.tbody = el("tbody");
@@ -42,8 +44,14 @@ export class TrialTable {
       el("div", { class: "table-wrap" }, el("table", { class: "trials" }, this.thead, this.tbody)), this.pager);
   }
 
+  // The parallel axes (GET /api/axes): a column for each that differs between the trials.
+  setAxes(axes) {
+    this.axes = axes;
+  }
+
   update(trials, changed) {
     this.trials = trials;
+    this.columns = [...FIRST, ...variedAxes(this.axes, trials).map(axisColumn), ...FIGURES];
     for (const t of changed) this.search.set(t.number, [t.number, t.state, t.stop_reason ? "stopped early" : "", t.layout, t.failure_kind, t.job_id].join(" ").toLowerCase());
     this.render();
   }
@@ -66,7 +74,7 @@ export class TrialTable {
   }
 
   render() {
-    this.thead.replaceChildren(el("tr", {}, COLUMNS.map(([key, label]) => el("th", {
+    this.thead.replaceChildren(el("tr", {}, this.columns.map(([key, label]) => el("th", {
       class: this.key === key ? `sorted ${this.dir > 0 ? "asc" : "desc"}` : "", dataset: { key }, title: "sort",
       onclick: () => this.sortBy(key) }, label))));
     const rows = this.rows();
@@ -76,7 +84,7 @@ export class TrialTable {
     this.tbody.replaceChildren(...shown.map((t) => el("tr", {
       class: `${t.state}${t.stop_reason ? " stopped" : ""}${this.selected === t.number ? " selected" : ""}`, tabindex: 0, dataset: { number: t.number },
       onclick: () => this.onSelect(t.number), onkeydown: (e) => e.key === "Enter" && this.onSelect(t.number) },
-    COLUMNS.map(([, , text, cls]) => el("td", { class: cls }, text(t))))));
+    this.columns.map(([, , text, cls]) => el("td", { class: cls }, text(t))))));
     const go = (n, label, name) => el("button", { type: "button", "aria-label": name, disabled: n < 0 || n >= pages || n === this.page,
       onclick: () => Object.assign(this, { page: n }).render() }, label);
     this.pager.replaceChildren(go(0, "«", "first page"), go(this.page - 1, "‹", "previous page"),

@@ -15,6 +15,7 @@ from trainer.contract.axes import AXES, AXIS, MESH_AXES, SAMPLER_AXES, WORLD_AXE
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
 from tuner import store
+from tuner.cli.plan import layout_columns
 from tuner.db import Trial, connect
 from tuner.frames import CSV_COLUMNS
 from tuner.outcome import Feedback, Outcome, TrialState
@@ -57,6 +58,21 @@ def test_every_derived_list_has_every_axis() -> None:
     assert set(KNOBS) <= {*SAMPLER_AXES, SCHEDULE}
     row = layout_row(every)
     assert set(row) == {*NAMES, "dp"} - {"dp_replicate", "dp_shard"}
+
+
+def test_the_plan_tables_columns_follow_the_table() -> None:
+    """`tuner plan`'s layout columns: every axis of the rows (dp whole; tp_col and virtual_stages
+    shown in tp's and the schedule's cells), the world's first, then ep, then the rest, each in the
+    table's order, under the axis's heading."""
+    columns = layout_columns([layout_row(ParallelConfig(tp_col=2, ep=2, cp=2))])
+    assert columns == ["tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_microbatches", "zero_stage",
+                       "activation_checkpoint", "sequence_parallel", "pp_schedule"]  # fmt: skip
+    assert {*columns, "tp_col", "virtual_stages", "dp_replicate", "dp_shard"} - {"dp"} == set(NAMES)
+    assert [AXIS[n].heading for n in columns if n != "dp"] == [
+        "tp", "pp", "cp", "ep", "mbs", "nmb", "zero", "ckpt", "sp", "schedule"
+    ]  # fmt: skip
+    assert "cp" not in layout_columns([layout_row(ParallelConfig())])  # searched or used: a column
+    assert {a["name"]: a["heading"] for a in axes_payload()} == {a.name: a.heading for a in AXES}
 
 
 def test_world_size_is_the_product_of_the_world_axes() -> None:

@@ -17,7 +17,7 @@ from tests.tuner.oracle_check import assert_every_rank_matches_the_oracle
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
-from trainer.contract.result import BenchmarkConfig, trainer_problems
+from trainer.contract.result import RULE_QK_NORM_PROJ, BenchmarkConfig, trainer_problems
 from tuner import moe
 from tuner.cli import app
 from tuner.memmodel import _rank, phase_bytes
@@ -26,7 +26,7 @@ from tuner.perfmodel import estimate
 from tuner.plan import plan
 from tuner.pricing import Pricing
 from tuner.samplers.external import _knob_names
-from tuner.space import RULE_CROSS_NODE_EP, RULE_QK_NORM_PROJ, SearchSpace, ep_values
+from tuner.space import RULE_CROSS_NODE_EP, SearchSpace, ep_values
 from tuner.spec import ClusterSpec, SpaceSpec, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]

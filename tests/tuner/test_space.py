@@ -58,7 +58,7 @@ BROKEN = {
     "interleaved 1F1B needs num_microbatches to be a multiple of num_microbatches // pp": lambda s, c: (
         c.num_microbatches % max(1, c.num_microbatches // c.pp) != 0
     ),
-    "zero_stage 1 not offered by the trainer": lambda s, c: c.zero_stage == 1,
+    "zero_stage not offered by the trainer": lambda s, c: c.zero_stage == 1,
     "dp_shard > 1 needs zero_stage 2 or 3": lambda s, c: c.dp_shard > 1 and c.zero_stage == 0,
     "zero_stage > 0 needs dp > 1": lambda s, c: c.dp_shard == 1 and c.zero_stage > 0 and c.cp == 1,
     "zero_stage over cp alone needs dp_replicate 1": lambda s, c: (

@@ -94,7 +94,7 @@ class Axis:
     type: type  # int, bool or str
     annotation: str  # the field's type as written in ParallelConfig
     default: Any
-    label: str  # a short human label (dashboard dimension, table headings)
+    label: str  # a short human label (the dashboard's dimension, a column's heading)
     help: str  # one line: what the axis is (SpaceSpec's field description, docs)
     # The world is the product of these degrees; mesh_order places them in the device mesh,
     # outermost first (trainer/contract/topology.py).
@@ -121,6 +121,12 @@ class Axis:
     rules: Callable[[ParallelConfig, ModelConfig], Violations] | None = None
     aliases: tuple[str, ...] = ()  # short names a user may type (tuner plan --config mbs=2)
     check_choices: bool = False  # a value outside `choices` is a violation ("unknown <name>")
+    short: str = ""  # a narrow column's heading where the label is too wide (see `heading`)
+
+    @property
+    def heading(self) -> str:
+        """Its column's heading in a table of layouts (tuner plan, the dashboard's trials)."""
+        return self.short or self.label
 
     @property
     def searched(self) -> bool:
@@ -147,22 +153,22 @@ AXES: tuple[Axis, ...] = (
          token=lambda p: f"dps{p.dp_shard}(z{p.zero_stage})" if p.dp_shard > 1 else ""),
     Axis("micro_batch_size", int, "int", 1, "micro-batch", "sequences per micro-batch and data-parallel rank",
          space_default=(1, 2, 4, 8), space_order=2, sampler="categorical", knob_order=5, aliases=("mbs",),
-         token=lambda p: f"mbs{p.micro_batch_size}x{p.num_microbatches}"),
+         token=lambda p: f"mbs{p.micro_batch_size}x{p.num_microbatches}", short="mbs"),
     Axis("num_microbatches", int, "int", 1, "micro-batches",
-         "gradient accumulation steps; with pp > 1, micro-batches per pipeline flush"),
+         "gradient accumulation steps; with pp > 1, micro-batches per pipeline flush", short="nmb"),
     Axis("zero_stage", int, "int", 0, "ZeRO", "ZeRO stage of the data-parallel sharding (0, 2, 3; FSDP2)",
          choices=rules.ZERO_STAGES, space_default=(0, 2, 3), space_choices=(0, 1, 2, 3), space_order=3,
-         sampler="categorical", knob_order=6, rules=rules.zero_rules, aliases=("zero",)),
+         sampler="categorical", knob_order=6, rules=rules.zero_rules, aliases=("zero",), short="zero"),
     Axis("activation_checkpoint", str, "ActivationCheckpoint", "none", "act. ckpt",
          "activation checkpointing: none, selective (attention core) or full (every block)",
          choices=ACTIVATION_CHECKPOINTS, space_default=ACTIVATION_CHECKPOINTS, space_order=4, sampler="categorical",
          knob_order=7, aliases=("ac",),
          token=lambda p: f"ac={p.activation_checkpoint}" if p.activation_checkpoint != "none" else "",
-         check_choices=True),
+         check_choices=True, short="ckpt"),
     Axis("sequence_parallel", bool, "bool", False, "seq. par.", "sequence parallelism over the tp ranks",
          choices=(False, True), space_default=(False, True), space_order=5,
          space_narrow=lambda chosen, values: values if chosen["tp"] > 1 else [False], sampler="bool", knob_order=8,
-         aliases=("sp",), token=lambda p: "sp" if p.sequence_parallel else ""),
+         aliases=("sp",), token=lambda p: "sp" if p.sequence_parallel else "", short="sp"),
     Axis("pp_schedule", str, "PipelineSchedule", "1f1b", "schedule", "the pipeline schedule",
          choices=PIPELINE_SCHEDULES, space_default=("1f1b", "interleaved_1f1b"), space_order=0,
          space_narrow=_schedules, check_choices=True),
@@ -187,7 +193,7 @@ SAMPLER_AXES = tuple(a.name for a in sorted((a for a in AXES if a.sampler), key=
 def axes_payload() -> list[dict[str, Any]]:
     """The table as JSON (GET /api/axes): what a client needs to show a layout's knobs."""
     return [
-        {"name": a.name, "label": a.label, "help": a.help, "type": a.type.__name__, "default": a.default,
+        {"name": a.name, "label": a.label, "heading": a.heading, "help": a.help, "type": a.type.__name__, "default": a.default,
          "choices": list(a.choices), "multiplies_world": a.multiplies_world}
         for a in AXES
     ]  # fmt: skip

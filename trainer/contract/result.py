@@ -1,5 +1,5 @@
 """What to run and what came out: BenchmarkConfig (one trial), BenchmarkResult, and what this
-trainer does not build (trainer_problems). Torch-free: a frozen dataclass each, with a JSON
+trainer does not build (trainer_problems, layout_not_built). Torch-free: a frozen dataclass each, with a JSON
 round-trip."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from trainer.contract.dicts import from_dict
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
+from trainer.contract.rules import Violations
 
 Status = Literal["ok", "pruned", "oom", "invalid", "error", "timeout"]
 
@@ -173,27 +174,49 @@ class BenchmarkResult:
         return cls.from_dict(json.loads(text))
 
 
+# The layouts this trainer does not build, by rule: a trial of one is refused (trainer_problems)
+# and a study's space rejects it (tuner/space.py), with the same (rule, message).
+RULE_QK_NORM_PROJ = "qk_norm 'proj' needs tp 1"
+RULE_TP_COL_HEADS = "tp_col > 1 needs the plain attention heads"
+
+
+def layout_not_built(model: ModelConfig, p: ParallelConfig) -> Violations:
+    """(rule, message) for each reason this trainer does not build layout `p` of `model`, which the
+    contract allows (ParallelConfig.problems)."""
+    out = []
+    if model.qk_norm == "proj" and p.tp * p.tp_col > 1:
+        out.append((
+            RULE_QK_NORM_PROJ,
+            f"qk_norm 'proj' (one norm over all heads' q and k, OLMoE) needs tp 1, got tp {p.tp}"
+            + (f" x tp_col {p.tp_col}" if p.tp_col > 1 else "")
+            + ": a tensor-parallel rank holds only its heads",
+        ))  # fmt: skip
+    if p.tp_col > 1 and (model.qk_norm != "none" or model.attention_head_dim is not None):
+        out.append((
+            RULE_TP_COL_HEADS,
+            f"tp_col ({p.tp_col}) > 1 with qk_norm {model.qk_norm!r} or attention_head_dim "
+            f"{model.attention_head_dim} is not built in the trainer (2D tensor parallelism splits "
+            "heads by hidden/heads); use tp_col 1",
+        ))  # fmt: skip
+    return out
+
+
 def trainer_problems(cfg: BenchmarkConfig) -> list[str]:
     """What the contract allows but this trainer does not build (a trial of it is "invalid" with
-    these reasons), beside the layout's own rules (ParallelConfig.problems)."""
+    these reasons), beside the layout's own rules (ParallelConfig.problems): the model's, the
+    layout's (layout_not_built) and the trial's (compile)."""
     model, p, out = cfg.model, cfg.parallel, []
     if model.attention == "mla":
         out.append(
             "attention 'mla' (multi-head latent attention) is not built in the trainer: the planner prices it "
             "from its published dimensions, trials of it are refused"
         )
+    out += [message for _, message in layout_not_built(model, p)]
     if model.moe and cfg.compile:
         out.append(
             "compile with a mixture of experts is not supported: dropless routing gives every step other "
             "shapes (tokens per expert); set compile false"
         )
-    if model.qk_norm == "proj" and p.tp * p.tp_col > 1:
-        out.append(
-            f"qk_norm 'proj' (one norm over all heads, OLMoE) with tp ({p.tp}) x tp_col ({p.tp_col}) > 1 is not "
-            "built: each rank holds only its heads; use tp 1"
-        )
-    if p.tp_col > 1 and (model.qk_norm != "none" or model.attention_head_dim is not None):
-        out.append("2D tensor parallelism (tp_col > 1) with qk_norm or attention_head_dim is not built")
     if p.cp > 1 and cfg.compile:
         out.append(
             f"compile with cp ({p.cp}) > 1 is not supported: the K/V all-gather is an autograd function "

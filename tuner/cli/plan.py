@@ -7,11 +7,14 @@ from typing import Annotated, Any
 
 import typer
 
+from trainer.contract.axes import AXIS
+from trainer.contract.parallel import ParallelConfig
 from tuner.cli.common import fail, stored_constants
 from tuner.cli.options import SpecOptions, spec_data, with_spec_options
 from tuner.models import model_key, model_label
-from tuner.plan import PlanError, parse_pins
+from tuner.plan import PlanError, layout_row, parse_pins
 from tuner.plan import plan as run_plan
+from tuner.space import layout
 from tuner.spec import SpecError, StudySpec, parse_spec
 
 
@@ -69,29 +72,18 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
     typer.echo(
         f"space {result['space_size']}, valid {result['num_valid']}, predicted to fit {result['num_fit']}\n"
     )
-    moe = m.moe  # a mixture of experts: an ep column
-    cp = any(
-        "cp" in cand["config"] for cand in result["candidates"]
-    )  # context parallelism searched: a cp column
-    head = (f"{'tp':>5} {'pp':>3} {'dp':>5}" + (f" {'cp':>3}" if cp else "") + (f" {'ep':>4}" if moe else "")
-            + f" {'mbs':>3} {'nmb':>5} {'zero':>4} "
-            f"{'ckpt':>9} {'sp':>3} {'schedule':>18} {'vocab':>7} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")  # fmt: skip
-    typer.echo(head)
-    for cand in result["candidates"]:
-        k, p = cand["config"], cand["predicted"]
-        sched = (
-            k["pp_schedule"] + (f"/v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
-            if k["pp"] > 1
-            else "-"
-        )
+    rows = [cand["config"] for cand in result["candidates"]]
+    columns = layout_columns(rows)
+    cells = [[_cell(key, k) for key in columns] for k in rows]
+    widths = [max([len(_heading(key)), *(len(row[i]) for row in cells)]) for i, key in enumerate(columns)]
+    layout_head = " ".join(f"{_heading(key):>{w}}" for key, w in zip(columns, widths, strict=True))
+    typer.echo(f"{layout_head} {'vocab':>7} {'mem GiB':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>11}")
+    for cand, row in zip(result["candidates"], cells, strict=True):
+        p = cand["predicted"]
         flag = "" if p["fits"] else "  (does not fit)"
-        tp = f"{k['tp']}x{k['tp_col']}" if k.get("tp_col", 1) > 1 else str(k["tp"])  # row x column
-        ep = f" {k.get('ep', 1):>4}" if moe else ""
-        ctx = f" {k.get('cp', 1):>3}" if cp else ""
         typer.echo(
-            f"{tp:>5} {k['pp']:>3} {k['dp']:>5}{ctx}{ep} {k['micro_batch_size']:>3} {k['num_microbatches']:>5} "
-            f"{k['zero_stage']:>4} {k['activation_checkpoint']:>9} {'y' if k['sequence_parallel'] else 'n':>3} "
-            f"{sched:>18} {cand['vocab_size']:>7} {p['memory_bytes'] / 2**30:>8.1f} {p['tflops_per_device']:>8.1f} {p['mfu']:>6.1%} "
+            " ".join(f"{cell:>{w}}" for cell, w in zip(row, widths, strict=True))
+            + f" {cand['vocab_size']:>7} {p['memory_bytes'] / 2**30:>8.1f} {p['tflops_per_device']:>8.1f} {p['mfu']:>6.1%} "
             f"{p['tokens_per_s']:>11.0f}{flag}"
         )
     if result["candidates"] and result["candidates"][0].get("experts"):
@@ -122,22 +114,48 @@ def _print_terms(result: dict[str, Any]) -> None:
         parts = [f"{TERM_LABELS[k]} {v:.4g} ({v / step:.0%})" for k, v in shown]
         if rest > 0:
             parts.append(f"other terms {rest:.2g}")
-        typer.echo(f"{rank:>3}. {_layout(cand['config'])}: step {step:.4g} s = " + " + ".join(parts))
+        typer.echo(
+            f"{rank:>3}. {layout(**cand['config']).describe()}: step {step:.4g} s = " + " + ".join(parts)
+        )
         if cand.get("experts"):
             typer.echo(f"     {cand['experts']}")
 
 
-def _layout(k: dict[str, Any]) -> str:
-    tp = f"{k['tp']}x{k['tp_col']}" if k.get("tp_col", 1) > 1 else str(k["tp"])
-    sched = (
-        f" {k['pp_schedule']}" + (f"/v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
-        if k["pp"] > 1
-        else ""
-    )
-    cp = f" cp{k['cp']}" if k.get("cp", 1) > 1 else ""
-    return (f"tp{tp} pp{k['pp']}{sched} dp{k['dp']}{cp} z{k['zero_stage']} mbs{k['micro_batch_size']}x{k['num_microbatches']}"
-            + (f" ac={k['activation_checkpoint']}" if k["activation_checkpoint"] != "none" else "")
-            + (" sp" if k["sequence_parallel"] else "") + (f" ep{k['ep']}" if k.get("ep", 1) > 1 else ""))  # fmt: skip
+# Axes the table shows inside another axis's column: tp x tp_col as "2x2", the schedule with its
+# virtual stages as "interleaved_1f1b/v2".
+_FOLDED = {"tp_col": "tp", "virtual_stages": "pp_schedule"}
+
+
+def layout_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The table's layout columns: the keys of the plan's rows (tuner/plan.py layout_row: every
+    axis of trainer/contract/axes.py in its order, dp whole; ep and cp where searched or used), but
+    those folded into another's column; the world's axes first (dp among them), then the other
+    degrees (the samplers' other integer knobs: ep), then the rest."""
+    every = layout_row(ParallelConfig(), searched=AXIS)  # every key a row may have, in order
+    present = {key for row in rows for key in row} or set(layout_row(ParallelConfig()))
+
+    def group(key: str) -> int:
+        a = AXIS.get(key)
+        return 0 if a is None or a.multiplies_world else 1 if a.sampler == "int" else 2  # None: dp
+
+    return sorted((key for key in every if key in present and key not in _FOLDED), key=group)
+
+
+def _heading(key: str) -> str:
+    return AXIS[key].heading if key in AXIS else key  # dp: dp_replicate x dp_shard
+
+
+def _cell(key: str, k: dict[str, Any]) -> str:
+    value = k.get(key, AXIS[key].default if key in AXIS else None)
+    if key == "tp" and k.get("tp_col", 1) > 1:
+        return f"{value}x{k['tp_col']}"  # row x column
+    if key == "pp_schedule":
+        if k["pp"] == 1:
+            return "-"  # no schedule to choose
+        return value + (f"/v{k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+    if isinstance(value, bool):
+        return "y" if value else "n"
+    return str(value)
 
 
 def register(app: typer.Typer) -> None:
