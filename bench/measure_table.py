@@ -102,7 +102,7 @@ def table_columns(model: ModelConfig, space: str) -> list[str]:
     cp (and ep and the model) for the context-parallel space."""
     if space == "cp":
         return CP_COLUMNS
-    return MOE_COLUMNS if model.moe else OWN_COLUMNS
+    return MOE_COLUMNS if model.moe else OWN_COLUMNS  # a mixture of experts' rows add the experts' columns
 
 
 def cluster_label(num_nodes: int, inter_node_mbit: int | None) -> str:

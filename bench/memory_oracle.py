@@ -367,7 +367,7 @@ def run_oracle(
     for i, (name, model, p, device) in enumerate(todo):
         cfg = BenchmarkConfig(
             model=model, parallel=p, device=device, dtype="bf16" if device == "cuda" else "fp32",
-            moe_routing="balanced" if model.moe else "learned",
+            moe_routing="balanced" if model.moe else "learned",  # the oracle routes experts balanced
         )  # fmt: skip
         before = simulator.simulated_s
         try:

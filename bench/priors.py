@@ -61,6 +61,7 @@ def prior_imbalance(row: Measurement) -> float:
     """A mixture of experts' max/mean tokens per expert as a study prices it before any trial: the
     study default (training.moe_imbalance; our MoE tables route as the model learns, learned
     routing). 1 for a dense model."""
+    # the experts' imbalance prior; a dense model has no experts to imbalance
     return TrainingSpec.model_fields["moe_imbalance"].default if row.model.moe else 1.0
 
 

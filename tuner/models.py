@@ -38,7 +38,7 @@ def model_key(model: ModelConfig, preset: str | None = None) -> str:
     for name, known in MODEL_PRESETS.items():
         if _same_model(model, known):
             return name
-    experts = f"-e{model.num_experts}k{model.moe_top_k}" if model.moe else ""
+    experts = f"-e{model.num_experts}k{model.moe_top_k}" if model.moe else ""  # the experts' part of the key
     return f"{model.architecture}-{shape}-kv{model.kv_heads}{experts}"
 
 

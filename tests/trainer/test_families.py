@@ -88,3 +88,11 @@ def test_a_registered_family_is_what_the_model_and_its_keys_see(monkeypatch: pyt
         assert model_key(moe) == "rmsgpt-moe-L2-h64-a4-kv4-e4k2"
     finally:
         family_of.cache_clear()
+
+
+def test_latent_attention_on_another_block_is_not_deepseek() -> None:
+    """A family is its whole block: latent attention with LayerNorm is `custom`, so an export does
+    not write it as torchtitan's deepseek_v3 (RMSNorm, SwiGLU)."""
+    ds = MODEL_PRESETS["deepseek-v3"]
+    assert ds.family == "deepseek"
+    assert dataclasses.replace(ds, norm="layernorm").family == "custom"

@@ -40,6 +40,7 @@ def check(
         raise PlanError(
             f"the memory oracle needs torch (pip install 'parallel-tuner[trainer]'): {e}"
         ) from None
+    # routing is an option of the experts only (a dense model has none to report)
     routing = study.training.moe_routing if study.as_model_config().moe else None
     if routing == "learned":
         # Learned routing's tokens per expert depend on the data: the oracle simulates balanced

@@ -6,6 +6,7 @@ the one-line descriptions of the model's block (describe), its attention variant
 
 from __future__ import annotations
 
+from trainer.contract.families import family_of
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.dispatch.sbatch import layout_resources
@@ -13,10 +14,14 @@ from tuner.spec import StudySpec, benchmark_config, slug
 
 # torchtitan's RMSNorm.Config default eps and Megatron-LM's --norm-epsilon default.
 DEFAULT_NORM_EPS = 1e-5
+# Megatron-LM's default --normalization (NormPart.megatron), GPT's: the header and the flags name the
+# eps of any other norm, and of this one where it is not DEFAULT_NORM_EPS.
+DEFAULT_NORM = "LayerNorm"
 
 
 def header(spec: StudySpec, config: ParallelConfig, tool: str) -> list[str]:
-    """Comment lines (without '# ') shared by every format: which study, layout, model, batch."""
+    """Comment lines (without '# ') shared by every format: which study, layout, model, batch (the
+    expert layout for a mixture of experts only)."""
     m, c = spec.as_model_config(), config
     nodes, per_node = layout_resources(benchmark_config(spec, config), spec.cluster.gpus_per_node)
     folded = "dp x cp x tp" if c.cp > 1 else "dp x tp"
@@ -60,19 +65,19 @@ def routing(spec: StudySpec, config: ParallelConfig) -> str:
 
 def describe(m: ModelConfig) -> str:
     """The block in words, for the header of every export: 'GPT: learned positions, pre-LN, GELU MLP,
-    untied head, no linear biases' for GPT-2/3."""
-    if m.positions == "learned":
-        positions = "learned positions"
-    else:
-        positions = f"RoPE base {_number(m.rope_theta)}"
+    untied head, no linear biases' for GPT-2/3. The family and the parts say their own labels
+    (trainer/contract/families/, trainer/contract/blocks.py)."""
+    positions = m.positions_kind.label
+    if m.positions_kind.rotary:
+        positions += f" base {_number(m.rope_theta)}"
         if m.rope_scaling_factor is not None:
             positions += (f" with Llama 3.1 scaling x{m.rope_scaling_factor:g} (frequency factors "
                           f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original context "
                           f"{m.rope_original_max_positions})")  # fmt: skip
-    norm = "pre-LN" if m.norm == "layernorm" else "pre-RMSNorm"
-    if m.norm != "layernorm" or m.norm_eps != DEFAULT_NORM_EPS:
+    norm = m.norm_kind.label
+    if m.norm_kind.megatron != DEFAULT_NORM or m.norm_eps != DEFAULT_NORM_EPS:
         norm += f" eps {m.norm_eps:g}"
-    mlp = "SwiGLU MLP" if m.mlp == "swiglu" else "GELU MLP"
+    mlp = m.mlp_kind.label
     head = "head tied to the token embedding" if m.tie_embeddings else "untied head"
     biases = "biases on q, k and v only" if m.qkv_bias else "no linear biases"
     extra = describe_moe(m)  # attention variants and experts (below); '' for the dense families
@@ -85,14 +90,15 @@ def _number(x: float) -> str:
 
 
 def label(m: ModelConfig) -> str:
-    label = {"gpt": "GPT", "llama": "Llama", "deepseek": "DeepSeek"}.get(m.family, "custom")
-    return label + (" mixture of experts" if m.moe else "")
+    """The family's label (Family.label), and whether its MLPs are experts: 'Llama mixture of experts'."""
+    return family_of(m).label + (" mixture of experts" if m.moe else "")
 
 
 def describe_moe(m: ModelConfig) -> str:
-    """The attention and expert fields beyond the dense families, for the header: '' for those."""
+    """The attention and expert fields beyond the dense families, for the header: '' for those. The
+    experts' words are the mixture of experts' own (`m.moe`)."""
     parts = []
-    if m.attention == "mla":
+    if m.attention_kind.latent:
         parts.append(
             f"latent attention (q rank {m.q_lora_rank}, kv rank {m.kv_lora_rank}, heads of {m.qk_nope_head_dim} + "
             f"{m.qk_rope_head_dim} rotary for q/k, {m.v_head_dim} for v)"

@@ -1,9 +1,10 @@
 """The sbatch target: a Slurm job script that runs our own trainer (trainer.benchmark) on the layout,
 as tuner/dispatch/slurm.py's trial jobs do, with the config the study measured inline.
 
-Families and axes: every one our trainer runs, tp_col (2D tensor parallelism, trainer/tp2d.py)
-included: it measured the layout, so it refuses nothing beyond the layout's own checks against the
-model (tuner/exports/__init__.py).
+Families and axes: every registered family (trainer/contract/families/, custom included) and every
+axis our trainer runs, tp_col (2D tensor parallelism, trainer/tp2d.py) included: it measured the
+layout, so it refuses nothing beyond the layout's own checks against the model
+(tuner/exports/__init__.py), and names no family: the config is the model's fields.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 is one of its parser's (tests/tuner/megatron_flags.txt); scripts/check-megatron-export.py runs
 validate_args and builds its TransformerConfig.
 
-Families (ModelConfig.family, trainer/contract/model.py), flag by flag (models.py):
-- gpt: Megatron-LM's defaults; llama, deepseek and custom: their flags (--swiglu, --normalization
-  RMSNorm, --position-embedding-type rope, ...). Refused: a fractional rope_theta; Llama 3.1 RoPE
-  scaling whose frequency factors or original context are not Megatron's fixed ones.
+Families (trainer/contract/families/): every registered one, custom included, flag by flag from its
+block's parts (models.py): a family with Family.megatron_defaults (GPT's block) is Megatron-LM's
+defaults; any other block its parts' flags (--normalization RMSNorm, --swiglu,
+--position-embedding-type rope, ...). Refused: a fractional rope_theta; Llama 3.1 RoPE scaling whose
+frequency factors or original context are not Megatron's fixed ones.
 - attention: grouped-query, wide heads, per-head q/k norms, latent attention. Refused: OLMoE's
   q/k norms over the whole projections (qk_norm 'proj').
 - mixtures of experts. Refused: sigmoid scores not renormalised (top-k > 1), softmax top-1
@@ -228,7 +229,7 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
 
 
 def megatron_cp_unsupported(m: ModelConfig, config: ParallelConfig) -> list[str]:
-    if config.cp == 1 or m.attention != "mla":
+    if config.cp == 1 or not m.attention_kind.latent:
         return []
     k_width, v_width = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     if k_width == v_width:

@@ -1,7 +1,8 @@
-"""The study's model as Megatron-LM flags (megatron-core 0.19.2): Megatron's defaults are GPT's block
-(learned positions, LayerNorm, GELU), so a GPT-2/3 model needs only its shape; the Llama block is
-its Llama flags (--swiglu, --normalization RMSNorm, --position-embedding-type rope, ...); a custom
-block, flag by flag. Then the attention variants and the mixtures of experts:
+"""The study's model as Megatron-LM flags (megatron-core 0.19.2), part by part: each block part
+says its own flag (trainer/contract/blocks.py: NormPart.megatron's --normalization, MLPPart.megatron's
+--swiglu; rotary positions are --position-embedding-type rope), and Megatron's defaults are GPT's block
+(a family with Family.megatron_defaults needs only its shape). Then the attention variants and the
+mixtures of experts:
 - experts: --num-experts, --moe-router-topk, --moe-ffn-hidden-size, a shared expert's
   --moe-shared-expert-intermediate-size, the dense first layers as a --moe-layer-freq pattern,
   --moe-grouped-gemm and the all-to-all dispatcher (--moe-token-dispatcher-type alltoall), the
@@ -31,9 +32,10 @@ from __future__ import annotations
 
 import shlex
 
+from trainer.contract.families import family_of
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
-from tuner.exports.common import DEFAULT_NORM_EPS, label
+from tuner.exports.common import DEFAULT_NORM, DEFAULT_NORM_EPS, label
 
 # Megatron-LM's Llama 3.1 RoPE scaling (--use-rope-scaling) takes the factor as a flag
 # (--rope-scaling-factor) and fixes the rest (megatron/core/models/common/embeddings/
@@ -44,7 +46,7 @@ MEGATRON_ROPE_SCALING_FIXED = {"rope_low_freq_factor": 1.0, "rope_high_freq_fact
 
 def megatron_unsupported(m: ModelConfig) -> list[str]:
     reasons = megatron_attention_unsupported(m) + megatron_moe_unsupported(m)
-    if m.positions == "rope" and m.rope_theta != int(m.rope_theta):
+    if m.positions_kind.rotary and m.rope_theta != int(m.rope_theta):
         reasons.append(f"rope_theta {m.rope_theta:g}: Megatron-LM's --rotary-base is an integer")
     if m.rope_scaling_factor is not None:
         for field, fixed in MEGATRON_ROPE_SCALING_FIXED.items():
@@ -72,13 +74,13 @@ def megatron_model_args(m: ModelConfig) -> list[tuple[str, object]]:
         ("--seq-length", m.seq_len),
         ("--max-position-embeddings", m.seq_len),
     ]
-    if m.norm == "rmsnorm":
-        args.append(("--normalization", "RMSNorm"))
-    if m.norm != "layernorm" or m.norm_eps != DEFAULT_NORM_EPS:
+    if m.norm_kind.megatron != DEFAULT_NORM:
+        args.append(("--normalization", m.norm_kind.megatron))
+    if m.norm_kind.megatron != DEFAULT_NORM or m.norm_eps != DEFAULT_NORM_EPS:
         args.append(("--norm-epsilon", f"{m.norm_eps:g}"))
-    if m.mlp == "swiglu":
-        args.append(("--swiglu", None))
-    if m.positions == "rope":
+    if m.mlp_kind.megatron:
+        args.append((m.mlp_kind.megatron, None))
+    if m.positions_kind.rotary:
         args += [("--position-embedding-type", "rope"), ("--rotary-base", int(m.rope_theta))]
         if m.rope_scaling_factor is not None:
             args += [("--use-rope-scaling", None), ("--rope-scaling-factor", f"{m.rope_scaling_factor:g}")]
@@ -92,10 +94,10 @@ def megatron_model_args(m: ModelConfig) -> list[tuple[str, object]]:
 
 
 def megatron_model_note(m: ModelConfig) -> str:
-    if m.family == "gpt":
+    if family_of(m).megatron_defaults:
         return "Megatron's defaults match the rest of the model: learned absolute positions, LayerNorm, GELU."
     note = f"the {label(m)} block is in the flags below (Megatron's defaults are GPT's)"
-    if m.positions == "rope":
+    if m.positions_kind.rotary:
         note += "; Megatron's RoPE rotates the two halves of each head, as our trainer does"
     return note + "."
 
@@ -114,7 +116,7 @@ def megatron_attention_unsupported(m: ModelConfig) -> list[str]:
 
 def megatron_attention_args(m: ModelConfig) -> list[tuple[str, object]]:
     """Flags for the attention beyond multi-head / grouped-query attention of hidden / heads."""
-    if m.attention == "mla":
+    if m.attention_kind.latent:
         args: list[tuple[str, object]] = [("--multi-latent-attention", None)]
         if m.q_lora_rank:
             args.append(("--q-lora-rank", m.q_lora_rank))
@@ -130,7 +132,7 @@ def megatron_attention_args(m: ModelConfig) -> list[tuple[str, object]]:
 
 
 def megatron_moe_unsupported(m: ModelConfig) -> list[str]:
-    if not m.moe:
+    if not m.moe:  # the router's refusals: a mixture of experts only
         return []
     reasons = []
     if m.moe_router_score == "sigmoid" and not m.moe_norm_topk and m.moe_top_k > 1:
@@ -158,7 +160,7 @@ def moe_layer_pattern(m: ModelConfig) -> str:
 
 def megatron_moe_args(m: ModelConfig, config: ParallelConfig, routing: str) -> list[tuple[str, object]]:
     """The experts' flags, after the model's (megatron_model_args), and the expert layout."""
-    if not m.moe:
+    if not m.moe:  # the experts' flags: a mixture of experts only
         return []
     args: list[tuple[str, object]] = [
         ("--num-experts", m.num_experts), ("--moe-router-topk", m.moe_top_k),
@@ -193,12 +195,12 @@ def megatron_moe_args(m: ModelConfig, config: ParallelConfig, routing: str) -> l
 
 def megatron_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> list[str]:
     notes = []
-    if m.attention == "mla":
+    if m.attention_kind.latent:
         notes.append(
             "latent attention with plain RoPE (--rope-type rope), as the trainer builds it; Megatron's fused "
             "RoPE for latent attention is YaRN only (--no-rope-fusion)."
         )
-    if not m.moe:
+    if not m.moe:  # the experts' notes: a mixture of experts only
         return notes
     c = config
     ranks, sizes = (

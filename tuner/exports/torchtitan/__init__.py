@@ -3,15 +3,17 @@ Python function returning a `Trainer.Config`, named with `--module` and `--confi
 function starts from torchtitan's llama3_debugmodel (data, tokenizer, optimizer: BASE), sets the
 study's model on it where torchtitan builds it, and the measured layout.
 
-Families (ModelConfig.family, trainer/contract/model.py):
-- llama, dense (Llama 3.x, Qwen2): a flavor of torchtitan's llama3 (models.py). Refused: dropout;
-  a head tied to the embedding with pp > 1.
-- mixture of experts on the Llama block (Mixtral, Qwen3-MoE): a flavor of its qwen3; with latent
-  attention (deepseek) of its deepseek_v3 (moe.py). Refused: experts on a gpt or custom block,
-  OLMoE's q/k norms over the whole projections (qk_norm 'proj'), dropout, a q/k/v bias, a tied
-  head with pp > 1, a deepseek shared expert that is not whole experts.
-- gpt, custom, and a dense block torchtitan has no model for (q/k norms or wide heads: Qwen3;
-  deepseek without experts): the layout only, the model named in a comment.
+Families (trainer/contract/families/): each registers the torchtitan model its dense models and its
+mixtures of experts are flavors of (Family.torchtitan_dense, Family.torchtitan_moe):
+- a dense model whose family registers llama3 (Llama 3.x, Qwen2): a flavor of torchtitan's llama3
+  (models.py). Refused: dropout; a head tied to the embedding with pp > 1.
+- a mixture of experts whose family registers qwen3 (Mixtral, Qwen3-MoE) or deepseek_v3: a flavor of
+  it (moe.py). Refused: a family that registers none (gpt, custom), OLMoE's q/k norms over the
+  whole projections (qk_norm 'proj'), dropout, a q/k/v bias, a tied head with pp > 1, a
+  deepseek_v3 shared expert that is not whole experts.
+- any other (no torchtitan model: gpt, custom; or not this block: q/k norms or wide heads, Qwen3;
+  a dense latent-attention model): the layout only, the model named in a comment with the
+  family's reason (Family.torchtitan_why).
 Axes (ParallelConfig):
 - tp, sequence parallelism, dp_replicate x dp_shard (FSDP2; zero_stage as
   fsdp_reshard_after_forward), activation checkpointing (none, full, selective): supported.
@@ -43,6 +45,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from trainer.contract.families import family_of
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.exports.common import comments, header, launcher, routing
@@ -131,7 +134,7 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
         *[f"    config.parallelism.{line}" for line in _torchtitan_parallelism(spec, config)],
         *[f"    config.training.{line}" for line in _torchtitan_training(spec, config)],
         "    config.compile.enable_async_tensor_parallel = False  # measured without async TP",
-        *(
+        *(  # the experts' balanced routing: a mixture of experts only
             ["    config.debug.moe_force_load_balance = True  # balanced routing, as measured"]
             if spec.as_model_config().moe and routing(spec, config) == "balanced"
             else []
@@ -144,15 +147,14 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
 
 def _torchtitan_model(spec: StudySpec) -> list[str]:
     """The lines between the imports and the config function: BASE, and for a model torchtitan
-    builds (models.py) the model as a flavor of its llama3."""
+    builds (models.py) the model as a flavor of its torchtitan model; else why not (the family's
+    Family.torchtitan_why)."""
     m = spec.as_model_config()
     if not torchtitan_builds(m):
-        why = ("torchtitan has no GPT with learned positions; llama3 is the nearest family" if m.family == "gpt"
-               else "torchtitan has no model with this block; its llama3 is RMSNorm, SwiGLU and RoPE")  # fmt: skip
         return [
             "",
             "# The model, data, tokenizer and optimizer: replace with your config function that builds the",
-            f"# model above ({why}).",
+            f"# model above ({family_of(m).torchtitan_why}).",
             "# llama3_debugmodel's tokenizer and data are in torchtitan's source tree only (see the top).",
             "BASE = llama3_debugmodel",
         ]
@@ -221,7 +223,8 @@ def _torchtitan_training(spec: StudySpec, config: ParallelConfig) -> list[str]:
 
 def _no_cuda_graphs(spec: StudySpec, config: ParallelConfig) -> bool:
     """Trainer.Config refuses CUDA graphs (its default) with pipeline parallelism, and with expert
-    parallelism over its all-to-all token dispatcher (it synchronises with the CPU)."""
+    parallelism over its all-to-all token dispatcher (it synchronises with the CPU): the experts'
+    dispatcher, a mixture of experts only."""
     return config.pp > 1 or (spec.as_model_config().moe and config.ep > 1)
 
 

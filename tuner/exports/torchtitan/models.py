@@ -1,51 +1,61 @@
-"""The study's model for torchtitan 0.3.0, by family (ModelConfig.family, trainer/contract/model.py):
-- llama (Llama 3.x, Qwen2: RoPE, RMSNorm, SwiGLU, GQA): a flavor of torchtitan's own llama3 model
-  (`Llama3Model`), registered by the exported module and written as torchtitan writes its 8B
-  flavor. Tied heads are torchtitan's `enable_weight_tying` (its Llama 3.2 flavors use it); Qwen2's
-  q/k/v bias is the bias of torchtitan's fused `wqkv` Linear, which its sharding (colwise: the bias
-  sharded with the rows) and checkpoint hooks already handle.
-- a mixture of experts: a flavor of its qwen3 or deepseek_v3 (moe.py).
-- gpt (learned positions, LayerNorm, GELU), custom (another mix), and a Llama block torchtitan's
-  llama3 is not (q/k norms, wide heads): torchtitan has no such model, so the export carries the
-  layout only and names the model in a comment.
+"""The study's model for torchtitan 0.3.0: a flavor of the torchtitan model its family registers
+(trainer/contract/families/: Family.torchtitan_dense, Family.torchtitan_moe; torchtitan_flavor):
+- a dense model of a family whose torchtitan model is llama3 (Llama 3.x, Qwen2: RoPE, RMSNorm,
+  SwiGLU, GQA): a flavor of torchtitan's own llama3 model (`Llama3Model`), registered by the
+  exported module and written as torchtitan writes its 8B flavor. Tied heads are torchtitan's
+  `enable_weight_tying` (its Llama 3.2 flavors use it); Qwen2's q/k/v bias is the bias of
+  torchtitan's fused `wqkv` Linear, which its sharding (colwise: the bias sharded with the rows)
+  and checkpoint hooks already handle.
+- a mixture of experts: a flavor of its family's qwen3 or deepseek_v3 (moe.py).
+- a family that registers no torchtitan model (gpt, custom), and a block its model is not (q/k
+  norms or wide heads for llama3): the export carries the layout only and names the model in a
+  comment, with the family's reason (Family.torchtitan_why).
 tests/tuner/test_export.py builds torchtitan's model on the meta device and compares its
 parameters with ModelConfig.num_params (docs/exports.md).
 """
 
 from __future__ import annotations
 
+from trainer.contract.families import family_of
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.exports.torchtitan.moe import (
-    torchtitan_moe_builds,
+    torchtitan_moe_flavor,
     torchtitan_moe_imports,
     torchtitan_moe_model,
     torchtitan_moe_unsupported,
 )
 
 TORCHTITAN_MODEL_FN = "study_model"
+# The dense torchtitan model this module writes (torchtitan_model); Family.torchtitan_dense names it.
+TORCHTITAN_DENSE = "llama3"
 
 
-def _llama3(m: ModelConfig) -> bool:
-    """Whether torchtitan's Llama 3 model is this block: a dense Llama of hidden / heads wide heads
-    without q/k norms (Qwen3's are not: layout only)."""
-    return m.family == "llama" and not m.moe and m.qk_norm == "none" and not m.attention_head_dim
+def torchtitan_flavor(m: ModelConfig) -> str | None:
+    """The torchtitan model the export writes the study's model as a flavor of: a mixture of experts
+    its family's MoE model (moe.py), a dense model its family's dense one (Family.torchtitan_dense)
+    where that is llama3 and llama3 is this block: heads of hidden / heads, no q/k norms (Qwen3's
+    are not); None: the layout only (Family.torchtitan_why)."""
+    if m.moe:  # the experts: moe.py
+        return torchtitan_moe_flavor(m)
+    dense = family_of(m).torchtitan_dense
+    return dense if dense == TORCHTITAN_DENSE and m.qk_norm == "none" and not m.attention_head_dim else None
 
 
 def torchtitan_builds(m: ModelConfig) -> bool:
     """Whether the export writes the model as a flavor of a torchtitan model: its llama3, or for a
     mixture of experts its qwen3 or deepseek_v3 (moe.py); else the layout only."""
-    return _llama3(m) or torchtitan_moe_builds(m)
+    return torchtitan_flavor(m) is not None
 
 
 def torchtitan_imports(m: ModelConfig) -> list[str]:
-    return torchtitan_moe_imports(m) if m.moe else TORCHTITAN_IMPORTS
+    return TORCHTITAN_IMPORTS if torchtitan_flavor(m) == TORCHTITAN_DENSE else torchtitan_moe_imports(m)
 
 
 def torchtitan_unsupported(m: ModelConfig, config: ParallelConfig) -> list[str]:
     """Why torchtitan cannot train this model in this layout (a model it builds; a mixture of
     experts it has no flavor for: moe.py)."""
-    if m.moe:
+    if m.moe:  # the experts' refusals (moe.py), whether or not the family has a torchtitan MoE model
         reasons = torchtitan_moe_unsupported(m, config)
         if m.tie_embeddings and config.pp > 1:
             reasons.append(f"a head tied to the token embedding with pp {config.pp}: torchtitan refuses "
@@ -91,8 +101,9 @@ def torchtitan_model(m: ModelConfig, flavor: str) -> list[str]:
     its 8B flavor (models/llama3/__init__.py: _8b), and the line that registers it as `flavor` of
     torchtitan's llama3 model. The FFN width is the final one: torchtitan's FeedForward takes it as
     is (its flavors compute theirs with compute_ffn_hidden_dim; 8B: 4096, multiple_of 1024,
-    ffn_dim_multiplier 1.3 -> 14336). RoPE's max_seq_len is the study's sequence length."""
-    if m.moe:
+    ffn_dim_multiplier 1.3 -> 14336). RoPE's max_seq_len is the study's sequence length. A mixture
+    of experts: its family's MoE model (moe.py)."""
+    if torchtitan_flavor(m) != TORCHTITAN_DENSE:
         return torchtitan_moe_model(m, flavor, TORCHTITAN_MODEL_FN, _embedding_init(m))
     if m.rope_scaling_factor is None:
         scaling = ['scaling="none",']
@@ -155,15 +166,16 @@ def torchtitan_model(m: ModelConfig, flavor: str) -> list[str]:
 def torchtitan_notes(m: ModelConfig, trained_vocab: int) -> list[str]:
     """What torchtitan's model does differently from the one measured (`trained_vocab`: the
     vocabulary our trainer built for the layout's tp)."""
-    if not torchtitan_builds(m):
+    flavor = torchtitan_flavor(m)
+    if flavor is None:
         return []
     notes = (
-        []
-        if m.moe
-        else [  # qwen3 rotates halves; deepseek_v3: moe.py's notes
+        [  # qwen3 rotates halves; deepseek_v3: moe.py's notes
             "RoPE: torchtitan rotates adjacent pairs of each head (Meta's Llama), our trainer the two halves "
             "(Hugging Face's): the same model up to a fixed order of q and k rows."
         ]
+        if flavor == TORCHTITAN_DENSE
+        else []
     )
     if trained_vocab != m.vocab_size:
         notes.append(f"vocabulary: torchtitan builds the tokenizer's {m.vocab_size}; our trainer padded it "

@@ -1,5 +1,6 @@
-"""The mixtures of experts for torchtitan 0.3.0: a flavor of its qwen3 (experts on grouped-query
-attention) or deepseek_v3.
+"""The mixtures of experts for torchtitan 0.3.0: a flavor of the MoE model their family registers
+(Family.torchtitan_moe, trainer/contract/families/): its qwen3 (experts on grouped-query attention)
+or deepseek_v3; a family that registers none is refused.
 
 A mixture of experts on the Llama block is a flavor of torchtitan's qwen3 model (models/qwen3:
 per-head q/k norms or none, rotary halves as our trainer and Hugging Face rotate them), its
@@ -13,22 +14,28 @@ MoE has no auxiliary loss (its balancing is the expert bias, `load_balance_coeff
 
 from __future__ import annotations
 
+from trainer.contract.families import family_of
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 
 
-def torchtitan_moe_builds(m: ModelConfig) -> bool:
-    """Whether the export writes the model as a flavor of torchtitan's qwen3 or deepseek_v3."""
-    return m.moe and (m.family == "deepseek" or (m.family == "llama" and m.qk_norm != "proj"))
+def torchtitan_moe_flavor(m: ModelConfig) -> str | None:
+    """The torchtitan model a mixture of experts is written as a flavor of: its family's
+    (Family.torchtitan_moe: "qwen3" or "deepseek_v3"), unless torchtitan_moe_unsupported refuses the
+    model; None for a dense model, which is models.py's."""
+    if not m.moe or m.qk_norm == "proj":  # qwen3 normalises each head (torchtitan_moe_unsupported)
+        return None
+    return family_of(m).torchtitan_moe
 
 
 def torchtitan_moe_unsupported(m: ModelConfig, config: ParallelConfig) -> list[str]:
-    if not m.moe:
+    if not m.moe:  # the experts' refusals: a mixture of experts only
         return []
     reasons = []
-    if m.family not in ("llama", "deepseek"):
+    family = family_of(m)
+    if family.torchtitan_moe is None:
         reasons.append(
-            f"a mixture of experts on a {m.family} block: torchtitan's MoE models (qwen3, deepseek_v3) are "
+            f"a mixture of experts on a {family.name} block: torchtitan's MoE models (qwen3, deepseek_v3) are "
             "RMSNorm, SwiGLU and RoPE"
         )
     if m.qk_norm == "proj":
@@ -48,7 +55,7 @@ def torchtitan_moe_unsupported(m: ModelConfig, config: ParallelConfig) -> list[s
             f"{cp_words[1]} x {config.tp} = {shard}): torchtitan borrows expert ranks from those "
             "(distributed/parallel_dims.py), dp_replicate stays outer"
         )
-    if m.attention == "mla" and m.moe_shared_ffn_hidden_size % m.expert_ffn_size:
+    if family.torchtitan_moe == "deepseek_v3" and m.moe_shared_ffn_hidden_size % m.expert_ffn_size:
         reasons.append(
             f"a shared expert of {m.moe_shared_ffn_hidden_size}: torchtitan's deepseek_v3 builds it as whole "
             f"experts of {m.expert_ffn_size}"
@@ -57,7 +64,7 @@ def torchtitan_moe_unsupported(m: ModelConfig, config: ParallelConfig) -> list[s
 
 
 def torchtitan_moe_imports(m: ModelConfig) -> list[str]:
-    if m.attention == "mla":
+    if torchtitan_moe_flavor(m) == "deepseek_v3":
         return [
             "from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm",
             "from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_configs, model_registry",
@@ -109,7 +116,7 @@ def torchtitan_moe_model(m: ModelConfig, flavor: str, fn: str, embedding_init: s
         "",
         "",
     ]
-    if m.attention == "mla":
+    if torchtitan_moe_flavor(m) == "deepseek_v3":
         return _deepseek_model(m, base, fn)
     return _qwen3_model(m, base, fn, embedding_init)
 
@@ -223,11 +230,12 @@ def _deepseek_model(m: ModelConfig, base: list[str], fn: str) -> list[str]:
 
 
 def torchtitan_moe_parallelism(m: ModelConfig, config: ParallelConfig) -> list[str]:
+    """The experts' ParallelismConfig field: a mixture of experts only."""
     return [f"expert_parallel_degree = {config.ep}"] if m.moe else []
 
 
 def torchtitan_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> list[str]:
-    if not m.moe:
+    if not m.moe:  # the experts' notes: a mixture of experts only
         return []
     borrowed = (
         "data_parallel_shard x context_parallel x tensor_parallel"
@@ -248,7 +256,7 @@ def torchtitan_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -
         notes.append(
             "config.debug.moe_force_load_balance: routing forced balanced (round robin), as measured."
         )
-    if m.attention == "mla":
+    if torchtitan_moe_flavor(m) == "deepseek_v3":
         notes.append(
             "RoPE: torchtitan's deepseek_v3 rotates adjacent pairs (ComplexRoPE), our trainer the two halves: the "
             "same model up to a fixed order of the rotary rows; no YaRN (the preset's pre-training context)."

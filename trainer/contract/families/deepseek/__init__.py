@@ -11,7 +11,9 @@ from trainer.contract.families.family import Family
 FAMILY = Family(
     name="deepseek",
     label="DeepSeek",
-    block={"attention": "mla"},
+    # its whole block: latent attention on another block is `custom` (torchtitan's deepseek_v3 and the
+    # header's "DeepSeek" would describe another model than the one measured)
+    block={"norm": "rmsnorm", "mlp": "swiglu", "positions": "rope", "attention": "mla"},
     presets=PRESETS,
     hf_architectures=hf.ARCHITECTURES,
     hf_read=hf.read,
