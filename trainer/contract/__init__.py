@@ -4,7 +4,9 @@ axes.py       THE table of parallel axes; everything that lists axes derives fro
 rules.py      each axis's layout rules (its validity hook in the table)
 parallel.py   ParallelConfig, its fields made from the axis table
 model.py      ModelConfig: the fields of every model family, validated
-presets.py    named model shapes with their sources
+blocks.py     THE table of block parts (norms, MLPs, positions, attention) and their facts
+families/     THE registry of model families: block, presets, Hugging Face readers, export support
+presets.py    every family's named shapes, in the registry's order
 result.py     BenchmarkConfig (one trial), BenchmarkResult, trainer_problems
 trial_dir.py  a trial's work directory and environment
 topology.py   where a layout's ranks sit (the placement rule)
