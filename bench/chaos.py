@@ -130,21 +130,28 @@ class Workers:
 
     def __init__(self, svc: Services, n: int):
         self.svc, self.procs, self.started = svc, [], 0
+        self.lock, self.closed = threading.Lock(), False
         for _ in range(n):
             self.start()
 
-    def start(self) -> subprocess.Popen:
-        self.started += 1
-        log = open(self.svc.work / f"worker-{self.started}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen([TUNER, "worker", "--poll-s", "0.5"], env=self.svc.env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        self.procs.append(proc)
-        return proc
+    def start(self) -> subprocess.Popen | None:
+        """A new worker; none once stopped (a worker_kill's restart timer may fire after stop())."""
+        with self.lock:
+            if self.closed:
+                return None
+            self.started += 1
+            log = open(self.svc.work / f"worker-{self.started}.log", "wb")  # noqa: SIM115
+            proc = subprocess.Popen([TUNER, "worker", "--poll-s", "0.5"], env=self.svc.env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self.procs.append(proc)
+            return proc
 
     def alive(self) -> list[subprocess.Popen]:
         return [p for p in self.procs if p.poll() is None]
 
     def stop(self) -> None:
+        with self.lock:
+            self.closed = True
         for p in self.alive():
             p.send_signal(signal.SIGTERM)
         for p in self.procs:
@@ -449,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("the chaos run starts a Slurm cluster: run it as root")
+    # SIGTERM (a caller's timeout) unwinds like an error: the workers (in their own sessions, so a
+    # signal to this process group misses them), the Slurm cluster and PostgreSQL are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with services(args.keep, args.nodes) as svc:
         calm_status, calm_wall, _ = run_study(
             svc, "calm", args.trials, args.seed, chaos=False, timeout_s=args.timeout_s

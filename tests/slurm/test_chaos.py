@@ -16,9 +16,37 @@ pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _workers_of(tmp_path: Path) -> list[int]:
+    """PIDs of `tuner worker`s whose work dir is under tmp_path (the run's, by their environment)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                b"worker" in (proc / "cmdline").read_bytes()
+                and str(tmp_path).encode() in (proc / "environ").read_bytes()
+            ):
+                pids.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+@pytest.mark.timeout(1600)  # the run's own limit below, with room: pytest's would kill it mid-cleanup
 def test_a_short_chaos_run_loses_nothing_and_runs_nothing_twice(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "bench.chaos", "--trials", "8", "--seed", "1", "--json", "--keep",
-                           str(tmp_path)], capture_output=True, text=True, timeout=1500, cwd=ROOT)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "bench.chaos", "--trials", "8", "--seed", "1", "--json", "--keep",
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=1500)
+    finally:
+        if proc.poll() is None:  # timed out or interrupted: SIGTERM lets it stop its workers and clusters
+            proc.terminate()
+            try:
+                proc.communicate(timeout=180)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+        assert not _workers_of(tmp_path), "the chaos run left workers behind"
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert done.stdout.strip(), done.stderr[-3000:]
     figures = json.loads(done.stdout)
     summary = {
