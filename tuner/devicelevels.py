@@ -73,7 +73,7 @@ LEVELS: dict[str, DeviceLevel] = {
 }
 
 # Bytes moved per byte of the activations a layer stores (Korthikanti table 2's units, in which
-# tuner/perfmodel.py counts memory-bound work): 500 peak-FLOPs per byte on the A100, the value
+# tuner/cost/compute.py counts memory-bound work): 500 peak-FLOPs per byte on the A100, the value
 # chosen on the vTrain h1024 tables with Korthikanti table 5's MFU trend, at the A100's achievable
 # bandwidth: 500 x 2.039e12 x 0.834 / 312e12 = 2.73 bytes. Every device pays these bytes at its
 # own achievable bandwidth, so the A100's price is the chosen one and the others follow from their

@@ -43,7 +43,7 @@ class ModelConstants:
     layer_floor_s: float = 3e-3
     microbatch_overhead_s: float = 1e-2  # per micro-batch per stage: data, loss, engine bookkeeping
     collective_overhead_s: float = 3e-5
-    # Collectives from their parts on CPU ranks (tuner/collectives.py; docs/perfmodel.md,
+    # Collectives from their parts on CPU ranks (tuner/cost/collectives.py; docs/perfmodel.md,
     # "Collectives"): what one call costs beyond its bytes, measured by bench/gloo_groups.py in busy
     # seconds per rank, as (path, ranks per core, group size, seconds). Paths: "gloo" (a bare
     # all-reduce), "dtensor" (what the trainer's DTensor 1D tensor parallelism adds per Megatron

@@ -87,7 +87,7 @@ def candidate_dict(config: ParallelConfig, est: Estimate, searched: Collection[s
 
 def experts_line(moe: dict[str, Any]) -> str:
     """The `experts:` line of a MoE layout's explanation: the all-to-all by tier, the imbalance
-    factor and the experts' GEMM efficiency (tuner/moe.py)."""
+    factor and the experts' GEMM efficiency (tuner/cost/experts.py)."""
     mb = moe["a2a_bytes_per_call"] / 1e6
     return (
         f"experts: ep{moe['ep']} ({moe['local_experts']} of {moe['num_experts']} experts a rank, edp {moe['edp']}); "

@@ -45,7 +45,7 @@ class MLPPart:
         SiLU's output, up's output and their product). In 16-bit bytes per ffn value the MLP's
         memory-bound traffic is 2 x kept (perfmodel's units).
     gated: the output is a product of two projections (its backward's flowing gradients are
-        ffn-wide, not h-wide: tuner/memmodel.py).
+        ffn-wide, not h-wide: tuner/cost/layer.py flow_bytes).
     ffn_scale, ffn_round: the default hidden width, ffn_scale x h rounded up to ffn_round
         (GELU's 4h; Llama's 8h/3 up to a multiple of 256).
     label: an export's comment; hf_act: the Hugging Face hidden_act it reads; megatron: its

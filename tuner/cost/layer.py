@@ -1,0 +1,159 @@
+"""One decoder layer as a rank holds it: its parameters after tensor parallelism and the
+activations it keeps per token for backward (Korthikanti et al. 2022, table 2, for this trainer's
+modules; docs/perfmodel.md says where they differ from Megatron-LM's). The kinds of norm, MLP and
+attention are asked for their facts (trainer/contract/blocks.py), never compared by name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainer.contract.model import ModelConfig
+from trainer.contract.parallel import ParallelConfig
+from tuner.cost.context import keys_per_query
+
+if TYPE_CHECKING:
+    from trainer.contract.devices import DeviceKind
+    from tuner.perfconstants import ModelConstants
+
+
+def activation_bytes_per_token(
+    m: ModelConfig, p: ParallelConfig, cb: int, c: ModelConstants, residual: int | None = None,
+    device: DeviceKind = "gpu",
+) -> float:  # fmt: skip
+    """Bytes one layer stores per token of one micro-batch, as the trainer's block saves them;
+    cb: the compute dtype's bytes, residual: the residual stream's (fp32 under autocast); device:
+    where the kernels run (RMSNorm keeps other tensors on CPU than on CUDA, below).
+
+    Without recompute (Korthikanti table 2 has 10 + 24/t 16-bit bytes x h): the layer input, the
+    residual after attention and both norm outputs, replicated (8h in 16 bit); with sequence
+    parallelism the first two are sharded (4h/t) but the norm outputs are kept all-gathered (4h):
+    torch's SequenceParallel all-gathers before the linears, which save the gathered input, where
+    Megatron-LM saves its shard and gathers again in backward. Sharded over tp: q, k, v, the
+    attention output (one tensor for SDPA and the out-projection), the MLP's 4h GeLU input and
+    output: 24h/t. No dropout masks (dropout 0), no s x s scores (SDPA; `flash_attention` False
+    adds Korthikanti's 5as/h), SDPA's fp32 log-sum-exp per head, the norms' fp32 mean and rstd.
+    Selective recompute (the attention core checkpointed) drops the log-sum-exp only: SDPA keeps
+    nothing else an attention core would recompute. Full recompute keeps the layer input. Under
+    the trainer's autocast (bf16 without data parallelism) q, k and v each save their own cast of
+    the first norm's output: 4 norm outputs instead of 2.
+
+    2D tensor parallelism (tp_col > 1, trainer/tp2d.py): the residual stream is split over the
+    column group (h/tp_col), q, k, v, the attention output and the MLP's ffn over the row group
+    only (the same 24h/t on every column rank). Its layer norm is written out in torch ops, which
+    keep the fp32 input (the layer input itself when it is fp32), the centred input in fp32, the
+    normalised output and the norm's output (the next linear's input), and per token its mean
+    and rstd and the stacked sums.
+
+    The Llama block (docs/perfmodel.md, "Activations of the Llama block"): RMSNorm keeps what
+    LayerNorm keeps on CUDA (its input and the fp32 rstd: `_fused_rms_norm`), on CPU torch's
+    composite an fp32 copy of its input and the fp32 normalised input (8h a norm). Rotary
+    positions keep nothing (their products' other factor is the cos/sin buffer); GQA's k and v are
+    repeated to every query head before SDPA, which keeps the repeated ones, so q, k, v and the
+    output are 4h/t as with multi-head attention. The SwiGLU MLP keeps the gate's output (SiLU's
+    input), SiLU's output, the up projection's output and their product (the down projection's
+    input): 4 ffn/t where GELU keeps 2. Under autocast the gate and up projections each cast the
+    second norm's output, as q, k and v cast the first's."""
+    h, a, t = m.hidden_size, m.num_heads, p.tp
+    res = residual or cb
+    if p.tp_col > 1:
+        return activation_bytes_per_token_2d(m, p, cb, c, res)
+    shard = t if p.sequence_parallel else 1
+    if p.activation_checkpoint == "full":
+        return res * h / shard
+    # Under autocast (an fp32 residual: no FSDP2 mixed precision) each linear casts its input
+    # itself, so q, k and v save a copy each of the first norm's output where FSDP2's bf16
+    # modules share one (and SwiGLU's gate and up projections of the second's).
+    norms = (3 + m.mlp_kind.inputs if res > cb else 2) * cb * h
+    # the layer input and the residual after attention (what the norms keep of them); the norm outputs
+    stream = 2 * norm_input_bytes(m, res, device) * h / shard + norms
+    # q, k, v, attention output; the MLP's
+    sharded = (attention_tensors(m) + m.mlp_kind.kept * m.ffn_size) * cb / t
+    lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
+    stats = 2 * 4 * m.norm_kind.stats / shard  # two norms' fp32 statistics per token (NormKind.stats)
+    sharded += qk_norm_bytes(m, cb, res, device) / t
+    scores = (
+        0.0 if c.flash_attention else 5 * a * keys_per_query(m, p) / t * cb / 2
+    )  # Korthikanti's 5as/h x h, 16 bit
+    return stream + sharded + lse + stats + scores
+
+
+def attention_tensors(m: ModelConfig) -> int:
+    """Width per token of what attention keeps over tp: q, k and v (k and v repeated to every
+    query head) and the output, 4 x q_size (4h unless attention_head_dim widens it). Latent
+    attention (DeepSeek-V2/V3): q and k of heads x (qk_nope + qk_rope), v and the output of
+    heads x v_head_dim, and the latents each up-projection reads (q's and kv's, normalised)
+    with the shared rotary key; the latents are kept whole on every tensor-parallel rank, here
+    counted with the rest (over tp): a small under-count with tp > 1."""
+    if m.attention_kind.latent:
+        qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        latents = 2 * (m.q_lora_rank + m.kv_lora_rank) + m.qk_rope_head_dim
+        return 2 * qk + 2 * m.q_size + latents
+    return 4 * m.q_size
+
+
+def flow_bytes(m: ModelConfig, p: ParallelConfig, cb: int, res: int, tokens: int) -> float:
+    """Gradients flowing in a layer's backward beyond what it keeps, for `tokens`: two of the
+    residual stream's, and the MLP's: GELU's output's gradient (4h/t; its input's, which GELU's
+    backward writes, takes the place of the down projection's input, freed by then); SwiGLU's
+    product's gradient and the two it gives (SiLU's output's, up's), less the product freed:
+    2 ffn/t in the compute dtype (found with the oracle at SwiGLU's backward: the four kept,
+    less one, plus three)."""
+    h, t, k = m.hidden_size, p.tp, p.tp_col
+    if m.mlp_kind.gated:
+        return tokens * (2 * h / k * res + 2 * m.ffn_size / t * cb)
+    return tokens * (2 * h / k + 4 * h / t) * res
+
+
+def qk_norm_bytes(m: ModelConfig, cb: int, res: int, device: DeviceKind) -> int:
+    """What RMSNorm on q and k keeps per token (Qwen3's per head, OLMoE's over the projection),
+    before tp: its input, q and k of their KV heads (the norm precedes GQA's repeat), and the fp32
+    rstd of each normalised row. On CUDA `_fused_rms_norm` keeps the input itself; on CPU, and
+    under autocast (fp32 norm weights beside bf16 q and k, where CUDA runs the composite too),
+    the composite keeps an fp32 copy of the input and the fp32 normalised input."""
+    if m.qk_norm == "none":
+        return 0
+    per_value = 8 if device == "cpu" or res > cb else cb
+    rows = m.num_heads + m.num_kv_heads if m.qk_norm == "head" else 2
+    return per_value * (m.q_size + m.kv_size) + 4 * rows
+
+
+def norm_input_bytes(m: ModelConfig, res: int, device: DeviceKind) -> int:
+    """Bytes per value a norm keeps of its input: the input itself (LayerNorm; RMSNorm on CUDA,
+    `_fused_rms_norm`), or on CPU RMSNorm's composite: an fp32 copy of it (the fp32 input itself)
+    and the fp32 normalised input."""
+    return 4 + 4 if m.norm_kind.cpu_composite and device == "cpu" else res
+
+
+def norm_2d_bytes(m: ModelConfig, res: int) -> int:
+    """Bytes per column-split value a 2D norm keeps (trainer/tp2d.py writes it in torch ops): its
+    fp32 input (a copy unless the input is fp32, then the layer input or the residual after
+    attention), LayerNorm's centred fp32 input, the normalised output and the norm's output in the
+    input's dtype."""
+    return 4 + (4 if m.norm_kind.centred else 0) + 2 * res
+
+
+def activation_bytes_per_token_2d(
+    m: ModelConfig, p: ParallelConfig, cb: int, c: ModelConstants, res: int
+) -> float:
+    h, a, t, k = m.hidden_size, m.num_heads, p.tp, p.tp_col
+    if p.activation_checkpoint == "full":
+        return res * h / k
+    norms = 2 * norm_2d_bytes(m, res) * h / k
+    sharded = (attention_tensors(m) + m.mlp_kind.kept * m.ffn_size) * cb / t
+    lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
+    # per norm, fp32: its statistics and as many all-reduced sums (LayerNorm's mean, rstd, sum x
+    # and sum x^2; RMSNorm's rstd and sum of squares)
+    stats = 2 * 4 * (2 * m.norm_kind.stats)
+    scores = 0.0 if c.flash_attention else 5 * a * keys_per_query(m, p) / t * cb / 2
+    return norms + sharded + lse + stats + scores
+
+
+def layer_params(m: ModelConfig, tp: int, tp_col: int = 1) -> float:
+    """One layer's parameters on a rank: its matmul weights over tp x tp_col, the two norms'
+    weight (and LayerNorm's bias; replicated over tp, split over tp_col), q/k/v's bias (Qwen2;
+    column-parallel, over tp)."""
+    params = m.num_layer_matmul_params / (tp * tp_col) + 2 * m.norm_params / tp_col
+    if m.qkv_bias:
+        params += (m.hidden_size + 2 * m.kv_size) / tp
+    return params

@@ -1,0 +1,226 @@
+"""The analytic memory model: bytes on a layout's fullest device as the trainer (trainer/) holds
+them, at the peak of the phase of a step that holds the most: the assembly of a rank's bytes from
+each axis's part (the layer's activations and parameters: layer.py; the pipeline's layers, in-flight
+micro-batches and schedule: pipeline.py; data parallelism's shards: data.py; context parallelism's
+gathered K/V and masks: context.py; a mixture of experts' rank: experts.py). step.estimate uses
+it; `fits` compares it with the device's memory.
+
+The terms are the trainer's tensors, checked against its build on fake tensors (the memory
+oracle: trainer/memcheck.py, bench/memory_oracle.py; docs/perfmodel.md says where they differ
+from Megatron-LM's): ZeRO's model states (Rajbhandari et al. 2020) as FSDP2 keeps them, the
+activations one layer stores (Korthikanti et al. 2022, table 2, for this trainer's modules), the
+micro-batches in flight of each pipeline schedule (Narayanan et al. 2021 sec. 2.2; Korthikanti
+sec. 4.2.3), and what torch's pipelining and FSDP2 keep besides. What no tensor shows (allocator
+fragmentation and reserve, communication buffers, the CUDA context) is the calibrated part:
+workspace_bytes and memory_scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainer.contract.parallel import ParallelConfig
+from tuner.cost.context import gathered_kv_bytes, mask_bytes
+from tuner.cost.data import expert_shards, weight_shards
+from tuner.cost.experts import expert_rank
+from tuner.cost.layer import (
+    activation_bytes_per_token,
+    flow_bytes,
+    layer_params,
+    norm_2d_bytes,
+    norm_input_bytes,
+)
+from tuner.cost.pipeline import chunk_shares, in_flight, interleaved_moments, stage_layers
+
+if TYPE_CHECKING:
+    from tuner.cost.case import Case
+
+PARTS = ("weights", "grads", "optimizer", "activations")
+
+
+def memory(case: Case) -> dict[str, float]:
+    """Bytes on the fullest device: the first or the last pipeline rank in its fullest phase,
+    times memory_scale, plus workspace_bytes; split into weights (fp32 master and compute-dtype
+    working copies), gradients, optimizer state (with AdamW's temporary) and activations (with
+    pipeline buffers, logits, the batch and the rotary buffer). The case's `device`: the ranks'
+    kind (ClusterSpec.device_kind), whose kernels keep what they keep. A mixture of experts: its
+    routed experts' state over ep and (sharded) the expert data parallelism, its routed
+    activations on the busiest rank at the case's `moe_imbalance` (experts.py)."""
+    c = case.constants
+    phases = [
+        parts for stage in sorted({0, case.layout.pp - 1}) for parts in phase_bytes(case, stage).values()
+    ]
+    worst = max(phases, key=lambda parts: sum(parts.values()))
+    return {
+        "memory_bytes": sum(worst.values()) * c.memory_scale + c.workspace_bytes,
+        **{f"{k}_bytes": v for k, v in worst.items()},
+        "workspace_bytes": c.workspace_bytes,
+    }
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """What one pipeline rank holds, in bytes (see phase_bytes)."""
+
+    params: float  # its parameters, after tp, before dp sharding
+    d: int  # how many ways FSDP2 shards them (1: replicated)
+    cb: int  # bytes per value of the compute dtype
+    whole: float  # compute-dtype copies of every parameter
+    root: float  # ... of the root unit (embedding, head), never resharded between passes
+    unit: float  # ... of one layer
+    layer: float  # one micro-batch's activations in one layer
+    layers: float  # ... in all its layers (and the stage's kept output)
+    vocab_grad: float  # the vocab-parallel embedding's gradient beyond its shard (DTensor: whole)
+    head: float  # one micro-batch's on the last stage: the head's input, the fp32 log-softmax
+    flow: float  # gradients flowing back inside a layer, with recompute its activations
+    loss: float  # the loss's transient: logits in bf16 and fp32, or their gradients
+    buffers: float  # pipeline receive buffers and the batch, all step long
+    boundary: float  # what a stage sends the next per micro-batch (and gets back as its gradient)
+    experts: float = 0.0  # a mixture of experts' routed experts on the rank (E / ep a MoE layer)
+    ed: int = 1  # how many ways FSDP2 shards them (the expert data parallelism; 1: replicated)
+    chunks: tuple[float, ...] = (1.0,)  # each local stage's share of the rank's layers (interleaved)
+
+
+def phase_bytes(case: Case, stage: int) -> dict[str, dict[str, float]]:
+    """Tensor bytes of the rank at pipeline coordinate `stage` at the peak of each phase of a step
+    (trainer/memcheck.py's PHASES: forward and backward; the optimizer step) as
+    {phase: {PARTS: bytes}}."""
+    p = case.layout
+    r = rank_bytes(case, stage)
+    master, adam, grads = 4 * r.params / r.d, 8 * r.params / r.d, 4 * r.params / r.d
+    if r.experts:  # experts: fp32 master, AdamW's m and v, fp32 gradients over their own shards
+        master, adam, grads = (
+            master + 4 * r.experts / r.ed,
+            adam + 8 * r.experts / r.ed,
+            grads + 4 * r.experts / r.ed,
+        )
+    weights, grads_fb, acts = forward_backward(p, r, stage, grads)
+    fb = {"weights": master + weights, "grads": grads_fb, "optimizer": adam,
+          "activations": acts + r.buffers}  # fmt: skip
+    # foreach AdamW: one fp32 temporary of every parameter (sqrt of v)
+    step = {
+        "weights": master,
+        "grads": grads,
+        "optimizer": adam + 4 * r.params / r.d + (4 * r.experts / r.ed if r.experts else 0.0),
+        "activations": r.buffers,
+    }
+    return {"forward_backward": fb, "optimizer": step}
+
+
+def rank_bytes(case: Case, stage: int) -> RankBytes:
+    """What the rank at pipeline coordinate `stage` holds, part by part."""
+    m, p, c, device = case.model, case.layout, case.constants, case.device
+    cb = case.value_bytes  # compute dtype: activations, FSDP2's gathered parameters
+    low = cb < 4
+    dp = case.replicas  # ranks holding the same weights (FSDP2 and replicate span context parallelism's)
+    residual = 4 if low and dp == 1 else cb  # autocast (no FSDP2) leaves the residual adds in fp32
+    s, h, v, n, t = m.seq_len, m.hidden_size, m.vocab_size, p.num_microbatches, p.tp
+    s_local = s // p.cp  # a rank's tokens of each sequence (context.py)
+    first, last = stage == 0, stage == p.pp - 1
+    k = p.tp_col  # 2D: every weight over tp x tp_col, the residual stream over tp_col
+    # The token embedding (and learned positions) on the first stage, the final norm and the head
+    # on the last. A tied head is the embedding's weight: one with the two on one stage, a copy
+    # on each with a pipeline (trainer/pipeline.py splits a deep copy).
+    embed = (v * h / t + (s * h if m.positions_kind.learned else 0)) / k if first else 0.0
+    head_weight = 0.0 if m.tie_embeddings and first else v * h / t
+    head = (head_weight + m.norm_params) / k if last else 0.0
+    params = stage_layers(m.num_layers, p, stage) * layer_params(m, t, k) + embed + head
+    moe = expert_rank(m, p, cb, stage, case.moe_imbalance, device) if m.moe else None  # the experts' part
+    if moe is not None:
+        params = moe.dense_params + embed + head
+    tokens, shard = case.tokens_mb, t if p.sequence_parallel else k
+    boundary = tokens * h / shard * residual  # what one stage sends the next per micro-batch
+    chunks = range(stage, p.num_stages, p.pp)
+    receiving = sum(i > 0 for i in chunks)  # chunks with a previous stage (receive activations)
+    sending = sum(i < p.num_stages - 1 for i in chunks)  # ... with a next (receive gradients)
+    layer = activation_bytes_per_token(m, p, cb, c, residual, device) * tokens + gathered_kv_bytes(m, p, cb)
+    if m.positions_kind.rotary and dp > 1 and low:
+        # FSDP2's and replicate's mixed precision casts every block's floating inputs, the cos/sin
+        # buffer too: each layer keeps its bf16 copy (rotary's multiplications save it).
+        layer += 2 * s_local * m.head_dim * cb
+    # A received input is its receive buffer; a stage's output is kept for its backward (held by
+    # its send when interleaved: pipeline.interleaved_moments).
+    own = sending * boundary if p.virtual_stages == 1 else 0.0
+    layers = layer * stage_layers(m.num_layers, p, stage) + (own - receiving * boundary) / p.virtual_stages
+    if moe is not None:
+        layers += moe.num_moe * moe.act_per_token * tokens
+    logits = tokens * v / t  # per micro-batch, vocab-sharded
+    recompute = 0.0
+    if p.activation_checkpoint == "full":  # recomputing a layer brings its activations back
+        plain = ParallelConfig(**{**p.to_dict(), "activation_checkpoint": "none"})
+        recompute = activation_bytes_per_token(m, plain, cb, c, residual, device) * tokens
+        recompute += gathered_kv_bytes(m, plain, cb)
+        if moe is not None and moe.num_moe:
+            recompute += expert_rank(m, plain, cb, stage, case.moe_imbalance, device).act_per_token * tokens
+    # Transient: the fp32 copy of the bf16 logits (forward), or the log-softmax's gradient and the
+    # logits' (backward; loss_parallel computes the second in place).
+    loss = max(4 + (cb if cb < 4 else 0), 8 if t == 1 else 4) * logits
+    # The final norm keeps its input and output (the head's input); RMSNorm's CPU composite more.
+    final_norm = tokens * h * (1 / shard + 1) * residual
+    final_norm += tokens * h * (norm_input_bytes(m, residual, device) - residual) / shard
+    # Rotary positions: every stage module holds the cos/sin buffer, (2, s, head_dim) in fp32.
+    rope = 2 * s_local * m.head_dim * 4 * p.virtual_stages if m.positions_kind.rotary else 0
+    unit = cb * layer_params(m, t, k)
+    flow = flow_bytes(m, p, cb, residual, tokens) + recompute
+    if moe is not None:
+        params_all = params + moe.experts
+        unit = max(unit, cb * moe.layer_params) if moe.num_moe else unit
+        flow += moe.flow_per_token * tokens
+        layer = max(layer, layer + moe.act_per_token * tokens) if moe.num_moe else layer
+    else:
+        params_all = params
+    return RankBytes(
+        params=params, d=weight_shards(case), cb=cb,
+        # FSDP2's copies, or autocast's weight cache (which 2D's local views of the weights bypass)
+        whole=cb * params_all if dp > 1 or (low and k == 1) else 0.0,
+        root=cb * (embed + head), unit=unit, layer=layer, layers=layers,
+        # 2D: the embedding looks up its local block, its gradient is local too
+        vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
+        # ... and with a pipeline the stage's output, its logits, in the stage's forward cache
+        head=(final_norm if k == 1 else tokens * (8 + norm_2d_bytes(m, residual)) * h / k)
+        + (4 + (cb if p.pp > 1 else 0)) * logits if last else 0.0,
+        flow=flow, loss=loss,
+        buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens + rope + mask_bytes(m, p, cb),
+        boundary=boundary,
+        experts=moe.experts if moe is not None else 0.0, ed=expert_shards(case),
+        chunks=chunk_shares(m.num_layers, p, stage),
+    )  # fmt: skip
+
+
+def forward_backward(
+    p: ParallelConfig, r: RankBytes, stage: int, sharded_grads: float
+) -> tuple[float, float, float]:
+    """(working copies, gradients, activations) at the forward/backward peak: the largest of a
+    few moments of a micro-batch's passes."""
+    # Gradients accumulate whole, in fp32, across micro-batches without synchronising: pipeline
+    # stages (torch's pipelining syncs only the last backward), replicated DP (the trainer's
+    # no_sync), no DP; FSDP2 reduce-scatters each micro-batch otherwise.
+    accumulates = p.pp > 1 or p.zero_stage == 0
+    accumulated = 4 * r.params + r.vocab_grad + 4 * r.experts if accumulates else sharded_grads
+    working = r.root + 2 * r.unit if p.zero_stage == 3 else r.whole  # zero 3 prefetches the next layer
+    # FSDP2's gathered weights are in the compute dtype, so are the gradients autograd gives them:
+    # one layer's, until its post-backward folds them into the fp32 gradients. (Autocast's casts
+    # hand theirs straight back to the fp32 parameters.)
+    fresh = r.unit if p.dp * p.cp > 1 and r.cb < 4 else 0.0
+    if p.virtual_stages > 1:
+        return interleaved_moments(p, r, stage, accumulated, working, fresh)
+    n, inflight = p.num_microbatches, in_flight(p, stage)
+    # Every forward before the first backward (GPipe; 1F1B on a stage with n <= pp - stage; one
+    # micro-batch): the peak can precede any gradient.
+    first_backward = inflight >= n
+    grads = 0.0 if first_backward else accumulated
+    held = r.layers + r.head
+    moments = [  # (working copies, gradients, activations)
+        (working, grads + fresh, held * (inflight - 1) + r.layers + r.flow),  # in a layer's backward
+    ]
+    if r.head:  # the loss, every layer's activations still there
+        moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held * inflight + r.loss))
+    if first_backward and n > 1:  # GPipe: the next backward, with the first's gradients
+        moments.append((working, accumulated + fresh, held * (inflight - 2) + r.layers + r.flow))
+        if r.head:  # ... and its loss, the later micro-batches' logits still there
+            moments.append((r.whole, accumulated, held * (inflight - 1) + r.loss))
+    if p.zero_stage == 3 and p.pp > 1:  # a backward that does not sync leaves its layers
+        # gathered until their next forward: all of them at its last layer
+        moments.append((r.whole, accumulated + fresh, held * (inflight - 1) + r.layer + r.flow))
+    return max(moments, key=sum)

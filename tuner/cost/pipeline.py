@@ -1,0 +1,171 @@
+"""Pipeline parallelism's part: in a step, the bubble and the sends between stages (and the tied
+embedding's gradients between the first and the last); in memory, the layers each rank holds, the
+micro-batches in flight of each schedule (Narayanan et al. 2021 sec. 2.2; Korthikanti et al. 2022
+sec. 4.2.3) and torch's interleaved order of a rank's forwards and backwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainer.contract.parallel import ParallelConfig
+from tuner.cost.collectives import Comm, allreduce, send_s
+
+if TYPE_CHECKING:
+    from tuner.cost.case import Case
+    from tuner.cost.memory import RankBytes
+
+
+@dataclass(frozen=True)
+class PipelinePart:
+    """The pipeline's seconds in a step: the bubble, the sends on the critical path."""
+
+    bubble_s: float
+    p2p: Comm
+
+    def terms(self) -> dict[str, float]:
+        return {
+            "pp_bubble_s": self.bubble_s,
+            "pp_p2p_intra_s": self.p2p.intra,
+            "pp_p2p_inter_s": self.p2p.inter,
+        }
+
+
+def pipeline_part(case: Case, critical_mb: float) -> PipelinePart:
+    """The bubble is (p-1) stage-times, divided by v when interleaved (Megatron-3D sec. 2.2), a
+    stage-time being `critical_mb`: what blocks a micro-batch on the slowest stage (the framework's
+    per-micro-batch bookkeeping runs on each rank's CPU and does not lengthen it)."""
+    m, p, c = case.model, case.layout, case.constants
+    h, t, pp, v, mb = m.hidden_size, p.tp, p.pp, p.virtual_stages, p.num_microbatches
+    tc, d = case.tp_block, case.replicas
+    bubble = (pp - 1) / v * critical_mb
+    p2p = Comm()
+    if pp > 1:
+        # scatter/gather: sec. 4.1; 2D: the residual stream is split over the column group
+        msg = case.tokens_mb * h * case.value_bytes / (t if p.sequence_parallel else p.tp_col)
+        # forward activation + backward gradient per micro-batch per chunk, on the critical path
+        p2p = send_s(msg, case.link(pp, tc * d), c) * (2 * (mb * v + pp - 1))
+        if m.tie_embeddings:  # the two copies' fp32 gradients summed between the first and the last
+            # stage once a step, this rank's shard (trainer/pipeline.py TiedEmbeddings; Megatron's
+            # embedding group), blocking before clipping
+            shard = tc * (p.dp_shard * p.cp if p.zero_stage else 1)
+            ends = case.link(2, (pp - 1) * tc * d)
+            p2p = p2p + allreduce(m.vocab_size * h / shard * 4, 2, ends, c, case.ranks_per_core)
+    return PipelinePart(bubble, p2p)
+
+
+def interleaved_moments(
+    p: ParallelConfig, r: RankBytes, stage: int, accumulated: float, working: float, fresh: float
+) -> tuple[float, float, float]:
+    """tuner.cost.memory.forward_backward's peak for an interleaved rank, walked through the rank's own order of
+    forwards and backwards (`interleaved_order`): its local stages differ (the head and its loss
+    on the last rank's last one, the embedding on the first rank's first), a local stage's
+    gradients exist once its first backward is done, and a rank's first backward comes after all of
+    its first local stage's forwards but only some of its later ones."""
+    last_rank = stage == p.pp - 1
+    root_params = r.root / r.cb  # the embedding (first rank, local stage 0) or the head (last rank, last)
+    layer_grads = accumulated - 4 * root_params - r.vocab_grad
+    home = len(r.chunks) - 1 if last_rank else 0
+    acts = [r.layers * f + (r.head if last_rank and j == home else 0.0) for j, f in enumerate(r.chunks)]
+    grads_of = [
+        layer_grads * f + ((4 * root_params + r.vocab_grad) if j == home else 0.0)
+        for j, f in enumerate(r.chunks)
+    ]
+    # torch's runtime waits for its sends at the end of the step: each holds what it sent, a
+    # local stage's output (also kept for its backward) or its input's gradient, until then.
+    to_next = [stage + j * p.pp < p.num_stages - 1 for j in range(len(r.chunks))]
+    to_previous = [stage + j * p.pp > 0 for j in range(len(r.chunks))]
+    held, grads, started = 0.0, 0.0, set()
+    # The peak moment by its sum, the first of equal ones: max(moments, key=sum), kept as it goes
+    # (a + b + c is sum's order). The walk is a plan's hottest loop: the moments are inlined.
+    best, best_sum = None, -math.inf
+    zero3, layers, flow = p.zero_stage == 3, r.layers, r.flow
+    for kind, j in _order(p.pp, p.virtual_stages, p.num_microbatches, stage):
+        if kind == "F":
+            held += acts[j] + (r.boundary if to_next[j] else 0.0)
+            if last_rank and j == home:  # the loss, computed at the end of the last stage's forward
+                a, b, c = r.root if zero3 else r.whole, grads, held + r.loss
+                if a + b + c > best_sum:
+                    best, best_sum = (a, b, c), a + b + c
+            continue
+        others = held - acts[j]
+        b, c = grads + fresh, others + layers * r.chunks[j] + flow
+        if working + b + c > best_sum:
+            best, best_sum = (working, b, c), working + b + c
+        if zero3:  # a backward that does not sync leaves its layers gathered (see above)
+            c = others + r.layer + flow
+            if r.whole + b + c > best_sum:
+                best, best_sum = (r.whole, b, c), r.whole + b + c
+        held = others + (r.boundary if to_previous[j] else 0.0)
+        if j not in started:  # its gradients, whole and in fp32 until the step's last backward
+            started.add(j)
+            grads += grads_of[j]
+    return best
+
+
+def interleaved_order(pp: int, v: int, n: int, rank: int) -> list[tuple[str, int]]:
+    """The forwards and backwards of pipeline rank `rank`, in torch's interleaved order (_order)."""
+    return list(_order(pp, v, n, rank))
+
+
+@functools.lru_cache(maxsize=4096)  # a plan asks the same few (pp, v, n, rank) for every layout
+def _order(pp: int, v: int, n: int, rank: int) -> tuple[tuple[str, int], ...]:
+    """The forwards ("F") and backwards ("B") of pipeline rank `rank` in the order torch's
+    ScheduleInterleaved1F1B runs them, each with its local stage (0 .. v-1: stage rank + j pp):
+    a warm-up of (v - 1) x round + 2 (pp - 1 - rank) forwards, rounds of n // max(1, n // pp)
+    micro-batches per local stage (pp when pp divides n; torch.distributed.pipelining.schedules
+    _get_warmup_ops), then one forward and one backward in turn, then the remaining backwards, the
+    latest local stage first."""
+    rounds = max(1, n // pp)
+    per_round = n // rounds
+    total = v * n
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+    order: list[tuple[str, int]] = []
+    for op in range(total + warmup):
+        if op < total:
+            order.append(("F", (op // per_round) % v))
+        if op >= warmup:
+            order.append(("B", v - 1 - ((op - warmup) // per_round) % v))
+    return tuple(order)
+
+
+def chunk_shares(num_layers: int, p: ParallelConfig, stage: int) -> tuple[float, ...]:
+    """Each local stage's share of the layers of the rank at pipeline coordinate `stage`."""
+    sizes = local_stage_layers(num_layers, p, stage)
+    total = sum(sizes)
+    return tuple(x / total for x in sizes) if total else tuple(1.0 / len(sizes) for _ in sizes)
+
+
+def local_stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> list[int]:
+    """Layers of each local stage of the rank at pipeline coordinate `stage` (trainer/pipeline.py:
+    contiguous ranges, earlier stages take the remainder; interleaved ranks hold stages r, r + pp,
+    ...)."""
+    base, extra = divmod(num_layers, p.num_stages)
+    return [base + (1 if s < extra else 0) for s in range(stage, p.num_stages, p.pp)]
+
+
+def stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> int:
+    """Layers on the rank at pipeline coordinate `stage`, all its local stages."""
+    return sum(local_stage_layers(num_layers, p, stage))
+
+
+def in_flight(p: ParallelConfig, stage: int) -> float:
+    """Micro-batches whose activations a rank holds at once (Narayanan et al. 2021 sec. 2.2):
+    all of them with GPipe; with 1F1B min(pp - stage, m); interleaved, the first rank's warm-up of
+    2(pp - 1) + (v - 1) pp + 1 chunks of L/(pp v) layers, i.e. x (1 + (pp - 1)/(pp v))
+    (Korthikanti sec. 4.2.3); gradient accumulation one at a time."""
+    n, pp, v = p.num_microbatches, p.pp, p.virtual_stages
+    if pp == 1:
+        return 1.0
+    if p.pp_schedule == "gpipe":
+        return float(n)
+    if v > 1:  # the most local stages' forwards whose backward is still to come, torch's order
+        held = peak = 0
+        for kind, _ in _order(pp, v, n, stage):
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+        return peak / v
+    return float(min(pp - stage, n))
