@@ -58,3 +58,18 @@ def assert_valid_result(result: BenchmarkResult, cfg: BenchmarkConfig) -> None:
     assert result.peak_memory_bytes == max(result.peak_memory_bytes_per_rank)
     assert result.device == "cpu" and result.dtype == "float32" and result.torch_version
     assert result.wall_time_s > 0
+
+
+# A buffer gloo's worker thread lets go of after the collective returned (tests/trainer/test_cp.py,
+# the buffers test: 1 of 300 still outlives the wait): a real run's peak on one rank may then hold it
+# a moment longer than the oracle, which frees it at the call. Seen once: +252 bytes on one rank of
+# four (col2-pp2, a clean-clone make test, 2026-12-05; the same test passed 3 of 3 right after).
+LATE_FREE_BYTES = 1024
+
+
+def assert_oracle_peaks(oracle: list[int], real: list[int]) -> None:
+    """The oracle's peak equals the real run's on every rank, to the byte, but for at most one rank
+    whose real peak held a late-freed gloo buffer (at most LATE_FREE_BYTES above the oracle's)."""
+    over = [r - o for o, r in zip(oracle, real, strict=True)]
+    late = [d for d in over if d]
+    assert len(late) <= 1 and all(0 < d <= LATE_FREE_BYTES for d in late), (oracle, real)
