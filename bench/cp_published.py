@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.contract.parallel import ParallelConfig
-from tuner.perfmodel import Estimate
+from tuner.cost.terms import Estimate
 from tuner.plan import fastest_fitting
 from tuner.pricing import Pricing
 from tuner.space import SearchSpace

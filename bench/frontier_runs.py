@@ -53,7 +53,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from trainer.contract.parallel import ParallelConfig
-from tuner.perfmodel import Estimate
+from tuner.cost.terms import Estimate
 from tuner.plan import fastest_fitting
 from tuner.pricing import Pricing
 from tuner.space import SearchSpace

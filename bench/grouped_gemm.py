@@ -1,5 +1,5 @@
 """The experts' grouped GEMMs on one GPU against the model's expert GEMM efficiency n / (n + ridge)
-(tuner/moe.py expert_gemm_efficiency): a SwiGLU expert layer's forward (three torch._grouped_mm,
+(tuner/cost/experts.py expert_gemm_efficiency): a SwiGLU expert layer's forward (three torch._grouped_mm,
 as trainer/moe.py GroupedExperts runs them) at n tokens per expert, its TFLOP/s over a large dense
 bf16 GEMM's on the same GPU, beside n / (n + ridge) with the ridge the model takes for the device.
 
@@ -81,8 +81,8 @@ def main() -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         sys.exit("bench/grouped_gemm.py needs a GPU of compute capability >= 9 (torch._grouped_mm in bf16)")
     name = torch.cuda.get_device_name()
-    # tuner/moe.py ridge_tokens: peak FLOP/s over HBM bytes/s of the device (H100 SXM 989 TFLOP/s
-    # over 3.35 TB/s, H200 over 4.8 TB/s)
+    # tuner/cost/experts.py ridge_tokens: peak FLOP/s over HBM bytes/s of the device (H100 SXM
+    # 989 TFLOP/s over 3.35 TB/s, H200 over 4.8 TB/s)
     ridge = args.ridge or (989.4e12 / (4.8e12 if "H200" in name else 3.35e12))
     dense = dense_rate()
     print(

@@ -50,7 +50,7 @@ from trainer.contract.presets import MODEL_PRESETS
 from trainer.contract.result import BenchmarkConfig, BenchmarkResult
 from trainer.contract.topology import summary
 from trainer.launch import run_local
-from tuner.moe import measured_imbalance
+from tuner.cost.experts import measured_imbalance
 from tuner.space import SearchSpace
 from tuner.spec import SpaceSpec
 

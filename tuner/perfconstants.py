@@ -1,7 +1,6 @@
 """The performance model's constants: what its formulas cannot know, their defaults per device
 kind. A cluster's fitted constants live in the database only (tuner.store.save_calibration /
-latest_constants; `tuner calibrate export|import` moves them). tuner.perfmodel re-exports every
-name here."""
+latest_constants; `tuner calibrate export|import` moves them)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from trainer.contract.axes import AXES
 from trainer.contract.parallel import ParallelConfig
+from tuner.cost.terms import TERM_LABELS, Estimate
 from tuner.perfconstants import ModelConstants
-from tuner.perfmodel import TERM_LABELS, Estimate
 from tuner.pricing import Pricing
 from tuner.space import SearchSpace
 from tuner.spec import VOCAB_DIVISIBLE_BY, StudySpec, padded_vocab, parse_spec
@@ -77,7 +77,7 @@ def layout_row(config: ParallelConfig, searched: Collection[str] = ()) -> dict[s
 def candidate_dict(config: ParallelConfig, est: Estimate, searched: Collection[str] = ()) -> dict[str, Any]:
     """One ranked layout: its knobs (layout_row), what the model predicts, and the padded
     vocabulary it builds. A mixture of experts' also has what its expert terms were priced from
-    (predicted.moe: tuner.perfmodel.moe_info, edp among them) and its `experts:` line."""
+    (predicted.moe: tuner.cost.experts.moe_info, edp among them) and its `experts:` line."""
     out = _candidate_dict(config, est, searched)
     if est.moe is not None:
         out["predicted"]["moe"] = est.moe
@@ -106,7 +106,7 @@ def _candidate_dict(config: ParallelConfig, est: Estimate, searched: Collection[
         "predicted": {
             "memory_bytes": int(est.memory_bytes), "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
             "tflops_per_device": est.tflops_per_device, "mfu": est.mfu, "fits": est.fits,
-            # every second of step_time_s, by term (tuner.perfmodel.StepTerms: they add up)
+            # every second of step_time_s, by term (tuner.cost.terms.StepTerms: they add up)
             "terms": est.terms.as_dict(),
         },
     }  # fmt: skip

@@ -48,7 +48,7 @@ class PredictedBest(WithFamily):
     predicted_mfu: float
     predicted_memory_bytes: int
     predicted_step_time_s: float
-    predicted_terms: dict[str, float]  # every second of the step by term (tuner.perfmodel.StepTerms)
+    predicted_terms: dict[str, float]  # every second of the step by term (tuner.cost.terms.StepTerms)
     calibration: CalibrationOut
     template_study: str  # the measured study whose settings the prediction reuses
     confirm: str  # one line that runs a short study of the top predicted layouts

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from trainer.contract.devices import Dtype
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
+from tuner.cost.terms import Estimate
 from tuner.fitting import Measurement
 from tuner.perfconstants import ModelConstants, default_constants
-from tuner.perfmodel import Estimate, estimate
+from tuner.perfmodel import estimate
 from tuner.spec import ClusterSpec, StudySpec
 
 Ranked = list[tuple[ParallelConfig, Estimate]]

@@ -238,7 +238,7 @@ class TrainingSpec(_Strict):
     # A mixture of experts' routing in trials (BenchmarkConfig.moe_routing): "learned" (the
     # router's top-k, dropless) or "balanced" (forced balance, as published MoE figures run), and
     # the load imbalance the performance model prices for learned routing: the busiest expert's
-    # tokens over the mean (tuner/moe.py: imbalance_factor). Neither matters to a dense model.
+    # tokens over the mean (tuner/cost/experts.py: imbalance_factor). Neither matters to a dense model.
     moe_routing: Literal["learned", "balanced"] = "learned"
     moe_imbalance: float = 1.3
 
@@ -264,7 +264,7 @@ class _SpaceRules(_Strict):
     # priced over the inter-node link; false excludes it from the study.
     allow_cross_node_tp: bool = True
     # An ep group is ep neighbouring ranks; across nodes its all-to-alls cross the network on
-    # every MoE layer (tuner/moe.py prices them), so by default ep stays inside a node.
+    # every MoE layer (tuner/cost/experts.py prices them), so by default ep stays inside a node.
     allow_cross_node_ep: bool = False
     # A cp group is cp ranks tp apart; across nodes its K/V gathers cross the network on every
     # layer (priced), which long sequences can afford: allowed by default.

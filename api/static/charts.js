@@ -68,7 +68,7 @@ const measured = (trials) => trials.filter((t) => t.state === TRIAL.COMPLETE && 
 const stoppedEarly = (trials) => trials.filter((t) => t.stop_reason && t.tokens_per_s !== null);
 const hover = (t) => `#${t.number} ${plotText(t.layout)}`;
 // A stored prediction's three largest terms, each with its share of the predicted step (the terms
-// add up to it: tuner/perfmodel.py StepTerms); empty for trials stored before the terms existed.
+// add up to it: tuner/cost/terms.py StepTerms); empty for trials stored before the terms existed.
 const topTerms = (t) => {
   if (!t.predicted_terms || !t.predicted_step_time_s) return "";
   const top = Object.entries(t.predicted_terms).filter(([, v]) => v > 0).sort((a, b) => b[1] - a[1]).slice(0, 3);

@@ -11,7 +11,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from trainer.contract.parallel import ParallelConfig as P
 from trainer.contract.topology import axis_strides, expected_spans, groups, members_per_node, placement
 from trainer.parallel_dims import ParallelDims
-from tuner.collectives import group_link
+from tuner.cost.collectives import group_link
 from tuner.hardware import cluster_preset
 from tuner.spec import ClusterSpec
 

@@ -4,7 +4,8 @@ tests/tuner/test_memmodel.py, test_moe_model.py and test_cp_model.py check for s
 from __future__ import annotations
 
 from trainer.contract.result import BenchmarkConfig
-from tuner.memmodel import phase_bytes
+from tuner.cost.case import Case
+from tuner.cost.memory import phase_bytes
 from tuner.perfconstants import ModelConstants
 
 
@@ -16,8 +17,9 @@ def assert_every_rank_matches_the_oracle(cfg: BenchmarkConfig, tolerance: float)
     report = memcheck(cfg)
     c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
     precision, kind = ("bf16", "gpu") if cfg.device == "cuda" else ("fp32", "cpu")
+    case = Case(cfg.model, cfg.parallel, precision, c, device=kind)
     for rank in report.ranks:
-        phases = phase_bytes(cfg.model, cfg.parallel, precision, c, rank.coords["pp"], kind)
+        phases = phase_bytes(case, rank.coords["pp"])
         predicted = max(sum(parts.values()) for parts in phases.values())
         assert abs(predicted - rank.peak_bytes) / rank.peak_bytes < tolerance, (
             rank.rank,

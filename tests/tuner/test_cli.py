@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.perfmodel import TERM_LABELS
+from tuner.cost.terms import TERM_LABELS
 
 TUNER = shutil.which("tuner", path=str(Path(sys.executable).parent)) or "tuner"
 

@@ -1,4 +1,4 @@
-"""Collectives priced from their parts (tuner/collectives.py): the measured call cost by path,
+"""Collectives priced from their parts (tuner/cost/collectives.py): the measured call cost by path,
 ranks per core and group size, the bytes by tier, and the wait behind the compute."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
-from tuner import collectives
+from tuner.cost import collectives
 from tuner.hardware import cluster_preset
 from tuner.perfconstants import CPU_CONSTANTS, ModelConstants
 from tuner.perfmodel import estimate

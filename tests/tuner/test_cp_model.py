@@ -1,6 +1,6 @@
-"""Context parallelism in the space, the performance model and the memory model (tuner/cp.py,
-issue 28): what a study searches, the rules with their reasons, the terms CP adds and that they
-add up, and the plan's choice at long and at ordinary sequence lengths."""
+"""Context parallelism in the space, the performance model and the memory model
+(tuner/cost/context.py, issue 28): what a study searches, the rules with their reasons, the terms
+CP adds and that they add up, and the plan's choice at long and at ordinary sequence lengths."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from trainer.context_parallel import head_tail_chunks
 from trainer.contract.axes import CP_FROM_SEQ_LEN
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
-from tuner import cp
+from tuner.cost import context
+from tuner.cost.case import Case
 from tuner.hardware import cluster_preset
 from tuner.memmodel import memory
 from tuner.perfconstants import default_constants
@@ -60,8 +61,8 @@ def test_scored_pairs_are_the_trainers_masked_blocks() -> None:
         chunk = m.seq_len // (2 * size)
         for rank in range(size):
             pairs = sum(chunk * (c + 1) * chunk for c in head_tail_chunks(rank, size))
-            assert pairs == cp.scored_pairs(m, p)
-    assert cp.keys_per_query(m, ParallelConfig()) == 64
+            assert pairs == context.scored_pairs(m, p)
+    assert context.keys_per_query(m, ParallelConfig()) == 64
 
 
 def test_cp_terms_add_up_and_kv_traffic_follows_the_kv_heads_and_the_tier() -> None:
@@ -76,12 +77,10 @@ def test_cp_terms_add_up_and_kv_traffic_follows_the_kv_heads_and_the_tier() -> N
     assert estimate(m, ParallelConfig(tp=2, num_microbatches=8), H100).terms.cp_comm_intra_s == 0
     # GQA: 8 KV heads of 32 move a quarter of what multi-head attention's K/V would
     mha = dataclasses.replace(m, num_kv_heads=m.num_heads)
-    assert cp.kv_bytes(mha, one_node, "bf16") == 4 * cp.kv_bytes(m, one_node, "bf16")
     c = default_constants(H100)
-    assert (
-        cp.kv_traffic(mha, one_node, H100, "bf16", c).total
-        > 3 * cp.kv_traffic(m, one_node, H100, "bf16", c).total
-    )
+    gqa, heads = Case(m, one_node, "bf16", c, H100), Case(mha, one_node, "bf16", c, H100)
+    assert context.kv_bytes(heads) == 4 * context.kv_bytes(gqa)
+    assert context.kv_traffic(heads).total > 3 * context.kv_traffic(gqa).total
 
 
 def test_cp_divides_activations_but_keeps_the_gathered_keys() -> None:
@@ -92,7 +91,7 @@ def test_cp_divides_activations_but_keeps_the_gathered_keys() -> None:
     assert split["weights_bytes"] == pytest.approx(alone["weights_bytes"])
     # half the tokens, but every layer keeps the whole sequence's K and V
     assert split["activations_bytes"] < alone["activations_bytes"]
-    gathered = cp.gathered_kv_bytes(m, ParallelConfig(cp=2), 2) * m.num_layers
+    gathered = context.gathered_kv_bytes(m, ParallelConfig(cp=2), 2) * m.num_layers
     assert gathered > 0 and split["activations_bytes"] > alone["activations_bytes"] / 2 + 0.9 * gathered
 
 
@@ -124,18 +123,17 @@ def test_the_plan_uses_cp_at_128k_and_not_at_8k() -> None:
 def test_full_recompute_keeps_no_gathered_keys_and_the_masks_are_made_once() -> None:
     m = _at(131072)
     full = ParallelConfig(cp=8, dp_shard=8, zero_stage=3, activation_checkpoint="full")
-    assert cp.gathered_kv_bytes(m, full, 2) == 0  # only the layer input; the recompute holds them again
+    assert context.gathered_kv_bytes(m, full, 2) == 0  # only the layer input; the recompute holds them again
     none = dataclasses.replace(full, activation_checkpoint="none")
     chunk = 131072 // 16
-    assert cp.mask_bytes(m, none, 2) == 17 * chunk * chunk * 2  # (2cp + 1) L^2 in bf16
+    assert context.mask_bytes(m, none, 2) == 17 * chunk * chunk * 2  # (2cp + 1) L^2 in bf16
     # the same masks whatever the micro-batch and tp (broadcast over the batch and the heads)
-    assert cp.mask_bytes(m, dataclasses.replace(none, micro_batch_size=4, tp=2), 2) == cp.mask_bytes(
-        m, none, 2
-    )
-    assert cp.mask_bytes(m, dataclasses.replace(none, cp=1), 2) == 0
+    wider = dataclasses.replace(none, micro_batch_size=4, tp=2)
+    assert context.mask_bytes(m, wider, 2) == context.mask_bytes(m, none, 2)
+    assert context.mask_bytes(m, dataclasses.replace(none, cp=1), 2) == 0
     # one set per stage module: an interleaved rank holds one per virtual stage
     interleaved = dataclasses.replace(none, pp=2, virtual_stages=2, pp_schedule="interleaved_1f1b")
-    assert cp.mask_bytes(m, interleaved, 2) == 2 * cp.mask_bytes(m, none, 2)
+    assert context.mask_bytes(m, interleaved, 2) == 2 * context.mask_bytes(m, none, 2)
 
 
 # Small Llama layouts with context parallelism against the oracle, simulated here (seconds each):

@@ -1,5 +1,6 @@
-"""The analytic memory model (tuner/memmodel.py): the papers' numbers where the trainer agrees with
-them, the memory oracle's recorded simulations where it does not (bench/memory_oracle.py)."""
+"""The analytic memory model (tuner/cost/memory.py over each axis's part; its entry point
+tuner/memmodel.py): the papers' numbers where the trainer agrees with them, the memory oracle's
+recorded simulations where it does not (bench/memory_oracle.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,12 @@ from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
 from trainer.contract.result import BenchmarkConfig
+from tuner.cost.case import Case
+from tuner.cost.data import model_state_bytes
+from tuner.cost.layer import activation_bytes_per_token, layer_params
+from tuner.cost.memory import phase_bytes, rank_bytes
+from tuner.cost.pipeline import in_flight, interleaved_order
 from tuner.hardware import cluster_preset
-from tuner.memmodel import (
-    _in_flight,
-    _layer_params,
-    _rank,
-    activation_bytes_per_token,
-    interleaved_order,
-    model_state_bytes,
-    phase_bytes,
-)
 from tuner.perfconstants import ModelConstants
 from tuner.perfmodel import estimate
 from tuner.spec import ClusterSpec
@@ -91,7 +88,7 @@ def test_microbatches_in_flight_follow_the_schedule(
 ) -> None:
     """Narayanan et al. 2021 sec. 2.2: GPipe keeps all m, 1F1B at most pp - stage."""
     p = ParallelConfig(tp=8, pp=8, num_microbatches=64, pp_schedule=schedule, virtual_stages=v)
-    assert _in_flight(p, stage) == pytest.approx(inflight)
+    assert in_flight(p, stage) == pytest.approx(inflight)
 
 
 def test_175b_on_one_node_does_not_fit_but_on_64_gpus_it_can() -> None:
@@ -199,7 +196,7 @@ def test_llama_tensor_and_sequence_parallelism_split_what_gpt_splits() -> None:
 
 
 def _params(m: ModelConfig, p: ParallelConfig, stage: int) -> float:
-    return _rank(m, p, "bf16", FLASH, stage, "gpu").params
+    return rank_bytes(Case(m, p, "bf16", FLASH), stage).params
 
 
 def test_a_tied_head_is_one_weight_on_one_stage_and_a_copy_on_each_end_of_a_pipeline() -> None:
@@ -300,7 +297,8 @@ def test_pipeline_moments_match_the_oracle(model: ModelConfig, parallel: Paralle
     cfg = BenchmarkConfig(model=model, parallel=parallel, device="cuda")
     oracle = memcheck(cfg, ranks=[rank_of(parallel, pp=stage)]).peak_bytes
     c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
-    predicted = max(sum(parts.values()) for parts in phase_bytes(model, parallel, "bf16", c, stage).values())
+    phases = phase_bytes(Case(model, parallel, "bf16", c), stage)
+    predicted = max(sum(parts.values()) for parts in phases.values())
     assert abs(predicted - oracle) / oracle < 0.03, (predicted, oracle)
 
 
@@ -308,7 +306,7 @@ def test_pipeline_moments_match_the_oracle(model: ModelConfig, parallel: Paralle
     ("pp", "v", "n"), [(4, 2, 4), (4, 2, 8), (2, 4, 6), (8, 2, 16), (3, 3, 3), (4, 2, 12)]
 )
 def test_the_interleaved_order_is_torchs(pp: int, v: int, n: int) -> None:
-    """tuner.memmodel.interleaved_order walks a rank's forwards and backwards as torch's
+    """tuner.cost.pipeline.interleaved_order walks a rank's forwards and backwards as torch's
     ScheduleInterleaved1F1B computes them (the model cannot import torch)."""
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
@@ -337,6 +335,7 @@ def test_an_interleaved_rank_holds_its_sends_and_its_own_stages_gradients() -> N
         BenchmarkConfig(model=m, parallel=p, device="cuda", dtype="bf16"), 0.05
     )
     c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
-    last, r = phase_bytes(m, p, "bf16", c, 3, "gpu")["forward_backward"], _rank(m, p, "bf16", c, 3, "gpu")
+    case = Case(m, p, "bf16", c)
+    last, r = phase_bytes(case, 3)["forward_backward"], rank_bytes(case, 3)
     # at its second micro-batch's loss: the fp32 gradients of the head and of its layer, whole
-    assert last["grads"] == pytest.approx(4 * (r.root / r.cb + _layer_params(m, 1)), rel=1e-6)
+    assert last["grads"] == pytest.approx(4 * (r.root / r.cb + layer_params(m, 1)), rel=1e-6)

@@ -1,7 +1,7 @@
-"""Mixtures of experts in the space, the performance model and the memory model (tuner/moe.py):
-rules with reasons, the all-to-all by hand and by tier, the imbalance factor, the experts' GEMM
-efficiency, expert state over ep against routed activations that ep does not shrink, the plan's
-ep column and `experts:` line, and dense predictions unchanged."""
+"""Mixtures of experts in the space, the performance model and the memory model
+(tuner/cost/experts.py): rules with reasons, the all-to-all by hand and by tier, the imbalance
+factor, the experts' GEMM efficiency, expert state over ep against routed activations that ep does
+not shrink, the plan's ep column and `experts:` line, and dense predictions unchanged."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
 from trainer.contract.result import RULE_QK_NORM_PROJ, BenchmarkConfig, trainer_problems
-from tuner import moe
 from tuner.cli import app
-from tuner.memmodel import _rank, phase_bytes
+from tuner.cost import experts
+from tuner.cost.case import Case
+from tuner.cost.memory import phase_bytes, rank_bytes
 from tuner.perfconstants import ModelConstants, default_constants
 from tuner.perfmodel import estimate
 from tuner.plan import plan
@@ -138,14 +139,14 @@ def test_all_to_all_volume_and_seconds_by_hand() -> None:
     p = ParallelConfig(tp=2, dp_replicate=4, ep=4, micro_batch_size=2, sequence_parallel=True)
     c = default_constants(H100)
     per_call = 1024 * 4 * 512 * 2 * 3 / 4
-    assert moe.a2a_volume_bytes(SMALL, p, "bf16") == per_call
+    assert experts.a2a_volume_bytes(Case(SMALL, p, "bf16", c)) == per_call
     wire = per_call / (450e9 * c.comm_efficiency) + 4e-6
     overhead = c.collective_overhead_s * math.log2(4)
-    got = moe.a2a(SMALL, p, H100, "bf16", c)
+    got = experts.a2a(Case(SMALL, p, "bf16", c, H100))
     assert got.inter == 0 and got.intra == pytest.approx(4 * (wire + overhead), rel=1e-12)
-    full = moe.a2a(SMALL, dataclasses.replace(p, activation_checkpoint="full"), H100, "bf16", c)
+    full = experts.a2a(Case(SMALL, dataclasses.replace(p, activation_checkpoint="full"), "bf16", c, H100))
     assert full.intra == pytest.approx(got.intra * 6 / 4, rel=1e-12)
-    assert moe.a2a(SMALL, dataclasses.replace(p, ep=1), H100, "bf16", c).total == 0
+    assert experts.a2a(Case(SMALL, dataclasses.replace(p, ep=1), "bf16", c, H100)).total == 0
 
 
 def test_all_to_all_tier_follows_ep_against_gpus_per_node() -> None:
@@ -161,10 +162,10 @@ def test_all_to_all_tier_follows_ep_against_gpus_per_node() -> None:
 
 def test_imbalance_factor_is_one_when_balanced_and_reaches_I_at_one_expert_a_rank() -> None:
     for ep in (1, 2, 4, 8, 16):
-        assert moe.imbalance_factor(SMALL, ParallelConfig(ep=ep), 1.0) == 1.0
-    assert moe.imbalance_factor(SMALL, ParallelConfig(ep=1), 1.5) == 1.0
-    assert moe.imbalance_factor(SMALL, ParallelConfig(ep=16), 1.5) == pytest.approx(1.5)
-    factors = [moe.imbalance_factor(SMALL, ParallelConfig(ep=ep), 1.5) for ep in (1, 2, 4, 8, 16)]
+        assert experts.imbalance_factor(SMALL, ParallelConfig(ep=ep), 1.0) == 1.0
+    assert experts.imbalance_factor(SMALL, ParallelConfig(ep=1), 1.5) == 1.0
+    assert experts.imbalance_factor(SMALL, ParallelConfig(ep=16), 1.5) == pytest.approx(1.5)
+    factors = [experts.imbalance_factor(SMALL, ParallelConfig(ep=ep), 1.5) for ep in (1, 2, 4, 8, 16)]
     assert factors == sorted(factors) and len(set(factors)) == 5
     # and the pricing slows the experts by it: same layout, learned against balanced routing
     p = ParallelConfig(dp_replicate=8, ep=8, num_microbatches=8)
@@ -174,15 +175,14 @@ def test_imbalance_factor_is_one_when_balanced_and_reaches_I_at_one_expert_a_ran
 
 
 def test_expert_gemm_efficiency_rises_with_tokens_per_expert() -> None:
-    assert moe.ridge_tokens(H100, "bf16") == pytest.approx(989.4 / 3.35, rel=1e-6)  # P / B
-    effs = [
-        moe.expert_gemm_efficiency(
-            SMALL, ParallelConfig(dp_replicate=8, ep=ep, micro_batch_size=mbs), H100, "bf16"
-        )
+    assert experts.ridge_tokens(H100, "bf16") == pytest.approx(989.4 / 3.35, rel=1e-6)  # P / B
+    layouts = [
+        ParallelConfig(dp_replicate=8, ep=ep, micro_batch_size=mbs)
         for mbs, ep in ((1, 1), (1, 2), (2, 2), (2, 8), (8, 8))
     ]
+    effs = [experts.expert_gemm_efficiency(Case(SMALL, p, "bf16", ModelConstants(), H100)) for p in layouts]
     assert effs == sorted(effs) and len(set(effs)) == 5 and 0 < effs[0] < effs[-1] < 1
-    n = moe.tokens_per_expert(SMALL, ParallelConfig(dp_replicate=8, ep=8, micro_batch_size=8))
+    n = experts.tokens_per_expert(SMALL, ParallelConfig(dp_replicate=8, ep=8, micro_batch_size=8))
     assert n == 8 * 8 * 1024 * 4 / 16  # ep x T x k / E
 
 
@@ -208,7 +208,7 @@ def test_expert_gradients_reduce_over_edp_not_dp() -> None:
 
 
 def _parts(p: ParallelConfig, imbalance: float = 1.0) -> dict[str, dict[str, float]]:
-    return phase_bytes(SMALL, p, "bf16", default_constants(H100), 0, "gpu", imbalance)
+    return phase_bytes(Case(SMALL, p, "bf16", default_constants(H100), moe_imbalance=imbalance), 0)
 
 
 def test_expert_state_divides_by_ep_by_hand() -> None:
@@ -241,7 +241,7 @@ def test_expert_state_shards_over_edp_with_zero() -> None:
     dense = _parts(ParallelConfig(dp_shard=8, zero_stage=3, ep=8), 1.0)["optimizer"]["grads"]
     no_experts = dataclasses.replace(SMALL, num_experts=2, moe_top_k=1)  # the same rest, 2 experts
     rest = phase_bytes(
-        no_experts, ParallelConfig(dp_shard=8, zero_stage=3, ep=2), "bf16", default_constants(H100), 0
+        Case(no_experts, ParallelConfig(dp_shard=8, zero_stage=3, ep=2), "bf16", default_constants(H100)), 0
     )
     # 16 experts over 8 ranks against 2 experts over 8 (and 2 - 16 router columns, replicated): fp32
     want = 4 * 4 * (16 - 2) / 8 * SMALL.expert_params + 4 * 4 * SMALL.hidden_size * (16 - 2) / 8
@@ -252,8 +252,8 @@ def test_expert_state_shards_over_edp_with_zero() -> None:
 
 def _layers_bytes(ep: int, imbalance: float = 1.0) -> float:
     """One micro-batch's activations in all of a rank's layers."""
-    return _rank(SMALL, ParallelConfig(dp_replicate=8, ep=ep), "bf16", default_constants(H100), 0, "gpu",
-                 imbalance).layers  # fmt: skip
+    p = ParallelConfig(dp_replicate=8, ep=ep)
+    return rank_bytes(Case(SMALL, p, "bf16", default_constants(H100), moe_imbalance=imbalance), 0).layers
 
 
 def test_routed_activations_do_not_shrink_with_ep() -> None:
@@ -272,27 +272,21 @@ def test_routed_activations_by_hand() -> None:
     input rows (the grouped GEMM's padded copy besides them on GPUs), three int64 row indices with
     ep > 1, the experts' output before and after the router's weight, the weight and two int64
     indices; the router's fp32 scores (4 E), its choices (int64) and renormalised fp32 weights."""
-    p = ParallelConfig(dp_replicate=8, ep=4)
+    p, delta = ParallelConfig(dp_replicate=8, ep=4), experts.moe_activation_delta_per_token
     cb, k, h, f, e = 2, SMALL.moe_top_k, SMALL.hidden_size, SMALL.expert_ffn_size, SMALL.num_experts
     router = 4 * e + 8 * k + 4 * k + 4
     token_side = k * (2 * h * cb + cb + 16)
     for grouped, inputs in ((True, 2), (False, 1)):
         experts_side = k * ((4 * f + inputs * h) * cb + 24)
         want = experts_side + token_side + router - 4 * SMALL.ffn_size * cb
-        assert moe.moe_activation_delta_per_token(SMALL, p, cb, 1.0, grouped=grouped) == want
+        assert delta(SMALL, p, cb, 1.0, grouped=grouped) == want
     # one row index without expert parallelism; the experts' side scales with the imbalance
     one = dataclasses.replace(p, ep=1)
-    assert (
-        moe.moe_activation_delta_per_token(SMALL, p, cb, 1.0)
-        - moe.moe_activation_delta_per_token(SMALL, one, cb, 1.0)
-        == 16 * k
-    )
-    skewed = moe.moe_activation_delta_per_token(SMALL, p, cb, 1.5) - moe.moe_activation_delta_per_token(
-        SMALL, p, cb, 1.0
-    )
+    assert delta(SMALL, p, cb, 1.0) - delta(SMALL, one, cb, 1.0) == 16 * k
+    skewed = delta(SMALL, p, cb, 1.5) - delta(SMALL, p, cb, 1.0)
     assert skewed == pytest.approx(0.5 * k * ((4 * f + 2 * h) * cb + 24))
     full = dataclasses.replace(p, activation_checkpoint="full")
-    assert moe.moe_activation_delta_per_token(SMALL, full, cb, 1.0) == 0
+    assert delta(SMALL, full, cb, 1.0) == 0
 
 
 # Small MoE layouts against the oracle, simulated here (a few seconds each), GPU kernels (bf16,
@@ -398,7 +392,7 @@ def test_dense_predictions_unchanged() -> None:
     mixtures of experts existed (tests/tuner/golden/dense_predictions.json, written by the commit
     before them): the same step, memory and throughput, to the last bit. One deliberate change
     since: the memory of the interleaved layouts (174 of 317 rows), re-priced when the model
-    began to walk torch's interleaved order (tuner.memmodel.interleaved_order, stop 36); their
+    began to walk torch's interleaved order (tuner.cost.pipeline.interleaved_order, stop 36); their
     step times and throughputs are the originals."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300
@@ -442,10 +436,10 @@ def test_the_model_sampler_prices_the_imbalance_its_trials_measured() -> None:
     from tuner.outcome import Outcome
     from tuner.samplers import make_sampler
 
-    assert moe.measured_imbalance({}) is None
-    assert moe.measured_imbalance({"moe": {"routing": "balanced", "imbalance": {"1": [1.0]}}}) is None
+    assert experts.measured_imbalance({}) is None
+    assert experts.measured_imbalance({"moe": {"routing": "balanced", "imbalance": {"1": [1.0]}}}) is None
     learned = {"moe": {"routing": "learned", "imbalance": {"0": [3.0, 2.0, 9.0], "1": [2.0, 2.0, 2.0]}}}
-    assert moe.measured_imbalance(learned) == 2.5  # medians 3 and 2
+    assert experts.measured_imbalance(learned) == 2.5  # medians 3 and 2
     candidates = [c for c in _space(SMALL).enumerate().valid if c.ep == 8][:20]
     sampler = make_sampler("model", candidates, pricing=Pricing(SMALL, H100, "bf16", ModelConstants(), 1.3))
     config = sampler.ask()

@@ -12,7 +12,15 @@ from trainer.contract.devices import find_device
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
-from tuner import perfmodel
+from tuner.cost.case import Case
+from tuner.cost.collectives import allreduce, group_link
+from tuner.cost.compute import (
+    attention_fwd_flops_per_token,
+    compute,
+    elementwise_flops,
+    elementwise_units,
+    gemm_fwd_flops_per_token,
+)
 from tuner.devicelevels import LEVELS, MEMORY_TRAFFIC
 from tuner.fitting import Measurement, calibrate, fit_memory_scale
 from tuner.hardware import cluster_preset
@@ -29,7 +37,7 @@ def a100(nodes: int) -> ClusterSpec:
     return ClusterSpec(**{**cluster_preset("a100-80gb"), "num_nodes": nodes})
 
 
-# Memory (tuner/memmodel.py): tests/tuner/test_memmodel.py.
+# Memory (tuner/cost/memory.py, entry point tuner/memmodel.py): tests/tuner/test_memmodel.py.
 
 
 # --- published facts as ranking changes -------------------------------------------------------
@@ -299,7 +307,8 @@ def test_h100_memory_bound_work_costs_more_relative_to_compute_than_a100() -> No
 
     def memory_over_gemm(cluster: ClusterSpec) -> float:
         c = dataclasses.replace(default_constants(cluster), flash_attention=False)
-        cost = perfmodel._compute(GPT3, p, "bf16", c, cluster.peak_tflops * 1e12, cluster.peak_tflops * 1e12)
+        peak = cluster.peak_tflops * 1e12
+        cost = compute(Case(GPT3, p, "bf16", c, peak_flops=peak, memory_peak_flops=peak))
         return cost.layer_own_s / (cost.layer_flops / cost.efficiency / cost.peak_flops)
 
     assert memory_over_gemm(h100(1)) > 1.5 * memory_over_gemm(a100(1))
@@ -332,7 +341,8 @@ def test_fp32_on_a_gpu_moves_twice_the_bytes_not_at_the_fp32_peak() -> None:
     model = MODEL_PRESETS["gpt-1.3b"]
     p = ParallelConfig(dp_replicate=8, micro_batch_size=1)
     c = dataclasses.replace(default_constants(a100(1)), flash_attention=False)
-    cost = {d: perfmodel._compute(model, p, d, c, a100(1).peak_tflops_for(d) * 1e12, a100(1).peak_tflops * 1e12)
+    cost = {d: compute(Case(model, p, d, c, peak_flops=a100(1).peak_tflops_for(d) * 1e12,
+                            memory_peak_flops=a100(1).peak_tflops * 1e12))
             for d in ("bf16", "fp32")}  # fmt: skip
     assert cost["fp32"].layer_own_s == pytest.approx(2 * cost["bf16"].layer_own_s)
 
@@ -346,7 +356,7 @@ def _training_flops_per_token(m: ModelConfig) -> float:
     """What the step-time model charges per token on one rank without recompute: every layer's
     forward, backward (2x) and the head's, priced like the GEMMs (no device's flash efficiency)."""
     p = ParallelConfig(micro_batch_size=1)
-    cost = perfmodel._compute(m, p, "bf16", ModelConstants(), 1.0, 1.0)
+    cost = compute(Case(m, p, "bf16", ModelConstants(), peak_flops=1.0, memory_peak_flops=1.0))
     return (m.num_layers * cost.layer_flops + 3 * cost.head_fwd) / m.seq_len
 
 
@@ -386,8 +396,6 @@ def test_a_tied_head_computes_as_much_as_an_untied_one() -> None:
     stage, so the compute and the model FLOPs do not depend on it. Across pipeline stages the two
     copies' gradients are summed once a step (trainer/pipeline.py TiedEmbeddings): an all-reduce
     of this rank's fp32 shard of V x h between the first and the last stage."""
-    from tuner.collectives import allreduce, group_link
-
     tied = MODEL_PRESETS["llama3.2-1b"]
     untied = dataclasses.replace(tied, tie_embeddings=False)
     cluster = a100(1)
@@ -407,16 +415,16 @@ def test_the_llama_block_moves_its_own_elementwise_bytes() -> None:
     Llama 3.1 8B's 8 (no dropout masks) + (8 + SwiGLU's four ffn-wide tensors 8 x 14336/4096 =
     28 + what RoPE and GQA's repeat move per step, 110 and 8 bytes per value of q and k (4096 +
     1024), as stored bytes: / (3 passes x 2.73 bytes moved per stored byte))/t."""
-    assert perfmodel._elementwise_units(MODEL_PRESETS["gpt-1.3b"]) == (10.0, 24.0)
+    assert elementwise_units(MODEL_PRESETS["gpt-1.3b"]) == (10.0, 24.0)
     moved = (110 + 8) * (4096 + 1024) / (3 * MEMORY_TRAFFIC * 4096)
     assert moved == pytest.approx(18.04, abs=0.01)
-    assert perfmodel._elementwise_units(LLAMA_8B) == pytest.approx((8.0, 8 + 28 + moved), rel=1e-12)
+    assert elementwise_units(LLAMA_8B) == pytest.approx((8.0, 8 + 28 + moved), rel=1e-12)
     # multi-head attention repeats nothing
     mha = dataclasses.replace(LLAMA_8B, num_kv_heads=None)
-    assert perfmodel._elementwise_units(mha)[1] == pytest.approx(8 + 28 + 110 * 2 / (3 * MEMORY_TRAFFIC))
+    assert elementwise_units(mha)[1] == pytest.approx(8 + 28 + 110 * 2 / (3 * MEMORY_TRAFFIC))
     # priced as a GPT block of the same units would be
     p, c = ParallelConfig(tp=2, micro_batch_size=1), ModelConstants()
-    stored = perfmodel._elementwise_flops(LLAMA_8B, p, "bf16", c) / c.elementwise_flops_per_byte / 3
+    stored = elementwise_flops(Case(LLAMA_8B, p, "bf16", c)) / c.elementwise_flops_per_byte / 3
     assert stored == pytest.approx(8192 * 4096 * (8 + (8 + 28 + moved) / 2), rel=1e-12)
 
 
@@ -424,8 +432,8 @@ def test_gqa_shrinks_only_the_k_and_v_projections() -> None:
     """A layer's forward GEMMs: GQA's 8 KV heads of 32 make k and v a quarter of q; attention
     scores are those of all 32 query heads."""
     mha = dataclasses.replace(LLAMA_8B, num_kv_heads=None)
-    saved = perfmodel._gemm_fwd_flops_per_token(mha) - perfmodel._gemm_fwd_flops_per_token(LLAMA_8B)
+    saved = gemm_fwd_flops_per_token(mha) - gemm_fwd_flops_per_token(LLAMA_8B)
     assert saved == 2 * 2 * 4096 * (4096 - 1024)
-    assert perfmodel._attention_fwd_flops_per_token(
-        mha, ParallelConfig()
-    ) == perfmodel._attention_fwd_flops_per_token(LLAMA_8B, ParallelConfig())
+    assert attention_fwd_flops_per_token(mha, ParallelConfig()) == attention_fwd_flops_per_token(
+        LLAMA_8B, ParallelConfig()
+    )

@@ -15,10 +15,10 @@ from tests.tuner.test_runner import Env
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
 from tuner import perfmodel, pricing
+from tuner.cost.terms import TERM_LABELS, StepTerms
 from tuner.hardware import CLUSTER_PRESET_NAMES, CLUSTER_PRESETS, cluster_preset
 from tuner.memmodel import memory
 from tuner.perfconstants import ModelConstants
-from tuner.perfmodel import TERM_LABELS, StepTerms
 from tuner.pricing import Pricing
 from tuner.space import SearchSpace
 from tuner.spec import ClusterSpec, benchmark_config, load_spec, padded_model, parse_spec

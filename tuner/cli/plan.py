@@ -101,9 +101,9 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
 
 
 def _print_terms(result: dict[str, Any]) -> None:
-    """Each candidate's step time as the sum of its terms (tuner.perfmodel.StepTerms), largest
+    """Each candidate's step time as the sum of its terms (tuner.cost.terms.StepTerms), largest
     first; terms under 0.05 % of the step are folded into one line so the sum still holds."""
-    from tuner.perfmodel import TERM_LABELS
+    from tuner.cost.terms import TERM_LABELS
 
     typer.echo("\nwhere each step goes (seconds; the terms add up to the step):")
     for rank, cand in enumerate(result["candidates"], 1):

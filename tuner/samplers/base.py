@@ -13,7 +13,7 @@ from trainer.contract.parallel import ParallelConfig
 from tuner.outcome import Feedback, Outcome, feedback
 
 if TYPE_CHECKING:
-    from tuner.perfmodel import Estimate
+    from tuner.cost.terms import Estimate
     from tuner.pricing import Pricing
 
 

@@ -8,8 +8,8 @@ import math
 from collections.abc import Sequence
 
 from trainer.contract.parallel import ParallelConfig
+from tuner.cost.experts import measured_imbalance
 from tuner.fitting import Measurement, calibrate
-from tuner.moe import measured_imbalance
 from tuner.outcome import FailureKind, Feedback, Outcome
 from tuner.pricing import Pricing
 from tuner.samplers.base import BaseSampler
@@ -29,7 +29,7 @@ class ModelSampler(BaseSampler):
     layouts predicted to need as much or more are not proposed while others remain. Its estimates
     (BaseSampler.estimate) are the current calibration's: what each proposal was chosen by. A
     mixture of experts with learned routing prices each trial at the imbalance it measured and
-    the rest at their mean (tuner.moe.measured_imbalance), not the study's prior."""
+    the rest at their mean (tuner.cost.experts.measured_imbalance), not the study's prior."""
 
     name = "model"
 
