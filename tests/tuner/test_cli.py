@@ -113,6 +113,7 @@ GPT2_VOCAB = ["plan", "--model", "gpt-175b", "--vocab", "50257", "--cluster", "a
               "--global-batch", "1536"]  # fmt: skip
 
 
+@pytest.mark.slow  # several `tuner` processes (~10 s on 2 cores): in make test, out of the edit loop
 def test_plan_pads_the_gpt2_vocabulary_and_prices_tp_across_nodes() -> None:
     """Issue 13: the real GPT-2 vocabulary gives candidates at every tp up to 8, each with its
     padded vocabulary stated; a pinned tp=16 (two nodes) is valid and predicted slower than tp=8."""
@@ -203,6 +204,7 @@ def test_plan_of_a_gqa_model_rejects_tp_past_its_kv_heads(args: list[str]) -> No
     assert int(kv_line.split()[0]) == doc["rejected"]["tp must divide num_kv_heads"]
 
 
+@pytest.mark.slow  # several `tuner` processes (~10 s on 2 cores): in make test, out of the edit loop
 def test_plan_of_an_hf_config_is_the_preset_it_names() -> None:
     """The file's plan is the preset's, layout for layout (on one node with pp 1 pinned: the
     model is what is compared, and a plan of the 512-GPU space takes most of a minute)."""
@@ -231,6 +233,7 @@ def test_plan_refuses_an_hf_config_it_cannot_read(args: list[str], message: str)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # several `tuner` processes (~10 s on 2 cores): in make test, out of the edit loop
 def test_plan_reads_a_mixture_of_experts_and_says_what_it_leaves_out(tmp_path: Path) -> None:
     """Mixtral's file is its preset (the label with total and active parameters); DeepSeek-V3's
     notes (tuner/hfconfig.py: hf_config_notes) go to stderr; experts on a dense architecture are
@@ -261,6 +264,7 @@ def test_plan_spec_reads_hf_config_relative_to_the_spec(tmp_path: Path) -> None:
     assert proc.stdout.startswith("llama-L16-h4096-a32-kv8 (llama): ")
 
 
+@pytest.mark.slow  # several `tuner` processes (~10 s on 2 cores): in make test, out of the edit loop
 def test_studies_and_best_name_the_model_with_its_family(tmp_path: Path) -> None:
     """A study of a config.json submitted from its file: listed under the preset it is, with its
     family; a GPT study beside it keeps its plain key."""
