@@ -21,17 +21,29 @@ demo: setup
 	$(BIN)/tuner best --model llama-tiny
 
 # The layering rules (pyproject.toml's import-linter contracts) fail CI as a lint error does.
-# Every group of the suite, in two runs: the single-process groups on both cores (pytest-xdist),
-# then the multi-process trials, Slurm and the browser in one process (they measure time and
-# memory, and start ranks of their own). Both run whatever the first gave; each prints its 25
-# slowest tests.
+# Every group of the suite in three pytest runs, each printing its 25 slowest tests:
+# - the Slurm tests (marker slurm: a cluster of their own, jobs, node faults, the chaos run) in one
+#   process, started first and in the background: most of their time is waiting on Slurm (a job's
+#   start, a node's timeout, a time limit of a minute) with the machine's load near 1. Their output
+#   is printed when they end (the file: $$SLURM_LOG, or a new one in /tmp);
+# - meanwhile, at a lower priority (nice) so that Slurm's daemons and jobs keep their timing, the
+#   single-process groups on both cores (pytest-xdist), then the multi-process trials and the browser
+#   (ranks of their own, forked from one server: tests/trainer/conftest.py) on both cores too.
+# Every run runs whatever the others gave. docs/benchmarks.md, "Test suite", has the timings.
 SINGLE := not distributed and not slurm and not browser
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests --durations=25
 test: setup system-deps
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests -n 2 -m "$(SINGLE)" --durations=25; single=$$?; \
-	$(BIN)/python -m pytest tests -m "not ($(SINGLE))" --durations=25; multi=$$?; \
-	exit $$(( single || multi ))
+	log=$${SLURM_LOG:-$$(mktemp /tmp/parallel-tuner-slurm-tests.XXXXXX)}; \
+	echo "make test: the Slurm tests run in the background, output in $$log"; \
+	$(PYTEST) -p no:cacheprovider -m "slurm" >"$$log" 2>&1 & slurm_pid=$$!; \
+	nice -n 10 $(PYTEST) -n 2 -m "$(SINGLE)"; single=$$?; \
+	nice -n 10 $(PYTEST) -n 2 -m "not ($(SINGLE)) and not slurm"; multi=$$?; \
+	wait $$slurm_pid; slurm=$$?; \
+	echo "==================== the Slurm tests (in the background) ===================="; \
+	cat "$$log"; \
+	exit $$(( single || multi || slurm ))
 
 # The store tests start their own PostgreSQL server, the Slurm tests their own Slurm cluster
 # (scripts/slurm-local.sh), the dashboard tests drive Debian's chromium (Playwright's own browser

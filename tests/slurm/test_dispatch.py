@@ -185,16 +185,16 @@ def test_scancel_from_outside_is_a_cancelled_trial(slurm_env: SlurmCluster, tmp_
     assert "outside the tuner" in trial.failure_message
 
 
-@pytest.mark.timeout(1500)  # the trial's own limit below, with room
 def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
     slurm_env: SlurmCluster, tmp_path: Path
 ) -> None:
-    # ~20 s of steps on an idle 2-core machine: long enough to be caught running, short enough to retry.
-    # A loaded machine (load 7 on the 2 cores) took over 300 s for the retry's steps: a generous limit,
-    # since a retry cut off by it is a timeout, not what this test is about.
-    spec = _spec(
-        "node-down", trial={**BASE["trial"], **FIXED_STEPS, "measure_steps": 3000, "timeout_s": 1200}
-    )
+    # The first attempt's rank 0 hangs at its second step (TRAINER_FAULT keyed to that attempt's
+    # job name, as in test_multinode.py), so the node goes down while the trial runs however fast or
+    # slow its steps are; the retry, a job of another name, runs the study's few steps. (It ran 3,000
+    # steps before, so as to be caught running: 270 s of a make test, most of it the retry's steps.)
+    first_attempt = store.job_name(1, 0, 1)  # the study's first trial, its first attempt
+    env = {**BASE["slurm"]["env"], "TRAINER_FAULT": f"hang:0:1:{first_attempt}"}
+    spec = _spec("node-down", trial={**BASE["trial"], "timeout_s": 300}, slurm={**BASE["slurm"], "env": env})
     downed: list[str] = []
 
     def down_then_resume() -> None:

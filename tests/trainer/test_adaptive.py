@@ -60,6 +60,7 @@ def test_config_checks_the_new_fields() -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 def test_two_ranks_stop_measuring_once_the_step_time_is_stable(tmp_path: Path) -> None:
     # A loose 100 % interval, so that a busy machine still reaches it long before 40 steps.
     c = cfg(measure_steps=40, min_measure_steps=3, stable_rel_ci=1.0)
@@ -74,6 +75,7 @@ def test_two_ranks_stop_measuring_once_the_step_time_is_stable(tmp_path: Path) -
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 def test_two_ranks_prune_themselves_below_the_floor_keeping_the_partial_measurement(tmp_path: Path) -> None:
     c = cfg(measure_steps=40, min_measure_steps=3, abandon_below_tokens_per_s=1e12)
     result = run_local(c, tmp_path, timeout_s=180)

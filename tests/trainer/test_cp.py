@@ -247,6 +247,7 @@ CASES = [
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 @pytest.mark.parametrize(("name", "model", "layout"), CASES, ids=[c[0] for c in CASES])
 def test_context_parallel_parity(name: str, model: str, layout: ParallelConfig, tmp_path: Path) -> None:
     assert layout.global_batch_size == GLOBAL_BATCH
@@ -269,6 +270,7 @@ ORACLE = [
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 @pytest.mark.parametrize(("name", "parallel"), ORACLE, ids=[c[0] for c in ORACLE])
 def test_the_oracle_equals_a_real_cp_runs_peak(name: str, parallel: ParallelConfig, tmp_path: Path) -> None:
     cfg = tiny_config(parallel, LLAMA, warmup_steps=2, measure_steps=1)

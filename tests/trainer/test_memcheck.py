@@ -66,6 +66,7 @@ REAL_RUNS = [pytest.param("gpt-tiny", LAYOUTS[name], id=name) for name in list(L
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 @pytest.mark.parametrize(("model", "parallel"), REAL_RUNS)
 def test_the_oracle_equals_a_real_cpu_runs_peak_on_every_rank(
     model: str, parallel: ParallelConfig, tmp_path: Path

@@ -290,6 +290,7 @@ CASES = [
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 @pytest.mark.parametrize(("name", "model", "layout"), CASES, ids=[c[0] for c in CASES])
 def test_expert_parallel_parity(name: str, model: str, layout: ParallelConfig, tmp_path: Path) -> None:
     assert layout.global_batch_size == GLOBAL_BATCH
@@ -319,6 +320,7 @@ MEMCHECK = [
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 @pytest.mark.parametrize(("model", "parallel"), MEMCHECK, ids=["ep2-zero3-full", "ds-ep2-tp2-sp", "ds-pp2"])
 def test_the_oracle_equals_a_real_moe_runs_peak(model: str, parallel: ParallelConfig, tmp_path: Path) -> None:
     cfg = tiny_config(parallel, MODELS[model], warmup_steps=2, measure_steps=1, moe_routing="balanced")

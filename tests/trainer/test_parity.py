@@ -153,6 +153,7 @@ def assert_parity(name: str, result: BenchmarkResult, reference: BenchmarkResult
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 @pytest.mark.parametrize(("name", "model", "layout"), CASES, ids=[n for n, _, _ in CASES])
 def test_loss_parity(name: str, model: str, layout: ParallelConfig, measured) -> None:
     assert layout.global_batch_size == GLOBAL_BATCH
@@ -163,6 +164,7 @@ def test_loss_parity(name: str, model: str, layout: ParallelConfig, measured) ->
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 @pytest.mark.parametrize(
     ("smaller", "larger"),
     [

@@ -64,6 +64,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 @pytest.mark.parametrize(("name", "model", "layout"), CASES, ids=[n for n, _, _ in CASES])
 def test_loss_parity(name: str, model: str, layout: ParallelConfig, measured) -> None:
     assert layout.global_batch_size == GLOBAL_BATCH
@@ -77,6 +78,7 @@ def test_loss_parity(name: str, model: str, layout: ParallelConfig, measured) ->
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
 def test_column_split_holds_less_per_rank(measured) -> None:
     """Weights, gradients, Adam state and the block's activations are split 4 ways."""
     assert measured("col4").peak_memory_bytes < 0.9 * reference_of("gpt").peak_memory_bytes
