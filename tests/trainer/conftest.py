@@ -43,7 +43,9 @@ def _fork_servers() -> Iterator[_Servers]:
     yield servers
     if servers.server is not None:
         servers.server.close(wait_s=10)
-    assert all(trial_processes(tag) == [] for tag in servers.tags), "a fork server or its ranks outlived the session"
+    assert all(trial_processes(tag) == [] for tag in servers.tags), (
+        "a fork server or its ranks outlived the session"
+    )
 
 
 @pytest.fixture
