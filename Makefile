@@ -28,7 +28,8 @@ demo: setup
 #   is printed when they end (the file: $$SLURM_LOG, or a new one in /tmp);
 # - meanwhile, at a lower priority (nice) so that Slurm's daemons and jobs keep their timing, the
 #   single-process groups on both cores (pytest-xdist), then the multi-process trials and the browser
-#   (ranks of their own, forked from one server: tests/trainer/conftest.py) on both cores too.
+#   (ranks of their own, forked from one server: tests/trainer/conftest.py) on both cores too; one
+#   OpenMP thread a process (two workers of two threads on two cores spin: 15 % slower, quiet).
 # Every run runs whatever the others gave. docs/benchmarks.md, "Test suite", has the timings.
 SINGLE := not distributed and not slurm and not browser
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests --durations=25
@@ -38,8 +39,8 @@ test: setup system-deps
 	log=$${SLURM_LOG:-$$(mktemp /tmp/parallel-tuner-slurm-tests.XXXXXX)}; \
 	echo "make test: the Slurm tests run in the background, output in $$log"; \
 	$(PYTEST) -p no:cacheprovider -m "slurm" >"$$log" 2>&1 & slurm_pid=$$!; \
-	nice -n 10 $(PYTEST) -n 2 -m "$(SINGLE)"; single=$$?; \
-	nice -n 10 $(PYTEST) -n 2 -m "not ($(SINGLE)) and not slurm"; multi=$$?; \
+	OMP_NUM_THREADS=1 nice -n 10 $(PYTEST) -n 2 -m "$(SINGLE)"; single=$$?; \
+	OMP_NUM_THREADS=1 nice -n 10 $(PYTEST) -n 2 -m "not ($(SINGLE)) and not slurm"; multi=$$?; \
 	wait $$slurm_pid; slurm=$$?; \
 	echo "==================== the Slurm tests (in the background) ===================="; \
 	cat "$$log"; \
