@@ -101,7 +101,7 @@ class MemoryReport:
 
     model: ModelConfig
     parallel: ParallelConfig
-    device: str  # "cpu": a CPU trial exactly; "cuda": a GPU trial's tensors (bf16, foreach AdamW)
+    device: str  # "cpu": a CPU trial exactly; "cuda": a GPU trial's tensors (bf16, cuda's kernels)
     dtype: str
     ranks: list[RankMemory] = field(default_factory=list)
     seconds: float = 0.0  # wall time
@@ -165,9 +165,8 @@ def memcheck(
     step window (fp32 unless cfg.dtype says otherwise). "cuda" (or "auto" on a GPU machine):
     what a GPU trial's torch.cuda.max_memory_allocated sees, less the allocator's rounding: every
     tensor allocated since the model was built counts, over the first two steps (every later step
-    repeats the second); bf16 mixed precision by default, and AdamW's foreach implementation
-    (CUDA's default; on CPU AdamW loops over the parameters). The tensors are fake and on the CPU
-    either way.
+    repeats the second); bf16 mixed precision by default. AdamW is fused (in place, no temporary)
+    as the trial runs it on either device. The tensors are fake and on the CPU either way.
 
     extrapolate ("cuda" only): simulate the step with two micro-batch counts n1 < n2
     (extrapolation_points) and extend each phase's peak linearly to the layout's count, then take
@@ -334,10 +333,8 @@ def simulate_rank(
             torch.manual_seed(cfg.seed)
             trainer = Trainer(cfg, world, torch.device("cpu"))
             tracker.watch(trainer)
-            if gpu:  # as torch.cuda.reset_peak_memory_stats after the build; AdamW as on CUDA
+            if gpu:  # as torch.cuda.reset_peak_memory_stats after the build
                 tracker.reset_peak()
-                for group in trainer.optimizer.param_groups:
-                    group["foreach"] = True
             for step in range(steps if gpu else window + 1):
                 if gpu and step:
                     tracker.steps.append({})

@@ -203,10 +203,11 @@ def test_a_wrapper_subclass_counts_by_the_tensors_it_wraps() -> None:
 
 
 @pytest.mark.oracle
-def test_tensor_parallelism_without_data_parallelism_steps_foreach_adamw() -> None:
-    """A GPU trial's AdamW is foreach; with tp and no dp the position embedding stays a plain
-    tensor beside the DTensor shards, which one foreach list cannot hold. The oracle steps AdamW as
-    CUDA does, so it fails where a GPU trial would (it did before trainer.benchmark.optimizer_groups)."""
+def test_tensor_parallelism_without_data_parallelism_steps_fused_adamw() -> None:
+    """The trainer's AdamW is fused (foreach on CUDA before issue 37); with tp and no dp the
+    position embedding stays a plain tensor beside the DTensor shards, which one fused (or foreach)
+    list cannot hold. The oracle steps AdamW as the trial does, so it fails where a trial would (it
+    did before trainer.benchmark.optimizer_groups)."""
     for parallel in (P(tp=2, micro_batch_size=1, num_microbatches=2), P(tp=2, pp=2, num_microbatches=4)):
         report = memcheck(tiny_config(parallel, device="cuda"))
         assert all(r.breakdown["optimizer"] > 0 for r in report.ranks), parallel.describe()

@@ -42,7 +42,7 @@ PARTS = ("weights", "grads", "optimizer", "activations")
 def memory(case: Case) -> dict[str, float]:
     """Bytes on the fullest device: the first or the last pipeline rank in its fullest phase,
     times memory_scale, plus workspace_bytes; split into weights (fp32 master and compute-dtype
-    working copies), gradients, optimizer state (with AdamW's temporary) and activations (with
+    working copies), gradients, optimizer state (AdamW's m and v) and activations (with
     pipeline buffers, logits, the batch and the rotary buffer). The case's `device`: the ranks'
     kind (ClusterSpec.device_kind), whose kernels keep what they keep. A mixture of experts: its
     routed experts' state over ep and (sharded) the expert data parallelism, its routed
@@ -98,13 +98,8 @@ def phase_bytes(case: Case, stage: int) -> dict[str, dict[str, float]]:
     weights, grads_fb, acts = forward_backward(p, r, stage, grads)
     fb = {"weights": master + weights, "grads": grads_fb, "optimizer": adam,
           "activations": acts + r.buffers}  # fmt: skip
-    # foreach AdamW: one fp32 temporary of every parameter (sqrt of v)
-    step = {
-        "weights": master,
-        "grads": grads,
-        "optimizer": adam + 4 * r.params / r.d + (4 * r.experts / r.ed if r.experts else 0.0),
-        "activations": r.buffers,
-    }
+    # fused AdamW (trainer/benchmark.py): in place, no temporary
+    step = {"weights": master, "grads": grads, "optimizer": adam, "activations": r.buffers}
     return {"forward_backward": fb, "optimizer": step}
 
 
