@@ -6,7 +6,9 @@ Plain modules like trainer/model.py: expert parallelism is applied from outside
 - Router (torchtitan's TokenChoiceTopKRouter, DeepSeek-V3 section 2.1.2): logits = x W (no bias),
   softmax or sigmoid scores, optional group-limited routing, the auxiliary-loss-free expert bias
   (added to the scores for the choice only), top-k, weights = the chosen scores (renormalised over
-  the top-k when moe_norm_topk, always for sigmoid as DeepSeek-V3) x moe_route_scale.
+  the top-k when moe_norm_topk: transformers' norm_topk_prob) x moe_route_scale. With the same
+  weights the layer equals transformers' DeepSeek-V3 and Qwen3-MoE blocks
+  (tests/trainer/test_moe_transformers.py).
 - "balanced" routing (Megatron's --moe-router-force-load-balancing): token i's j-th expert is
   (i k + j) mod E whatever the scores; the weights are still the router's scores of those experts,
   so the router trains. Dropless in both modes: every token reaches its k experts.
@@ -105,7 +107,8 @@ class Router(nn.Module):
         self.cfg = cfg
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         bias = torch.zeros(cfg.num_experts) if cfg.moe_bias_update_rate > 0 else None
-        self.register_buffer("expert_bias", bias, persistent=False)
+        # State, as transformers' e_score_correction_bias: a trained bias is saved, a checkpoint's loaded.
+        self.register_buffer("expert_bias", bias)
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 scores of every expert, (..., E)."""
@@ -126,7 +129,7 @@ class Router(nn.Module):
                 choice = self._limit_groups(choice)
             experts = choice.topk(k, dim=-1).indices
         weights = scores.gather(1, experts)
-        if cfg.moe_router_score == "sigmoid" or cfg.moe_norm_topk:
+        if cfg.moe_norm_topk:  # DeepSeek-V3's norm_topk_prob is true; false leaves sigmoid's scores
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return experts, weights * cfg.moe_route_scale
 

@@ -1,0 +1,115 @@
+"""Our mixture-of-experts layer (trainer/moe.py) is transformers' with the same weights, one process,
+fp32: DeepSeek-V3's (sigmoid scores, group-limited routing, the expert bias in the choice, a shared
+expert, route scale; norm_topk_prob either way) and Qwen3-MoE's (softmax top-k, norm_topk_prob
+either way: false is OLMoE's router). transformers is a test dependency only. The expert bias is
+part of the layer's state_dict (a checkpoint's e_score_correction_bias loads into it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, Qwen3MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+from trainer.contract.presets import MODEL_PRESETS
+from trainer.model import MLP
+from trainer.moe import MoE
+
+DS = MODEL_PRESETS["moe-tiny-ds"]  # 8 experts of 64, top 2, 4 groups (best 2), a shared expert of 64
+QWEN = MODEL_PRESETS["moe-tiny"]  # 8 experts, top 2, softmax
+TOL = 1e-5  # fp32
+
+
+def ours(cfg) -> MoE:
+    shared = MLP(cfg, cfg.moe_shared_ffn_hidden_size) if cfg.moe_shared_ffn_hidden_size else None
+    layer = MoE(cfg, layer_id=cfg.moe_dense_layers, shared=shared)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        if layer.router.expert_bias is not None:  # large enough to change choices
+            layer.router.expert_bias.copy_(torch.randn(cfg.num_experts, generator=gen) * 0.3)
+    return layer
+
+
+def experts_state(layer: MoE) -> dict[str, torch.Tensor]:
+    """Our (E, h, f) gate/up and (E, f, h) down as transformers' (E, 2f, h) and (E, h, f)."""
+    w = layer.experts
+    return {
+        "experts.gate_up_proj": torch.cat([w.w1.transpose(1, 2), w.w3.transpose(1, 2)], dim=1),
+        "experts.down_proj": w.w2.transpose(1, 2),
+    }
+
+
+def deepseek(layer: MoE) -> torch.nn.Module:
+    cfg = layer.cfg
+    hf = DeepseekV3MoE(DeepseekV3Config(
+        hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.expert_ffn_size, n_routed_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_top_k, n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups,
+        routed_scaling_factor=cfg.moe_route_scale, norm_topk_prob=cfg.moe_norm_topk,
+        n_shared_experts=cfg.moe_shared_ffn_hidden_size // cfg.expert_ffn_size, hidden_act="silu",
+    ))  # fmt: skip
+    s = layer.shared
+    hf.load_state_dict({
+        **experts_state(layer), "gate.weight": layer.router.gate.weight,
+        "gate.e_score_correction_bias": layer.router.expert_bias,
+        "shared_experts.gate_proj.weight": s.gate.weight, "shared_experts.up_proj.weight": s.fc.weight,
+        "shared_experts.down_proj.weight": s.proj.weight,
+    })  # fmt: skip
+    return hf
+
+
+def qwen3(layer: MoE) -> torch.nn.Module:
+    cfg = layer.cfg
+    hf = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(
+        hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.expert_ffn_size, num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.moe_top_k, norm_topk_prob=cfg.moe_norm_topk, hidden_act="silu",
+    ))  # fmt: skip
+    hf.load_state_dict({**experts_state(layer), "gate.weight": layer.router.gate.weight})
+    return hf
+
+
+CASES = {
+    "deepseek-norm": (DS, deepseek, True),
+    "deepseek-no-norm": (DS, deepseek, False),  # sigmoid weights as they are, then scaled
+    "qwen3-norm": (QWEN, qwen3, True),
+    "olmoe-no-norm": (QWEN, qwen3, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_moe_layer_equals_transformers(case: str) -> None:
+    base, reference, norm = CASES[case]
+    layer = ours(dataclasses.replace(base, moe_norm_topk=norm))
+    hf = reference(layer).eval()
+    x = torch.randn(2, 16, base.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = layer(x), hf(x)
+    assert torch.allclose(got, want, atol=TOL, rtol=0), (got - want).abs().max()
+
+
+def test_the_sigmoid_router_follows_norm_topk() -> None:
+    """norm_topk_prob false (a DeepSeek-style sigmoid router as configured) leaves the chosen
+    scores unnormalised: they were renormalised whatever the setting."""
+    scores = torch.tensor([[0.9, 0.8, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]])
+    for norm, total in ((True, 1.0), (False, 1.7)):
+        cfg = dataclasses.replace(
+            DS, moe_norm_topk=norm, moe_groups=1, moe_topk_groups=1, moe_route_scale=1.0
+        )
+        _, weights = ours(cfg).router.select(scores, balanced=False)
+        assert weights.sum().item() == pytest.approx(total)
+
+
+def test_the_expert_bias_is_saved_and_loaded() -> None:
+    """The auxiliary-loss-free bias is state: a trained one is saved, a checkpoint's is loaded."""
+    layer = ours(DS)
+    state = layer.state_dict()
+    assert torch.equal(state["router.expert_bias"], layer.router.expert_bias)
+    other = ours(dataclasses.replace(DS))
+    with torch.no_grad():
+        other.router.expert_bias.zero_()
+    other.load_state_dict(state)
+    assert torch.equal(other.router.expert_bias, layer.router.expert_bias)
