@@ -324,6 +324,10 @@ def test_5000_trials_time_to_first_chart(tab: Tab, server: Server) -> None:
     bulk_trials(server, study_id, 5000)
     expected = counts(server, study_id)
     page = tab.page
+    # make test runs this beside trials on both cores (and Slurm's in the background): the waits
+    # and the bound below catch a hang, the printed times are the measurement (docs/benchmarks.md,
+    # "Dashboard"); a clean-clone make test once took over Playwright's 15 s to the last chart.
+    page.set_default_timeout(90_000)
     marks = (
         "Object.fromEntries(performance.getEntriesByType('mark').map((m) => [m.name, m.startTime / 1000]))"
     )
@@ -353,4 +357,4 @@ def test_5000_trials_time_to_first_chart(tab: Tab, server: Server) -> None:
     assert page.locator("table.trials tbody tr").count() == 100
     tab.shot("study-5000")
     assert tab.errors == []
-    assert timings["warm"][0] < 10  # the target is < 2 s on 2 cores; this bound only catches a hang
+    assert timings["warm"][0] < 30  # the target is < 2 s on 2 cores, quiet; this bound only catches a hang
