@@ -350,6 +350,7 @@ def test_plan_qwen3_30b_on_8_h100_fits() -> None:
     assert all(c["experts"].startswith("experts: ep") for c in result["candidates"])
 
 
+@pytest.mark.slow  # a second whole-space MoE plan: in make test, out of the edit loop (3-min budget)
 def test_plan_qwen3_235b_on_8_h100_explains_why_nothing_fits_and_what_would() -> None:
     spec = parse_spec({"model": "qwen3-235b-a22b", "cluster": "h100-80gb", "num_gpus": 8,
                        "training": {"global_batch_size": 256}})  # fmt: skip
