@@ -108,7 +108,7 @@ def test_the_expert_bias_is_saved_and_loaded() -> None:
     layer = ours(DS)
     state = layer.state_dict()
     assert torch.equal(state["router.expert_bias"], layer.router.expert_bias)
-    other = ours(dataclasses.replace(DS))
+    other = ours(DS)
     with torch.no_grad():
         other.router.expert_bias.zero_()
     other.load_state_dict(state)
