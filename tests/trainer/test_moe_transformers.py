@@ -21,6 +21,9 @@ from trainer.moe import MoE
 DS = MODEL_PRESETS["moe-tiny-ds"]  # 8 experts of 64, top 2, 4 groups (best 2), a shared expert of 64
 QWEN = MODEL_PRESETS["moe-tiny"]  # 8 experts, top 2, softmax
 TOL = 1e-5  # fp32
+# The experts' loop as written: a config built outside from_pretrained leaves the choice None, which
+# transformers 5.0 (our floor) looks up and fails on (KeyError: None); later releases default it.
+EAGER = "eager"
 
 
 def ours(cfg) -> MoE:
@@ -51,6 +54,7 @@ def deepseek(layer: MoE) -> torch.nn.Module:
         num_experts_per_tok=cfg.moe_top_k, n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups,
         routed_scaling_factor=cfg.moe_route_scale, norm_topk_prob=cfg.moe_norm_topk,
         n_shared_experts=cfg.moe_shared_ffn_hidden_size // cfg.expert_ffn_size, hidden_act="silu",
+        experts_implementation=EAGER,
     ))  # fmt: skip
     s = layer.shared
     hf.load_state_dict({
@@ -67,6 +71,7 @@ def qwen3(layer: MoE) -> torch.nn.Module:
     hf = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(
         hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.expert_ffn_size, num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.moe_top_k, norm_topk_prob=cfg.moe_norm_topk, hidden_act="silu",
+        experts_implementation=EAGER,
     ))  # fmt: skip
     hf.load_state_dict({**experts_state(layer), "gate.weight": layer.router.gate.weight})
     return hf
