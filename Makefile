@@ -21,17 +21,17 @@ demo: setup
 	$(BIN)/tuner best --model llama-tiny
 
 # The layering rules (pyproject.toml's import-linter contracts) fail CI as a lint error does.
-# Every group of the suite in three pytest runs, each printing its 25 slowest tests:
+# Every group of the suite in two pytest runs, each printing its 25 slowest tests:
 # - the Slurm tests (marker slurm: a cluster of their own, jobs, node faults, the chaos run) in one
 #   process, started first and in the background: most of their time is waiting on Slurm (a job's
 #   start, a node's timeout, a time limit of a minute) with the machine's load near 1. Their output
 #   is printed when they end (the file: $$SLURM_LOG, or a new one in /tmp);
-# - meanwhile, at a lower priority (nice) so that Slurm's daemons and jobs keep their timing, the
-#   single-process groups on both cores (pytest-xdist), then the multi-process trials and the browser
-#   (ranks of their own, forked from one server: tests/trainer/conftest.py) on both cores too; one
-#   OpenMP thread a process (two workers of two threads on two cores spin: 15 % slower, quiet).
-# Every run runs whatever the others gave. docs/benchmarks.md, "Test suite", has the timings.
-SINGLE := not distributed and not slurm and not browser
+# - meanwhile, at a lower priority (nice) so that Slurm's daemons and jobs keep their timing,
+#   everything else on both cores (pytest-xdist; a worker that runs out steals the other's queue):
+#   the single-process groups, the multi-process trials (ranks of their own, forked from one
+#   server: tests/trainer/conftest.py) and the browser; one OpenMP thread a process (two workers of
+#   two threads on two cores spin: 15 % slower, quiet).
+# Each run runs whatever the other gave. docs/benchmarks.md, "Test suite", has the timings.
 PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest tests --durations=25
 test: setup system-deps
 	$(BIN)/ruff check .
@@ -39,12 +39,11 @@ test: setup system-deps
 	log=$${SLURM_LOG:-$$(mktemp /tmp/parallel-tuner-slurm-tests.XXXXXX)}; \
 	echo "make test: the Slurm tests run in the background, output in $$log"; \
 	$(PYTEST) -p no:cacheprovider -m "slurm" >"$$log" 2>&1 & slurm_pid=$$!; \
-	OMP_NUM_THREADS=1 nice -n 10 $(PYTEST) -n 2 -m "$(SINGLE)"; single=$$?; \
-	OMP_NUM_THREADS=1 nice -n 10 $(PYTEST) -n 2 -m "not ($(SINGLE)) and not slurm"; multi=$$?; \
+	OMP_NUM_THREADS=1 nice -n 10 $(PYTEST) -n 2 --dist worksteal -m "not slurm"; rest=$$?; \
 	wait $$slurm_pid; slurm=$$?; \
 	echo "==================== the Slurm tests (in the background) ===================="; \
 	cat "$$log"; \
-	exit $$(( single || multi || slurm ))
+	exit $$(( rest || slurm ))
 
 # The store tests start their own PostgreSQL server, the Slurm tests their own Slurm cluster
 # (scripts/slurm-local.sh), the dashboard tests drive Debian's chromium (Playwright's own browser
