@@ -12,8 +12,10 @@ Plain modules like trainer/model.py: expert parallelism is applied from outside
 - "balanced" routing (Megatron's --moe-router-force-load-balancing): token i's j-th expert is
   (i k + j) mod E whatever the scores; the weights are still the router's scores of those experts,
   so the router trains. Dropless in both modes: every token reaches its k experts.
-- The sequence-wise load-balancing loss (DeepSeek-V3 eq. 17-20; Switch's f_i P_i per sequence)
-  reaches the gradient through AuxLossScaler, so the reported loss stays the language-model loss.
+- The load-balancing loss (ModelConfig.moe_aux_loss): DeepSeek-V3's sequence-wise form (eq. 17-20;
+  Switch's f_i P_i per sequence, summed over the layers) or the Switch form over the micro-batch as
+  transformers computes it for Mixtral, Qwen3-MoE and OLMoE (averaged over the layers). It reaches
+  the gradient through AuxLossScaler, so the reported loss stays the language-model loss.
 - Experts: one weight tensor per matrix, [E, ...], computed with torch._grouped_mm on GPUs with
   it (compute capability >= 9, bf16), else a loop over each expert's slice of the sorted tokens.
 """
@@ -172,6 +174,33 @@ def sequence_aux_loss(
     return (f * probs.sum(1) / seq_len).sum(-1).mean()
 
 
+def batch_aux_loss(
+    scores: torch.Tensor,
+    experts: torch.Tensor,
+    cfg: ModelConfig,
+    num_tokens: int,
+    tp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """E sum_i f_i P_i over the micro-batch's tokens, divided by the model's MoE layers: f_i = the
+    share of the tokens choosing expert i (summed over the k choices), P_i = the mean score of
+    expert i. One layer's value is transformers' load_balancing_loss_func (Mixtral, Qwen3-MoE,
+    OLMoE; tests/trainer/test_moe_transformers.py), k for a balanced router. transformers pools
+    every layer's tokens into one f and one P (products across layers, so a pipeline stage could
+    not compute its share alone); the mean of the layers' losses has the same scale and gradient
+    per layer of the same form. scores (N, E) and experts (N, k) are this rank's tokens; under
+    sequence parallelism f is summed over the tp group (no gradient) and P_i is this rank's share
+    of the mean over num_tokens, the micro-batch's whole sequences: the tp ranks' losses add up."""
+    e = cfg.num_experts
+    probs = scores / scores.sum(-1, keepdim=True) if cfg.moe_router_score == "sigmoid" else scores
+    with torch.no_grad():
+        counts = torch.zeros(e, device=scores.device).index_add_(
+            0, experts.flatten(), torch.ones(experts.numel(), device=scores.device)
+        )
+        if tp_group is not None:
+            dist.all_reduce(counts, group=tp_group)
+    return e * (counts / num_tokens * probs.sum(0) / num_tokens).sum() / cfg.num_moe_layers
+
+
 class GroupedExperts(nn.Module):
     """num_experts experts of the model's MLP kind: w1 (gate, or fc for GELU) and w3 (SwiGLU's fc)
     are (E, h, f), w2 (E, f, h). Under expert parallelism each rank holds E / ep of them."""
@@ -270,9 +299,13 @@ class MoE(nn.Module):
                     0, experts.flatten(), torch.ones(experts.numel(), device=x.device)
                 )
         if cfg.moe_aux_loss_coef > 0:
-            aux = cfg.moe_aux_loss_coef * sequence_aux_loss(
-                scores.view(b, t, -1), experts.view(b, t, -1), cfg, t * self.comm.tp_size, self.comm.tp_group
-            )
+            if cfg.moe_aux_loss == "batch":
+                form = batch_aux_loss(scores, experts, cfg, b * t * self.comm.tp_size, self.comm.tp_group)
+            else:
+                form = sequence_aux_loss(
+                    scores.view(b, t, -1), experts.view(b, t, -1), cfg, t * self.comm.tp_size, self.comm.tp_group
+                )
+            aux = cfg.moe_aux_loss_coef * form
             if recording:
                 self.aux_loss += aux.detach()
             out = AuxLossScaler.apply(out, aux, self.aux_scale)

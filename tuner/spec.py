@@ -28,6 +28,7 @@ from trainer.contract.axes import AXES, Axis
 from trainer.contract.devices import DEVICES, Device, DeviceKind, Dtype, device_kind, find_device
 from trainer.contract.model import (
     ATTENTIONS,
+    AUX_LOSSES,
     MLP_KINDS,
     NORMS,
     POSITIONS,
@@ -157,6 +158,7 @@ class ModelSpec(_Strict):
     moe_topk_groups: PositiveInt = 1
     moe_aux_loss_coef: NonNegativeFloat = 0.0
     moe_bias_update_rate: NonNegativeFloat = 0.0
+    moe_aux_loss: Literal[AUX_LOSSES] = "sequence"  # type: ignore[valid-type]
 
     @model_validator(mode="after")
     def _a_model(self) -> ModelSpec:

@@ -28,7 +28,7 @@ from trainer.contract.result import BenchmarkResult, trainer_problems
 from trainer.launch import run_local
 from trainer.memcheck import memcheck
 from trainer.model import GPT, cross_entropy_loss
-from trainer.moe import GroupedExperts, MoE, Router, finish_step, sequence_aux_loss
+from trainer.moe import GroupedExperts, MoE, Router, batch_aux_loss, finish_step, sequence_aux_loss
 
 P = ParallelConfig
 MOE = MODEL_PRESETS["moe-tiny"]  # 8 experts, top-2, softmax, SwiGLU experts of 64
@@ -95,6 +95,10 @@ def test_aux_loss_on_known_cases() -> None:
     # Every token on expert 0 with all of its score: f_0 = E = 4, P_0 = 1 -> 4 (the maximum).
     collapsed = F.one_hot(torch.zeros(2, 8, dtype=torch.long), 4).float()
     assert sequence_aux_loss(collapsed, torch.zeros(2, 8, 1, dtype=torch.long), cfg, 8, None).item() == 4.0
+    # The batch form over the same 16 tokens, of a model of 4 MoE layers: the same values / 4.
+    assert batch_aux_loss(uniform.view(16, 4), round_robin.reshape(16, 1), cfg, 16, None).item() == pytest.approx(0.25)
+    zeros = torch.zeros(16, 1, dtype=torch.long)
+    assert batch_aux_loss(collapsed.view(16, 4), zeros, cfg, 16, None).item() == pytest.approx(1.0)
 
 
 def test_the_aux_loss_reaches_the_router_but_not_the_reported_loss() -> None:

@@ -2,7 +2,8 @@
 fp32: DeepSeek-V3's (sigmoid scores, group-limited routing, the expert bias in the choice, a shared
 expert, route scale; norm_topk_prob either way) and Qwen3-MoE's (softmax top-k, norm_topk_prob
 either way: false is OLMoE's router). transformers is a test dependency only. The expert bias is
-part of the layer's state_dict (a checkpoint's e_score_correction_bias loads into it)."""
+part of the layer's state_dict (a checkpoint's e_score_correction_bias loads into it). The "batch"
+auxiliary loss is transformers' load_balancing_loss_func."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, Qwen3MoeConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, load_balancing_loss_func
 
 from trainer.contract.presets import MODEL_PRESETS
 from trainer.model import MLP
@@ -118,3 +119,31 @@ def test_the_expert_bias_is_saved_and_loaded() -> None:
         other.router.expert_bias.zero_()
     other.load_state_dict(state)
     assert torch.equal(other.router.expert_bias, layer.router.expert_bias)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "olmoe"])
+def test_the_batch_aux_loss_is_transformers_load_balancing_loss(norm: bool) -> None:
+    """moe_aux_loss "batch" (Mixtral, Qwen3-MoE, OLMoE): one MoE layer's auxiliary loss is
+    transformers' load_balancing_loss_func of its router logits (the model's, for a model of one
+    MoE layer; ours averages the layers' losses where transformers pools their tokens); learned
+    routing, so the loss is not the balanced value k."""
+    cfg = dataclasses.replace(QWEN, num_layers=1, moe_norm_topk=norm, moe_aux_loss="batch", moe_aux_loss_coef=1.0)
+    layer = ours(cfg)
+    x = torch.randn(2, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        layer(x)
+        logits = layer.router.gate(x).reshape(-1, cfg.num_experts)
+    want = load_balancing_loss_func((logits,), cfg.num_experts, cfg.moe_top_k)
+    assert layer.aux_loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert abs(want.item() - cfg.moe_top_k) > 0.05  # not the balanced router's value
+
+
+def test_the_batch_aux_loss_averages_the_layers() -> None:
+    """With L MoE layers each layer's loss is divided by L: identical layers give one layer's value."""
+    one, four = (dataclasses.replace(QWEN, num_layers=n, moe_aux_loss="batch", moe_aux_loss_coef=1.0) for n in (1, 4))
+    x = torch.randn(2, 16, QWEN.hidden_size, generator=torch.Generator().manual_seed(2))
+    layers = [ours(one), ours(four)]
+    with torch.no_grad():
+        for layer in layers:
+            layer(x)
+    assert layers[1].aux_loss.item() * 4 == pytest.approx(layers[0].aux_loss.item(), rel=1e-6)

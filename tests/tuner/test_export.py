@@ -578,7 +578,8 @@ def test_megatron_moe_flags_say_the_model_and_the_expert_layout() -> None:
     _, qwen = _megatron_args(_megatron_export("qwen3moe_h100"))
     expected = {"--num-experts": "128", "--moe-router-topk": "8", "--moe-ffn-hidden-size": "768",
                 "--kv-channels": "128", "--qk-layernorm": None, "--moe-router-score-function": "softmax",
-                "--moe-router-load-balancing-type": "seq_aux_loss", "--moe-aux-loss-coeff": "0.001",
+                "--moe-router-load-balancing-type": "aux_loss",  # 0.001 x top-8 / 48 layers
+                "--moe-aux-loss-coeff": "0.0001666666667",
                 "--moe-grouped-gemm": None, "--moe-token-dispatcher-type": "alltoall",
                 "--expert-model-parallel-size": "8", "--expert-tensor-parallel-size": "1",
                 "--use-distributed-optimizer": None}  # fmt: skip
@@ -817,8 +818,12 @@ def _megatron_moe_expected(m: ModelConfig, config: ParallelConfig) -> dict:
         "moe_router_num_groups": m.moe_groups if m.moe_groups > 1 else None,
         "moe_router_group_topk": m.moe_topk_groups if m.moe_groups > 1 else None,
         "moe_router_enable_expert_bias": m.moe_bias_update_rate > 0,
-        "moe_router_load_balancing_type": "seq_aux_loss" if m.moe_aux_loss_coef else "none",
-        "moe_aux_loss_coeff": m.moe_aux_loss_coef, "moe_router_force_load_balancing": False,
+        # the batch form: Megatron's per-layer aux_loss is transformers' / top-k, summed over layers
+        "moe_router_load_balancing_type": ("none" if not m.moe_aux_loss_coef else
+                                           "seq_aux_loss" if m.moe_aux_loss == "sequence" else "aux_loss"),
+        "moe_aux_loss_coeff": pytest.approx(m.moe_aux_loss_coef * (
+            1 if m.moe_aux_loss == "sequence" else m.moe_top_k / m.num_moe_layers), rel=1e-9),
+        "moe_router_force_load_balancing": False,
         "moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall",
         "expert_model_parallel_size": config.ep, "expert_tensor_parallel_size": 1,
     }  # fmt: skip

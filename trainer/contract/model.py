@@ -32,6 +32,8 @@ QKNorm = Literal["none", "head", "proj"]
 QK_NORMS = ("none", "head", "proj")  # head: per head over head_dim (Qwen3); proj: over all heads (OLMoE)
 RouterScore = Literal["softmax", "sigmoid"]
 ROUTER_SCORES = ("softmax", "sigmoid")
+AuxLoss = Literal["sequence", "batch"]
+AUX_LOSSES = ("sequence", "batch")
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,15 @@ class ModelConfig:
     moe_route_scale: float = 1.0
     moe_groups: int = 1
     moe_topk_groups: int = 1
-    # Load balancing: the sequence-wise auxiliary loss's coefficient (0: none) and the rate of the
-    # auxiliary-loss-free expert bias (DeepSeek-V3's gamma; 0: no bias).
+    # Load balancing: the auxiliary loss's coefficient (0: none) and form, and the rate of the
+    # auxiliary-loss-free expert bias (DeepSeek-V3's gamma; 0: no bias). Forms (trainer/moe.py):
+    # "sequence", DeepSeek-V3's sequence-wise loss, summed over the MoE layers (its aux_loss_alpha,
+    # Megatron's seq_aux_loss); "batch", the Switch loss over each micro-batch's tokens as
+    # transformers computes it for Mixtral, Qwen3-MoE and OLMoE (router_aux_loss_coef), averaged
+    # over the MoE layers (Megatron's aux_loss x top-k / layers).
     moe_aux_loss_coef: float = 0.0
     moe_bias_update_rate: float = 0.0
+    moe_aux_loss: AuxLoss = "sequence"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
@@ -177,6 +184,8 @@ class ModelConfig:
                 )
             }
             set_ = [n for n, v in moe.items() if v]
+            if self.moe_aux_loss != _DEFAULTS["moe_aux_loss"]:
+                set_.append("moe_aux_loss")
             if set_:
                 raise ValueError(f"ModelConfig: {set_} need num_experts > 0 (a mixture of experts)")
             return
@@ -213,6 +222,8 @@ class ModelConfig:
         for name in ("moe_aux_loss_coef", "moe_bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.moe_aux_loss not in AUX_LOSSES:
+            raise ValueError(f"ModelConfig.moe_aux_loss {self.moe_aux_loss!r} is not one of {list(AUX_LOSSES)}")
 
     @property
     def family(self) -> str:

@@ -125,7 +125,8 @@ def describe_moe(m: ModelConfig) -> str:
         if m.moe_bias_update_rate:
             router += f", expert bias rate {m.moe_bias_update_rate:g}"
         if m.moe_aux_loss_coef:
-            router += f", auxiliary loss {m.moe_aux_loss_coef:g}"
+            form = "sequence-wise" if m.moe_aux_loss == "sequence" else "over the batch"
+            router += f", auxiliary loss {m.moe_aux_loss_coef:g} ({form})"
         parts.append(f"{experts} ({router})")
     return "; ".join(parts)
 

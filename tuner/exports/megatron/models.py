@@ -14,8 +14,9 @@ mixtures of experts:
   --moe-router-topk-scaling-factor, group-limited routing (--moe-router-num-groups,
   --moe-router-group-topk), the auxiliary-loss-free expert bias (--moe-router-enable-expert-bias,
   --moe-router-bias-update-rate; Megatron takes it with sigmoid scores only);
-- load balancing: ModelConfig.moe_aux_loss_coef is the sequence-wise auxiliary loss (its comment in
-  trainer/contract/model.py), Megatron's seq_aux_loss; none without it; --moe-router-force-load-balancing
+- load balancing: ModelConfig.moe_aux_loss_coef x the form moe_aux_loss (its comment in
+  trainer/contract/model.py): the sequence-wise loss is Megatron's seq_aux_loss, the batch's its
+  aux_loss at a coefficient of the same gradient (megatron_aux_loss); none without it; --moe-router-force-load-balancing
   for a study measured with balanced routing (BenchmarkConfig.moe_routing);
 - parallelism: --expert-model-parallel-size ep and --expert-tensor-parallel-size 1 (experts are
   never split over tp: trainer/contract/rules.py, ep_rules); Megatron's expert grid
@@ -181,8 +182,8 @@ def megatron_moe_args(m: ModelConfig, config: ParallelConfig, routing: str) -> l
         args += [("--moe-router-enable-expert-bias", None),
                  ("--moe-router-bias-update-rate", f"{m.moe_bias_update_rate:g}")]  # fmt: skip
     if m.moe_aux_loss_coef:
-        args += [("--moe-router-load-balancing-type", "seq_aux_loss"),
-                 ("--moe-aux-loss-coeff", f"{m.moe_aux_loss_coef:g}")]  # fmt: skip
+        kind, coeff = megatron_aux_loss(m)
+        args += [("--moe-router-load-balancing-type", kind), ("--moe-aux-loss-coeff", f"{coeff:.10g}")]
     else:
         args.append(("--moe-router-load-balancing-type", "none"))
     if routing == "balanced":
@@ -191,6 +192,17 @@ def megatron_moe_args(m: ModelConfig, config: ParallelConfig, routing: str) -> l
         *args, ("--moe-grouped-gemm", None), ("--moe-token-dispatcher-type", "alltoall"),
         ("--expert-model-parallel-size", config.ep), ("--expert-tensor-parallel-size", 1),
     ]  # fmt: skip
+
+
+def megatron_aux_loss(m: ModelConfig) -> tuple[str, float]:
+    """Megatron's load-balancing type and coefficient for the same gradient as ours. Sequence-wise:
+    seq_aux_loss, as it is. Over the batch: Megatron's aux_loss (moe_utils.py:
+    switch_load_balancing_loss_func) is transformers' value / top-k per layer and each layer's
+    joins the loss; ours is transformers' value averaged over the MoE layers (trainer/moe.py:
+    batch_aux_loss), so Megatron's coefficient is ours x top-k / MoE layers."""
+    if m.moe_aux_loss == "sequence":
+        return "seq_aux_loss", m.moe_aux_loss_coef
+    return "aux_loss", m.moe_aux_loss_coef * m.moe_top_k / m.num_moe_layers
 
 
 def megatron_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> list[str]:
@@ -213,9 +225,13 @@ def megatron_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> 
         f"{c.edp} ({sizes} / ep {c.ep}), as measured; dropless routing (no capacity factor)."
     )
     if m.moe_aux_loss_coef:
+        kind, coeff = megatron_aux_loss(m)
         notes.append(
-            f"load balancing: the sequence-wise auxiliary loss (seq_aux_loss) x {m.moe_aux_loss_coef:g}, "
-            "ModelConfig.moe_aux_loss_coef."
+            f"load balancing: the sequence-wise auxiliary loss (seq_aux_loss) x {coeff:g}, ModelConfig.moe_aux_loss_coef."
+            if kind == "seq_aux_loss"
+            else f"load balancing: the auxiliary loss over the micro-batch (aux_loss) x {coeff:.4g}: the model's "
+            f"{m.moe_aux_loss_coef:g} x top-k {m.moe_top_k} / {m.num_moe_layers} MoE layers (Megatron's per-layer "
+            "loss is transformers' / top-k, summed over the layers; ours is transformers' averaged over them)."
         )
     notes.append(
         "--moe-router-force-load-balancing: routing forced balanced, as the study measured it."

@@ -82,8 +82,8 @@ def _heads(config: dict[str, Any], model_type: str, hidden: int, heads: int) -> 
 def _experts(config: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
     """Mixtral (num_local_experts of intermediate_size, top-k renormalised), Qwen3-MoE
     (num_experts of moe_intermediate_size, norm_topk_prob, dense layers in mlp_only_layers),
-    OLMoE (num_experts of intermediate_size, norm_topk_prob false): softmax routers, an auxiliary
-    loss of router_aux_loss_coef."""
+    OLMoE (num_experts of intermediate_size, norm_topk_prob false): softmax routers, the Switch
+    auxiliary loss over the batch (transformers' load_balancing_loss_func) x router_aux_loss_coef."""
     shared = {k: config[k] for k in ("shared_expert_intermediate_size", "n_shared_experts") if config.get(k)}
     if shared:
         raise HFConfigError(
@@ -96,7 +96,7 @@ def _experts(config: dict[str, Any], model_type: str, layers: int) -> dict[str, 
         "moe_ffn_hidden_size": int_field(config, width), "moe_router_score": "softmax",
         # Mixtral takes the softmax over the top-k logits: weights that sum to 1
         "moe_norm_topk": True if model_type == "mixtral" else bool(config.get("norm_topk_prob", False)),
-        "moe_aux_loss_coef": float(config.get("router_aux_loss_coef") or 0.0),
+        "moe_aux_loss_coef": float(config.get("router_aux_loss_coef") or 0.0), "moe_aux_loss": "batch",
     }  # fmt: skip
     if model_type == "qwen3_moe":
         out["moe_dense_layers"] = _qwen3_dense_layers(config, layers)
