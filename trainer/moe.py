@@ -303,7 +303,11 @@ class MoE(nn.Module):
                 form = batch_aux_loss(scores, experts, cfg, b * t * self.comm.tp_size, self.comm.tp_group)
             else:
                 form = sequence_aux_loss(
-                    scores.view(b, t, -1), experts.view(b, t, -1), cfg, t * self.comm.tp_size, self.comm.tp_group
+                    scores.view(b, t, -1),
+                    experts.view(b, t, -1),
+                    cfg,
+                    t * self.comm.tp_size,
+                    self.comm.tp_group,
                 )
             aux = cfg.moe_aux_loss_coef * form
             if recording:

@@ -28,8 +28,13 @@ MODELS: dict[str, ModelConfig] = {
     "moe-few": dataclasses.replace(MODEL_PRESETS["moe-tiny"], num_experts=2, moe_top_k=1),
     # Qwen3's attention: heads wider than hidden / heads, RMSNorm of q and k per head; its auxiliary
     # loss over the micro-batch (moe_aux_loss "batch"), summed over the sequence-parallel ranks.
-    "moe-qwen3": dataclasses.replace(MODEL_PRESETS["moe-tiny"], attention_head_dim=32, qk_norm="head",
-                                     moe_aux_loss="batch", moe_aux_loss_coef=0.01),  # fmt: skip
+    "moe-qwen3": dataclasses.replace(
+        MODEL_PRESETS["moe-tiny"],
+        attention_head_dim=32,
+        qk_norm="head",
+        moe_aux_loss="batch",
+        moe_aux_loss_coef=0.01,
+    ),
 }
 GLOBAL_BATCH = 8
 

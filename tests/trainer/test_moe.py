@@ -96,7 +96,9 @@ def test_aux_loss_on_known_cases() -> None:
     collapsed = F.one_hot(torch.zeros(2, 8, dtype=torch.long), 4).float()
     assert sequence_aux_loss(collapsed, torch.zeros(2, 8, 1, dtype=torch.long), cfg, 8, None).item() == 4.0
     # The batch form over the same 16 tokens, of a model of 4 MoE layers: the same values / 4.
-    assert batch_aux_loss(uniform.view(16, 4), round_robin.reshape(16, 1), cfg, 16, None).item() == pytest.approx(0.25)
+    assert batch_aux_loss(
+        uniform.view(16, 4), round_robin.reshape(16, 1), cfg, 16, None
+    ).item() == pytest.approx(0.25)
     zeros = torch.zeros(16, 1, dtype=torch.long)
     assert batch_aux_loss(collapsed.view(16, 4), zeros, cfg, 16, None).item() == pytest.approx(1.0)
 

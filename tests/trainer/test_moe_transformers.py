@@ -127,7 +127,9 @@ def test_the_batch_aux_loss_is_transformers_load_balancing_loss(norm: bool) -> N
     transformers' load_balancing_loss_func of its router logits (the model's, for a model of one
     MoE layer; ours averages the layers' losses where transformers pools their tokens); learned
     routing, so the loss is not the balanced value k."""
-    cfg = dataclasses.replace(QWEN, num_layers=1, moe_norm_topk=norm, moe_aux_loss="batch", moe_aux_loss_coef=1.0)
+    cfg = dataclasses.replace(
+        QWEN, num_layers=1, moe_norm_topk=norm, moe_aux_loss="batch", moe_aux_loss_coef=1.0
+    )
     layer = ours(cfg)
     x = torch.randn(2, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -140,7 +142,9 @@ def test_the_batch_aux_loss_is_transformers_load_balancing_loss(norm: bool) -> N
 
 def test_the_batch_aux_loss_averages_the_layers() -> None:
     """With L MoE layers each layer's loss is divided by L: identical layers give one layer's value."""
-    one, four = (dataclasses.replace(QWEN, num_layers=n, moe_aux_loss="batch", moe_aux_loss_coef=1.0) for n in (1, 4))
+    one, four = (
+        dataclasses.replace(QWEN, num_layers=n, moe_aux_loss="batch", moe_aux_loss_coef=1.0) for n in (1, 4)
+    )
     x = torch.randn(2, 16, QWEN.hidden_size, generator=torch.Generator().manual_seed(2))
     layers = [ours(one), ours(four)]
     with torch.no_grad():

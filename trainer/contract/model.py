@@ -223,7 +223,9 @@ class ModelConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.moe_aux_loss not in AUX_LOSSES:
-            raise ValueError(f"ModelConfig.moe_aux_loss {self.moe_aux_loss!r} is not one of {list(AUX_LOSSES)}")
+            raise ValueError(
+                f"ModelConfig.moe_aux_loss {self.moe_aux_loss!r} is not one of {list(AUX_LOSSES)}"
+            )
 
     @property
     def family(self) -> str:
