@@ -112,6 +112,14 @@ class Router(nn.Module):
         # State, as transformers' e_score_correction_bias: a trained bias is saved, a checkpoint's loaded.
         self.register_buffer("expert_bias", bias)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T: in the compute dtype, or with moe_router_fp32 in fp32 from fp32 casts of x and W
+        (autocast off: it would cast them back), as transformers' DeepseekV3TopkRouter."""
+        if not self.cfg.moe_router_fp32:
+            return self.gate(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.gate.weight.float())
+
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 scores of every expert, (..., E)."""
         logits = logits.float()
@@ -285,7 +293,7 @@ class MoE(nn.Module):
         rank's t = T / tp tokens of each sequence (the router and shared expert are replicated
         DTensors; their gradients add up over tp). Returns this rank's (B, t, h) as a tensor."""
         cfg = self.cfg
-        logits = local(self.router.gate(x))
+        logits = local(self.router.logits(x))
         shared = local(self.shared(x)) if self.shared is not None else None
         x = local(x)
         b, t, h = x.shape

@@ -159,6 +159,7 @@ class ModelSpec(_Strict):
     moe_aux_loss_coef: NonNegativeFloat = 0.0
     moe_bias_update_rate: NonNegativeFloat = 0.0
     moe_aux_loss: Literal[AUX_LOSSES] = "sequence"  # type: ignore[valid-type]
+    moe_router_fp32: bool = False
 
     @model_validator(mode="after")
     def _a_model(self) -> ModelSpec:

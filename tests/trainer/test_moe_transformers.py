@@ -151,3 +151,23 @@ def test_the_batch_aux_loss_averages_the_layers() -> None:
         for layer in layers:
             layer(x)
     assert layers[1].aux_loss.item() * 4 == pytest.approx(layers[0].aux_loss.item(), rel=1e-6)
+
+
+def test_the_deepseek_router_runs_in_fp32_in_a_bf16_layer() -> None:
+    """moe_router_fp32 (DeepSeek-V3's presets and configs): in a bf16 layer the router's logits are
+    transformers' DeepseekV3TopkRouter's, fp32 matmul of fp32 casts, bit for bit, and under
+    autocast too; without it they are the bf16 matmul's."""
+    layer = ours(DS).to(torch.bfloat16)
+    hf = deepseek(ours(DS)).to(torch.bfloat16)
+    hf.gate.weight.data.copy_(layer.router.gate.weight)
+    x = torch.randn(32, DS.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = hf.gate(x)
+        want = want[0] if isinstance(want, tuple) else want  # 5.0: the logits; later (logits, weights, ids)
+        assert want.dtype == torch.float32
+        assert torch.equal(layer.router.logits(x), want)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(layer.router.logits(x), want)
+        plain = ours(dataclasses.replace(DS, moe_router_fp32=False)).to(torch.bfloat16)
+        plain.router.gate.weight.copy_(layer.router.gate.weight)
+        assert plain.router.logits(x).dtype == torch.bfloat16

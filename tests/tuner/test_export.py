@@ -591,7 +591,7 @@ def test_megatron_moe_flags_say_the_model_and_the_expert_layout() -> None:
                 "--moe-shared-expert-intermediate-size": "2048", "--moe-layer-freq": "([0]*3+[1]*58)",
                 "--moe-router-score-function": "sigmoid", "--moe-router-topk-scaling-factor": "2.5",
                 "--moe-router-num-groups": "8", "--moe-router-group-topk": "4",
-                "--moe-router-enable-expert-bias": None, "--moe-router-bias-update-rate": "0.001",
+                "--moe-router-enable-expert-bias": None, "--moe-router-bias-update-rate": "0.001", "--moe-router-dtype": "fp32",
                 "--expert-model-parallel-size": "32", "--use-distributed-optimizer": None}  # fmt: skip
     assert {k: ds.get(k, "<missing>") for k in expected} == expected
     assert "--use-torch-fsdp2" not in ds and "--group-query-attention" not in ds  # FSDP2 refuses ep > 1
@@ -818,6 +818,7 @@ def _megatron_moe_expected(m: ModelConfig, config: ParallelConfig) -> dict:
         "moe_router_num_groups": m.moe_groups if m.moe_groups > 1 else None,
         "moe_router_group_topk": m.moe_topk_groups if m.moe_groups > 1 else None,
         "moe_router_enable_expert_bias": m.moe_bias_update_rate > 0,
+        "moe_router_dtype": "fp32" if m.moe_router_fp32 else None,
         # the batch form: Megatron's per-layer aux_loss is transformers' / top-k, summed over layers
         "moe_router_load_balancing_type": ("none" if not m.moe_aux_loss_coef else
                                            "seq_aux_loss" if m.moe_aux_loss == "sequence" else "aux_loss"),

@@ -310,6 +310,45 @@ ORACLE_MOE_LAYOUTS = [
 ]  # fmt: skip
 
 
+# DeepSeek's router (sigmoid, groups, the expert bias, fp32 matmul: moe_router_fp32) in bf16, with
+# its shared expert (replicated over tp: it keeps the router's bf16 input anyway) at tp 1 and 2,
+# and without one.
+ORACLE_DS = dataclasses.replace(
+    MODEL_PRESETS["moe-tiny-ds"], hidden_size=256, moe_ffn_hidden_size=256, moe_shared_ffn_hidden_size=256,
+    ffn_hidden_size=512, seq_len=256, vocab_size=1024,
+)  # fmt: skip
+ORACLE_DS_CASES = [
+    pytest.param(ORACLE_DS, ParallelConfig(dp_shard=2, ep=2, zero_stage=2, micro_batch_size=2, num_microbatches=2),
+                 id="shared-edp1"),
+    pytest.param(ORACLE_DS, ParallelConfig(tp=2, sequence_parallel=True, dp_shard=2, ep=2, zero_stage=2,
+                                           micro_batch_size=2, num_microbatches=2), id="shared-tp2-sp-ep2"),
+    pytest.param(dataclasses.replace(ORACLE_DS, moe_shared_ffn_hidden_size=0),
+                 ParallelConfig(dp_shard=2, ep=2, zero_stage=3, micro_batch_size=2, num_microbatches=2),
+                 id="no-shared-zero3"),
+]  # fmt: skip
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(("model", "parallel"), ORACLE_DS_CASES)
+def test_deepseeks_fp32_router_matches_the_oracle(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Within 5 % as every MoE layout, and the fp32 router's own bytes (the oracle's peak with it
+    less without it: 811,008 B in each case here) within 1 %."""
+    from trainer.memcheck import memcheck
+
+    assert model.moe_router_fp32 and parallel.pp == 1  # one stage: rank 0 is the one simulated
+    c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
+    peaks, predicted = [], []
+    for fp32 in (True, False):
+        m = dataclasses.replace(model, moe_router_fp32=fp32)
+        cfg = BenchmarkConfig(model=m, parallel=parallel, device="cuda", moe_routing="balanced")
+        peaks.append(memcheck(cfg).ranks[0].peak_bytes)
+        phases = phase_bytes(Case(m, parallel, "bf16", c, device="gpu"), 0)
+        predicted.append(max(sum(parts.values()) for parts in phases.values()))
+    assert abs(predicted[0] - peaks[0]) < 0.05 * peaks[0], (predicted[0], peaks[0])
+    oracle, model_delta = peaks[0] - peaks[1], predicted[0] - predicted[1]
+    assert oracle > 0 and abs(model_delta - oracle) <= 0.01 * oracle, (model_delta, oracle)
+
+
 @pytest.mark.oracle
 @pytest.mark.parametrize("parallel", ORACLE_MOE_LAYOUTS)
 @pytest.mark.parametrize("device", ["cuda", "cpu"])

@@ -106,6 +106,10 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.0
     moe_bias_update_rate: float = 0.0
     moe_aux_loss: AuxLoss = "sequence"
+    # The router's matmul in fp32 whatever the compute dtype (DeepSeek-V3's router as transformers
+    # runs it; Megatron's --moe-router-dtype fp32): its input and weight cast, the copy of the
+    # input kept for the backward.
+    moe_router_fp32: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
@@ -181,6 +185,7 @@ class ModelConfig:
                     "moe_dense_layers",
                     "moe_aux_loss_coef",
                     "moe_bias_update_rate",
+                    "moe_router_fp32",
                 )
             }
             set_ = [n for n, v in moe.items() if v]

@@ -26,6 +26,7 @@ from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost import dtypes
 from tuner.cost.collectives import Comm, Link, call_overhead_s
+from tuner.cost.context import local_tokens
 from tuner.cost.layer import layer_params
 from tuner.cost.pipeline import stage_layers
 from tuner.spec import ClusterSpec
@@ -202,12 +203,12 @@ def a2a(case: Case) -> Comm:
 
 
 def moe_layer_dense_params(m: ModelConfig, tp: int) -> float:
-    """A MoE layer's parameters on a rank other than its routed experts: attention over tp, the
-    router (h x E, replicated: each rank routes its own tokens), the shared expert over tp, the
-    norms (and q/k norms, q/k/v bias as a dense layer has them)."""
+    """A MoE layer's parameters on a rank other than its routed experts: attention over tp; the
+    router (h x E) and the shared expert replicated over tp (each rank runs them on its own tokens:
+    trainer/parallelize.py), the norms (and q/k norms, q/k/v bias as a dense layer has them)."""
     h = m.hidden_size
     shared = m.mlp_matrices * h * m.moe_shared_ffn_hidden_size
-    params = (m.attention_matmul_params + shared) / tp + h * m.num_experts + 2 * m.norm_params
+    params = m.attention_matmul_params / tp + shared + h * m.num_experts + 2 * m.norm_params
     params += m.attention_norm_params
     if m.qkv_bias:
         params += m.qkv_bias_params / tp
@@ -235,7 +236,10 @@ def moe_activation_delta_per_token(
       multiply and the index_add that combines them keep one each), the weight in the compute
       dtype and two int64 indices (the token of each assignment, the sort order);
     - the router's: fp32 scores of every expert (4 E), the chosen experts' int64 ids, their fp32
-      weights and the sum that renormalises them.
+      weights and the sum that renormalises them; with moe_router_fp32 in a 16-bit step, its fp32
+      copy of the input (4 h) in place of the compute-dtype input its matmul kept (which a shared
+      expert keeps anyway: replicated over tp, it takes the same tokens), and its fp32 copy of the
+      weight (4 E h a layer and micro-batch: per token, over the micro-batch's tokens).
     The shared expert keeps a dense MLP's tensors at its width. All over tp (sequence parallelism:
     T tokens a rank)."""
     if p.activation_checkpoint == "full":
@@ -250,6 +254,9 @@ def moe_activation_delta_per_token(
     router = 4 * m.num_experts + 8 * k + (4 * k + 4 if renormalised else 0)
     if m.moe_router_score == "sigmoid" and m.moe_aux_loss_coef > 0:
         router += 4  # the auxiliary loss's normalising sum of the scores
+    if m.moe_router_fp32 and cb < 4:
+        router += 4 * h - (0 if m.moe_shared_ffn_hidden_size else cb * h)
+        router += 4 * m.num_experts * h * p.tp / local_tokens(m, p)  # the weight, not split over tp
     shared = tensors * m.moe_shared_ffn_hidden_size * cb
     return (experts_side + token_side + router + shared - tensors * m.ffn_size * cb) / p.tp
 

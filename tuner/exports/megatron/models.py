@@ -13,7 +13,8 @@ mixtures of experts:
   moe_utils.py: topk_routing_with_score_function), so sigmoid without renormalising is refused;
   --moe-router-topk-scaling-factor, group-limited routing (--moe-router-num-groups,
   --moe-router-group-topk), the auxiliary-loss-free expert bias (--moe-router-enable-expert-bias,
-  --moe-router-bias-update-rate; Megatron takes it with sigmoid scores only);
+  --moe-router-bias-update-rate; Megatron takes it with sigmoid scores only), the router's matmul
+  in fp32 (--moe-router-dtype fp32);
 - load balancing: ModelConfig.moe_aux_loss_coef x the form moe_aux_loss (its comment in
   trainer/contract/model.py): the sequence-wise loss is Megatron's seq_aux_loss, the batch's its
   aux_loss at a coefficient of the same gradient (megatron_aux_loss); none without it; --moe-router-force-load-balancing
@@ -178,6 +179,8 @@ def megatron_moe_args(m: ModelConfig, config: ParallelConfig, routing: str) -> l
         args.append(("--moe-router-topk-scaling-factor", f"{m.moe_route_scale:g}"))
     if m.moe_groups > 1:
         args += [("--moe-router-num-groups", m.moe_groups), ("--moe-router-group-topk", m.moe_topk_groups)]
+    if m.moe_router_fp32:
+        args.append(("--moe-router-dtype", "fp32"))
     if m.moe_bias_update_rate:
         args += [("--moe-router-enable-expert-bias", None),
                  ("--moe-router-bias-update-rate", f"{m.moe_bias_update_rate:g}")]  # fmt: skip

@@ -112,4 +112,5 @@ def _experts(config: dict[str, Any], layers: int) -> dict[str, Any]:
         "moe_topk_groups": int_field(config, "topk_group") if grouped else 1,
         "moe_aux_loss_coef": float(config.get("aux_loss_alpha") or 0.0) if config.get("seq_aux", True) else 0.0,
         "moe_bias_update_rate": DEEPSEEK_BIAS_UPDATE_RATE if method == "noaux_tc" else 0.0,
+        "moe_router_fp32": True,  # transformers' DeepseekV3TopkRouter: F.linear of fp32 casts
     }  # fmt: skip

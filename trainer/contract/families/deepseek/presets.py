@@ -13,6 +13,6 @@ PRESETS: dict[str, ModelConfig] = {
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         num_experts=256, moe_top_k=8, moe_ffn_hidden_size=2048, moe_shared_ffn_hidden_size=2048,
         moe_dense_layers=3, moe_router_score="sigmoid", moe_groups=8, moe_topk_groups=4, moe_route_scale=2.5,
-        moe_aux_loss_coef=0.0001, moe_bias_update_rate=0.001,
+        moe_aux_loss_coef=0.0001, moe_bias_update_rate=0.001, moe_router_fp32=True,
     ),
 }  # fmt: skip

@@ -54,7 +54,7 @@ PRESETS: dict[str, ModelConfig] = {
     "moe-tiny-ds": _moe(4, 64, 4, 2, 192, 8, 2, 64, vocab_size=256, seq_len=32, rope_theta=10000.0,
                         moe_shared_ffn_hidden_size=64, moe_dense_layers=1, moe_router_score="sigmoid",
                         moe_groups=4, moe_topk_groups=2, moe_route_scale=2.5, moe_aux_loss_coef=0.01,
-                        moe_bias_update_rate=0.001),
+                        moe_bias_update_rate=0.001, moe_router_fp32=True),
     "moe-small": _moe(4, 128, 4, 2, 384, 8, 2, 128, vocab_size=1024, seq_len=128, rope_theta=10000.0),
     "mixtral-8x7b": _moe(32, 4096, 32, 8, 14336, 8, 2, 14336, vocab_size=32000, seq_len=4096,
                          moe_aux_loss_coef=0.02, moe_aux_loss="batch"),
