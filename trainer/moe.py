@@ -251,7 +251,8 @@ class GroupedExperts(nn.Module):
         rows = torch.cat(
             [torch.arange(e - p, e - p + c, device=x.device) for c, p, e in zip(counts, padded, ends)]
         )
-        xp = x.new_zeros(ends[-1], x.shape[1]).index_copy(0, rows, x)
+        xp = x.new_zeros(ends[-1], x.shape[1])
+        xp[rows] = x  # index_put keeps the indices for the backward; index_copy would keep x too
         offs = torch.tensor(ends, device=x.device, dtype=torch.int32)
         w1, w2, *w3 = weights
         h = torch._grouped_mm(xp, w1, offs=offs)
@@ -324,7 +325,11 @@ class MoE(nn.Module):
         return out + shared if shared is not None else out
 
     def _route(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every token through its k experts (dispatched over ep ranks), weighted and summed."""
+        """Every token through its k experts (dispatched over ep ranks), weighted and summed.
+        One h-wide copy of the routed tokens is kept for the backward on each side: the experts'
+        input (the permuted rows; trainer-side gathers and scatters keep only their indices) and
+        their output back in token order, which a batched (1 x k) @ (k x h) product weights and
+        sums per token (a weighted index_add would keep its weighted source as well: 2 copies)."""
         n, k = x.shape[0], self.cfg.moe_top_k
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # assignments sorted by expert
@@ -336,8 +341,9 @@ class MoE(nn.Module):
             y = self.experts(routed, counts, comm.expert_grad_scale)
         else:
             y = self._expert_parallel(routed, counts)
-        y = y * weights.flatten()[order].to(y.dtype).unsqueeze(-1)
-        return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+        by_token = y[order.argsort()].view(n, k, -1)  # assignment i k + j: token i's j-th expert
+        out = torch.bmm(weights.to(y.dtype).unsqueeze(1), by_token).squeeze(1)
+        return out.to(x.dtype)
 
     def _counts(self, flat: torch.Tensor, num_assignments: int) -> list[int]:
         """Assignments per expert. Balanced routing's are known without looking at the data

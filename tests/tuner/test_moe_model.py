@@ -267,22 +267,20 @@ def test_routed_activations_do_not_shrink_with_ep() -> None:
 def test_routed_activations_by_hand() -> None:
     """A MoE layer keeps, per token, beyond a dense one (traced per tensor, docs/perfmodel.md):
     SwiGLU's 4 ffn-wide tensors for k experts instead of the dense MLP's; per assignment its
-    input rows (the grouped GEMM's padded copy besides them on GPUs), three int64 row indices with
-    ep > 1, the experts' output before and after the router's weight, the weight and two int64
-    indices; the router's fp32 scores (4 E), its choices (int64) and renormalised fp32 weights."""
+    input rows once (on GPUs the grouped GEMM's padded copy only), three int64 row indices with
+    ep > 1, the experts' output in token order, the weight and two int64 indices; the router's fp32
+    scores (4 E), its choices (int64) and renormalised fp32 weights."""
     p, delta = ParallelConfig(dp_replicate=8, ep=4), experts.moe_activation_delta_per_token
     cb, k, h, f, e = 2, SMALL.moe_top_k, SMALL.hidden_size, SMALL.expert_ffn_size, SMALL.num_experts
     router = 4 * e + 8 * k + 4 * k + 4
-    token_side = k * (2 * h * cb + cb + 16)
-    for grouped, inputs in ((True, 2), (False, 1)):
-        experts_side = k * ((4 * f + inputs * h) * cb + 24)
-        want = experts_side + token_side + router - 4 * SMALL.ffn_size * cb
-        assert delta(SMALL, p, cb, 1.0, grouped=grouped) == want
+    token_side = k * (h * cb + cb + 16)
+    experts_side = k * ((4 * f + h) * cb + 24)
+    assert delta(SMALL, p, cb, 1.0) == experts_side + token_side + router - 4 * SMALL.ffn_size * cb
     # one row index without expert parallelism; the experts' side scales with the imbalance
     one = dataclasses.replace(p, ep=1)
     assert delta(SMALL, p, cb, 1.0) - delta(SMALL, one, cb, 1.0) == 16 * k
     skewed = delta(SMALL, p, cb, 1.5) - delta(SMALL, p, cb, 1.0)
-    assert skewed == pytest.approx(0.5 * k * ((4 * f + 2 * h) * cb + 24))
+    assert skewed == pytest.approx(0.5 * k * ((4 * f + h) * cb + 24))
     full = dataclasses.replace(p, activation_checkpoint="full")
     assert delta(SMALL, full, cb, 1.0) == 0
 

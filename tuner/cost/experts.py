@@ -21,7 +21,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer.contract.devices import DeviceKind
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost import dtypes
@@ -220,21 +219,21 @@ def local_expert_params(m: ModelConfig, ep: int) -> float:
     return m.num_experts // ep * m.expert_params
 
 
-def moe_activation_delta_per_token(
-    m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float, grouped: bool = True
-) -> float:
+def moe_activation_delta_per_token(m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float) -> float:
     """Bytes a MoE layer keeps per token of a micro-batch beyond a dense layer's (full recompute:
     0, the layer input only), as trainer/moe.py's autograd graph saves them (traced per tensor:
     docs/perfmodel.md, "MoE activations"). Per routed assignment (k a token):
     - on the rank running the experts (the busiest ep rank: x the imbalance factor; EP does not
       shrink them, a rank computes T x k assignments whatever ep is): the experts' f-wide tensors
-      (SwiGLU 4, GELU 2), their input rows (the grouped GEMM's padded copy besides the gathered
-      rows that index_copy keeps: `grouped`, GPU kernels of compute capability >= 9; the CPU's and
-      an A100's loop over experts keeps the gathered rows only) and int64 row indices (1, with
-      expert parallelism 3: the regrouping and its inverse);
-    - back on the token's rank: the experts' output before and after the router's weight (the
-      multiply and the index_add that combines them keep one each), the weight in the compute
-      dtype and two int64 indices (the token of each assignment, the sort order);
+      (SwiGLU 4, GELU 2), their input rows once (the grouped GEMM's padded copy, GPU kernels of
+      compute capability >= 9, filled by index_put, which keeps only the indices; the CPU's and an
+      A100's loop over experts keeps the gathered rows; before issue 37 index_copy kept the
+      gathered rows besides the padded copy) and int64 row indices (1, with expert parallelism 3:
+      the regrouping and its inverse);
+    - back on the token's rank: the experts' output in token order, which a batched product
+      weights and sums per token (before issue 37 a multiply and an index_add kept it before and
+      after the weight), the weight in the compute dtype and two int64 indices (the token of each
+      assignment, the inverse of the sort order);
     - the router's: fp32 scores of every expert (4 E), the chosen experts' int64 ids, their fp32
       weights and the sum that renormalises them; with moe_router_fp32 in a 16-bit step, its fp32
       copy of the input (4 h) in place of the compute-dtype input its matmul kept (which a shared
@@ -246,10 +245,9 @@ def moe_activation_delta_per_token(
         return 0.0
     tensors = m.mlp_kind.kept
     k, h, f = m.moe_top_k, m.hidden_size, m.expert_ffn_size
-    inputs = 2 if grouped else 1
     row_indices = 8 * (3 if p.ep > 1 else 1)
-    experts_side = k * ((tensors * f + inputs * h) * cb + row_indices) * imbalance
-    token_side = k * (2 * h * cb + cb + 2 * 8)
+    experts_side = k * ((tensors * f + h) * cb + row_indices) * imbalance
+    token_side = k * (h * cb + cb + 2 * 8)
     renormalised = m.moe_router_score == "sigmoid" or m.moe_norm_topk
     router = 4 * m.num_experts + 8 * k + (4 * k + 4 if renormalised else 0)
     if m.moe_router_score == "sigmoid" and m.moe_aux_loss_coef > 0:
@@ -276,11 +274,10 @@ class ExpertRank:
     flow_per_token: float  # gradients flowing in a MoE layer's backward beyond a dense one's
 
 
-def expert_rank(
-    m: ModelConfig, p: ParallelConfig, cb: int, stage: int, imbalance: float, device: DeviceKind
-) -> ExpertRank:
+def expert_rank(m: ModelConfig, p: ParallelConfig, cb: int, stage: int, imbalance: float) -> ExpertRank:
     """The experts of the rank at pipeline coordinate `stage`, with `cb` bytes a value of the
-    compute dtype, at the study's `imbalance`, on `device`'s kernels."""
+    compute dtype, at the study's `imbalance` (the same on either device's kernels: the grouped
+    GEMM's padded copy replaces the gathered rows the CPU's loop keeps)."""
     num_moe = stage_moe_layers(m, p, stage)
     num_dense = stage_layers(m.num_layers, p, stage) - num_moe
     moe_params = moe_layer_dense_params(m, p.tp)
@@ -294,7 +291,7 @@ def expert_rank(
     return ExpertRank(
         num_moe=num_moe, dense_params=num_dense * layer_params(m, p.tp) + num_moe * moe_params,
         experts=num_moe * experts, layer_params=moe_params + experts,
-        act_per_token=moe_activation_delta_per_token(m, p, cb, factor, grouped=device == "gpu"), flow_per_token=max(grads, 0.0) if num_moe else 0.0,
+        act_per_token=moe_activation_delta_per_token(m, p, cb, factor), flow_per_token=max(grads, 0.0) if num_moe else 0.0,
     )  # fmt: skip
 
 
