@@ -122,6 +122,10 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.attention != "mha":  # not plain attention in its place (trainer_problems says it for trials)
+            raise ValueError(
+                f"attention {cfg.attention!r} is not built in the trainer (multi-head latent attention)"
+            )
         h, kv = cfg.hidden_size, cfg.kv_size
         self.head_dim = cfg.head_dim
         self.rope = cfg.positions == "rope"

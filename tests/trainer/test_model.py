@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.trainer.helpers import MODELS, TINY
+from trainer.contract.presets import MODEL_PRESETS
 from trainer.model import GPT, cross_entropy_loss
 from trainer.pipeline import local_stage_ids, split_model, stage_layer_ranges
 
@@ -15,6 +16,13 @@ def test_param_count_matches_config(name: str) -> None:
     """A tied head is one Parameter: counted once by the model and by the config."""
     cfg = MODELS[name]
     assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.num_params
+
+
+def test_a_model_it_does_not_build_is_refused_not_built_otherwise() -> None:
+    """DeepSeek-V3's latent attention is priced, not built: GPT(cfg) refuses it rather than
+    building plain multi-head attention in its place (on the meta device: nothing allocated)."""
+    with torch.device("meta"), pytest.raises(ValueError, match="attention 'mla' is not built"):
+        GPT(MODEL_PRESETS["deepseek-v3"])
 
 
 def test_forward_and_loss() -> None:
