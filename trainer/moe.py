@@ -158,6 +158,11 @@ class Router(nn.Module):
         return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(n, -1)
 
 
+def balance_probs(scores: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The scores the auxiliary losses average: softmax's as they are, sigmoid's normalised."""
+    return scores / scores.sum(-1, keepdim=True) if cfg.moe_router_score == "sigmoid" else scores
+
+
 def sequence_aux_loss(
     scores: torch.Tensor,
     experts: torch.Tensor,
@@ -171,7 +176,7 @@ def sequence_aux_loss(
     under sequence parallelism, where f is summed over the tp group (no gradient) and P_i is this
     rank's share of the mean: the tp ranks' losses add up to the whole sequence's."""
     b, e, k = scores.shape[0], cfg.num_experts, cfg.moe_top_k
-    probs = scores / scores.sum(-1, keepdim=True) if cfg.moe_router_score == "sigmoid" else scores
+    probs = balance_probs(scores, cfg)
     with torch.no_grad():
         counts = torch.zeros(b, e, device=scores.device).scatter_add_(
             1, experts.reshape(b, -1), torch.ones(b, experts[0].numel(), device=scores.device)
@@ -199,7 +204,7 @@ def batch_aux_loss(
     sequence parallelism f is summed over the tp group (no gradient) and P_i is this rank's share
     of the mean over num_tokens, the micro-batch's whole sequences: the tp ranks' losses add up."""
     e = cfg.num_experts
-    probs = scores / scores.sum(-1, keepdim=True) if cfg.moe_router_score == "sigmoid" else scores
+    probs = balance_probs(scores, cfg)
     with torch.no_grad():
         counts = torch.zeros(e, device=scores.device).index_add_(
             0, experts.flatten(), torch.ones(experts.numel(), device=scores.device)
