@@ -248,7 +248,7 @@ def moe_activation_delta_per_token(m: ModelConfig, p: ParallelConfig, cb: int, i
     row_indices = 8 * (3 if p.ep > 1 else 1)
     experts_side = k * ((tensors * f + h) * cb + row_indices) * imbalance
     token_side = k * (h * cb + cb + 2 * 8)
-    renormalised = m.moe_router_score == "sigmoid" or m.moe_norm_topk
+    renormalised = m.moe_norm_topk  # with either score (trainer/moe.py Router.select)
     router = 4 * m.num_experts + 8 * k + (4 * k + 4 if renormalised else 0)
     if m.moe_router_score == "sigmoid" and m.moe_aux_loss_coef > 0:
         router += 4  # the auxiliary loss's normalising sum of the scores
