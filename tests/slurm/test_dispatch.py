@@ -112,20 +112,19 @@ def _running_job(tmp_path: Path, name: str) -> str | None:
 
 
 def test_study_of_world_sizes_1_2_4_runs_one_job_per_trial(slurm_env: SlurmCluster, tmp_path: Path) -> None:
-    spec = _spec("scaling", num_gpus=4, space={"num_gpus": [1, 2, 4], "micro_batch_size": [2],
-                                                   "activation_checkpoint": ["none", "full"]},
-                 budget={"max_trials": 6, "trials_in_flight": 2})  # fmt: skip
+    spec = _spec("scaling", num_gpus=4, space={"num_gpus": [1, 2, 4], "micro_batch_size": [2]},
+                 budget={"max_trials": 3, "trials_in_flight": 2})  # fmt: skip
     status, trials = _run(tmp_path, spec)
     assert status == "COMPLETE"
-    assert [t.state for t in trials] == ["COMPLETE"] * 6, [
+    assert [t.state for t in trials] == ["COMPLETE"] * 3, [
         (t.number, t.failure_kind, t.failure_message) for t in trials
     ]
-    assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 1, 2, 2, 4, 4]
+    assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 2, 4]
     assert [(t.tokens_per_s > 0, t.job_state in ENDED, t.attempts) for t in trials] == [
         (True, True, 1)
-    ] * 6, [(t.number, t.job_state, t.attempts) for t in trials]
+    ] * 3, [(t.number, t.job_state, t.attempts) for t in trials]
     jobs = {JobHandle.parse(t.job_id).id for t in trials}
-    assert len(jobs) == 6 and all(j.isdigit() for j in jobs)
+    assert len(jobs) == 3 and all(j.isdigit() for j in jobs)
     for t in trials:  # Slurm ran the layout's world size: one task per rank
         ntasks = slurm_env.run(
             "sacct", "-X", "-n", "-P", "-j", JobHandle.parse(t.job_id).id, "--format=NTasks,AllocCPUS"
@@ -348,9 +347,8 @@ def test_allocation_mode_runs_the_study_as_steps_of_one_allocation(
 ) -> None:
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     spec = {**BASE, "name": "alloc", "num_gpus": 4,
-            "space": {**BASE["space"], "num_gpus": [1, 2, 4], "micro_batch_size": [2],
-                      "activation_checkpoint": ["none", "full"]},
-            "budget": {"max_trials": 6, "trials_in_flight": 3},
+            "space": {**BASE["space"], "num_gpus": [1, 2, 4], "micro_batch_size": [2]},
+            "budget": {"max_trials": 3, "trials_in_flight": 3},
             "slurm": {**BASE["slurm"], "mode": "allocation", "allocation_minutes": 10}}  # fmt: skip
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -360,10 +358,10 @@ def test_allocation_mode_runs_the_study_as_steps_of_one_allocation(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with connect(db)() as s:
         trials = store.trials(s, store.get_study(s, "alloc"))
-    assert [t.state for t in trials] == ["COMPLETE"] * 6, [
+    assert [t.state for t in trials] == ["COMPLETE"] * 3, [
         (t.number, t.failure_kind, t.failure_message) for t in trials
     ]
-    assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 1, 2, 2, 4, 4]
+    assert sorted(t.tp * t.pp * t.dp for t in trials) == [1, 2, 4]
     allocations = {JobHandle.parse(t.job_id).id.split("/")[0] for t in trials}
     assert len(allocations) == 1 and all(t.job_id.startswith("step:") for t in trials)
     (allocation,) = allocations
@@ -372,7 +370,7 @@ def test_allocation_mode_runs_the_study_as_steps_of_one_allocation(
     # srun steps of that one allocation, several side by side (1 + 2 + 4 ranks fit its 8 CPUs)
     steps = slurm_env.run("sacct", "-n", "-P", "-j", allocation, "--format=JobID,JobName").split()
     prefix = f"pt{trials[0].study_id}-t"
-    assert sum(line.startswith(f"{allocation}.") and f"|{prefix}" in line for line in steps) == 6
+    assert sum(line.startswith(f"{allocation}.") and f"|{prefix}" in line for line in steps) == 3
     spans = sorted((t.started_at, t.finished_at) for t in trials)
     assert any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
