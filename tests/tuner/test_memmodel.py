@@ -322,6 +322,33 @@ def test_the_interleaved_order_is_torchs(pp: int, v: int, n: int) -> None:
         ]
 
 
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_the_interleaved_walk_without_its_middle_periods_finds_the_same_peak(
+    zero_stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tuner.cost.pipeline._walk leaves out the steady state's middle periods (adding their sends
+    at once): the same peak moment on every rank as the whole walk, to rounding, for 1F1B rounds
+    of pp micro-batches and for uneven ones (n not a multiple of pp)."""
+    import tuner.cost.pipeline as pipeline
+
+    m = MODEL_PRESETS["llama3.1-8b"]
+    c = ModelConstants()
+    for pp, v, n in [(4, 2, 64), (8, 4, 96), (4, 3, 50), (2, 2, 7), (16, 2, 160)]:
+        p = ParallelConfig(pp=pp, virtual_stages=v, num_microbatches=n, pp_schedule="interleaved_1f1b",
+                           dp_shard=2, zero_stage=zero_stage)  # fmt: skip
+        short = [phase_bytes(Case(m, p, "bf16", c), stage) for stage in range(pp)]
+        assert any(pipeline._walk(pp, v, n, stage)[1] for stage in range(pp)) == (n >= 4 * pp)
+        with monkeypatch.context() as patched:
+            patched.setattr(
+                pipeline, "_walk", lambda pp, v, n, rank: (pipeline._order(pp, v, n, rank), 0, (), 1)
+            )
+            whole = [phase_bytes(Case(m, p, "bf16", c), stage) for stage in range(pp)]
+        for a, b in zip(short, whole, strict=True):
+            assert a.keys() == b.keys()
+            for phase in a:
+                assert a[phase] == pytest.approx(b[phase], rel=1e-12), (pp, v, n, phase)
+
+
 @pytest.mark.oracle
 def test_an_interleaved_rank_holds_its_sends_and_its_own_stages_gradients() -> None:
     """Llama-small, 8 layers, pp 4 x v 2, 4 micro-batches, against the oracle: +5 to +22 % by

@@ -442,7 +442,9 @@ def test_dense_predictions_unchanged() -> None:
     since, both of memory only (step times and throughputs are the originals): the interleaved
     layouts (174 of 317 rows), re-priced when the model began to walk torch's interleaved order
     (tuner.cost.pipeline.interleaved_order, stop 36); 19 rows whose peak was the optimizer step,
-    re-priced for fused AdamW (no temporary; issue 37)."""
+    re-priced for fused AdamW (no temporary; issue 37); one row's memory by 2e-16 (relative) when
+    the interleaved walk began to leave out the steady state's middle periods (their sends added
+    at once, not one by one: tuner.cost.pipeline._walk)."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300
     specs = {}

@@ -7,6 +7,7 @@ sec. 4.2.3) and torch's interleaved order of a rank's forwards and backwards.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -80,10 +81,20 @@ def interleaved_moments(
     to_previous = [stage + j * p.pp > 0 for j in range(len(r.chunks))]
     held, grads, started = 0.0, 0.0, set()
     # The peak moment by its sum, the first of equal ones: max(moments, key=sum), kept as it goes
-    # (a + b + c is sum's order). The walk is a plan's hottest loop: the moments are inlined.
+    # (a + b + c is sum's order). The walk is a plan's hottest loop: the moments are inlined, and
+    # the steady state's middle periods are not walked (_walk: each raises every moment of the
+    # one before by the sends it leaves held, so the last period holds their peak).
     best, best_sum = None, -math.inf
     zero3, layers, flow = p.zero_stage == 3, r.layers, r.flow
-    for kind, j in _order(p.pp, p.virtual_stages, p.num_microbatches, stage):
+    head, skipped, tail, per_round = _walk(p.pp, p.virtual_stages, p.num_microbatches, stage)
+    held_per_period = per_round * sum(
+        (r.boundary if to_next[j] else 0.0) + (r.boundary if to_previous[j] else 0.0)
+        for j in range(len(r.chunks))
+    )
+    for kind, j in itertools.chain(head, (("skip", 0),), tail):
+        if kind == "skip":
+            held += skipped * held_per_period
+            continue
         if kind == "F":
             held += acts[j] + (r.boundary if to_next[j] else 0.0)
             if last_rank and j == home:  # the loss, computed at the end of the last stage's forward
@@ -109,6 +120,31 @@ def interleaved_moments(
 def interleaved_order(pp: int, v: int, n: int, rank: int) -> list[tuple[str, int]]:
     """The forwards and backwards of pipeline rank `rank`, in torch's interleaved order (_order)."""
     return list(_order(pp, v, n, rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk(
+    pp: int, v: int, n: int, rank: int
+) -> tuple[tuple[tuple[str, int], ...], int, tuple[tuple[str, int], ...], int]:
+    """`_order` with the steady state's middle periods left out: (the ops up to the end of its
+    second period, how many periods are left out, the ops from its last period on, micro-batches
+    per round). A period is round x v steady ops (a forward and a backward each): the forwards'
+    and the backwards' local stages both repeat with it, every local stage has had its first
+    backward by the end of the first, and each one leaves the same sends held, so from the second
+    period on each period's moments are the previous one's plus those sends (>= 0): the last one
+    holds the peak of all of them (equal ones: the second's, the first of them)."""
+    order = _order(pp, v, n, rank)
+    per_round = n // max(1, n // pp)
+    total = v * n
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+    period = per_round * v
+    periods = (total - warmup) // period
+    if periods < 4:
+        return order, 0, (), per_round
+    # ops before the warm-up's end give one entry (a forward), steady ops two
+    head_end = warmup + 2 * 2 * period
+    tail_start = warmup + 2 * (periods - 1) * period
+    return order[:head_end], periods - 3, order[tail_start:], per_round
 
 
 @functools.lru_cache(maxsize=4096)  # a plan asks the same few (pp, v, n, rank) for every layout
