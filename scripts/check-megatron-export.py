@@ -17,7 +17,7 @@ typing_extensions:
 validate_args asks the GPU's architecture (CUDA_DEVICE_MAX_CONNECTIONS rules differ before
 Blackwell); --arch gives it (default 9, Hopper), so the check runs on a machine without a GPU.
 Data, tokenizer and iteration arguments, which an export leaves to the user, are added.
---json prints, for each export, what Megatron parsed (MODEL_ARGS and the layout; MOE_ARGS from the
+--json prints, for each export, what Megatron parsed (MODEL_ARGS and the layout; MOE_ARGS and RECOMPUTE_ARGS from the
 TransformerConfig) or its refusal:
 tests/tuner/test_export.py compares that with the study's model (it downloads and unpacks the
 wheel as above, or takes MEGATRON_SRC, an unpacked copy).
@@ -65,6 +65,9 @@ MOE_ARGS = ["num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_sh
             "moe_token_dispatcher_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
             "qk_layernorm", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
             "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "cp_comm_type"]  # fmt: skip
+# Activation recomputation, as TransformerConfig holds it after its own checks (recompute_modules'
+# choices, moe_act's need of the grouped GEMM).
+RECOMPUTE_ARGS = ["recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"]
 
 
 def split_command(text: str) -> tuple[dict[str, str | None], int, list[str]]:
@@ -149,7 +152,7 @@ def main() -> int:
                 print(f"REFUSED {path}: {e}")
             continue
         parsed[path] = {name: getattr(args, name) for name in MODEL_ARGS}
-        parsed[path] |= {name: getattr(config, name, None) for name in MOE_ARGS}
+        parsed[path] |= {name: getattr(config, name, None) for name in MOE_ARGS + RECOMPUTE_ARGS}
         if opts.json:
             continue
         print(f"ok {path}: tp {args.tensor_model_parallel_size} pp {args.pipeline_model_parallel_size} "

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from trainer import benchmark, moe
+from trainer import benchmark, moe, parallelize
 from trainer.benchmark import Trainer, _dtype, memory_step, memory_tracker
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
@@ -435,8 +435,11 @@ def _cuda_kernels() -> Iterator[None]:
     norm in bf16. And a mixture of experts' experts run as on a GPU with grouped GEMMs (compute
     capability >= 9: H100, H200; trainer/moe.py use_grouped_mm), not the CPU's loop over experts:
     the grouped path keeps a padded copy of the routed tokens for backward that the loop's views
-    do not have (an A100 trial runs the loop: its oracle would over-count that copy)."""
+    do not have (an A100 trial runs the loop: its oracle would over-count that copy). And op-level
+    checkpointing keeps attention's output as it keeps CUDA's SDPA kernels' (flash, efficient),
+    which the CPU's kernel the simulation runs is not among (trainer/parallelize.py)."""
     original = F.rms_norm
+    saved_ops = parallelize._op_sac_saved
 
     @functools.wraps(original)
     def rms_norm(x, normalized_shape, weight=None, eps=None):
@@ -445,9 +448,13 @@ def _cuda_kernels() -> Iterator[None]:
         eps = torch.finfo(torch.float32).eps if eps is None else eps
         return FusedRMSNorm.apply(x, weight, len(normalized_shape), eps)
 
+    def op_sac_saved() -> set:
+        return saved_ops() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
     with (
         mock.patch.object(F, "rms_norm", rms_norm),
         mock.patch.object(moe, "use_grouped_mm", lambda x: x.dtype == torch.bfloat16),
+        mock.patch.object(parallelize, "_op_sac_saved", op_sac_saved),
     ):
         yield
 

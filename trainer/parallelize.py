@@ -222,15 +222,98 @@ def _expert_params(module: nn.Module) -> set[nn.Parameter] | None:
 
 def apply_ac(model: GPT, mode: str) -> None:
     """full: recompute whole blocks in backward. selective: recompute only the attention core
-    (QK^T, softmax, @V), which holds the O(s^2) activations and no collective."""
+    (QK^T, softmax, @V), which holds the O(s^2) activations and no collective. op: torchtitan's
+    op-level selective checkpointing of each block (op_sac_policy), as torchtitan's SelectiveAC."""
     preserve_rng = model.cfg.dropout > 0
     for name, block in list(model.layers.named_children()):
         if mode == "full":
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=preserve_rng))
         elif mode == "selective":
             block.attn.core = checkpoint_wrapper(block.attn.core, preserve_rng_state=preserve_rng)
+        elif mode == "op":
+            model.layers.register_module(name, op_sac_wrap(block, preserve_rng))
         else:
-            raise ValueError(f"activation_checkpoint {mode!r} is not one of none/selective/full")
+            raise ValueError(f"activation_checkpoint {mode!r} is not one of none/selective/op/full")
+
+
+def _op_sac_saved() -> set:
+    """The ops whose outputs op-level checkpointing keeps, as torchtitan 0.3.0 lists them
+    (torchtitan/distributed/activation_checkpoint.py, _get_default_save_ops): the partitioner's
+    compute-intensive ops (mm, addmm, bmm, the CUDA SDPA kernels; not the CPU's SDPA kernel nor
+    the grouped GEMM), the other SDPA kernels, max, linear, topk, and the functional reduce-scatter
+    and all-to-all. Resolved when first asked: an op this build lacks is left out."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    names = [
+        (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_attention_math"),
+        (aten, "_scaled_dot_product_fused_attention_overrideable"), (aten, "max"), (aten, "linear"),
+        (aten, "topk"), (c10d, "reduce_scatter_tensor"), (c10d, "all_to_all_single"),
+    ]  # fmt: skip
+    saved = {op.default for op in get_default_op_list().compute_intensive_ops}
+    return saved | {getattr(ns, name).default for ns, name in names if hasattr(ns, name)}
+
+
+def op_sac_policy(saved: set, counts: dict, recomputed_shapes: set):
+    """torchtitan's SelectiveAC policy (0.3.0): keep the outputs of the saved ops and of
+    device-to-host copies, recompute everything else (norms, activations, rotations, casts,
+    all-gathers, all-reduces) in backward; of the matmuls (mm, linear) every second one of a
+    block's forward is recomputed too (counted apart in the forward and the recompute, so both
+    choose alike), and those with a router's weight shape always (force_recompute_mm_shapes_by_fqns'
+    default, "moe.router.gate")."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    mm_ops = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+
+    def policy(ctx, op, *args, **kwargs):
+        if (
+            op == torch.ops.aten._to_copy.default
+            and args[0].device.type == "cuda"
+            and str(kwargs.get("device")) == "cpu"
+        ):
+            return CheckpointPolicy.MUST_SAVE
+        key = "recompute" if ctx.is_recompute else "forward"
+        if op in mm_ops:
+            shape = tuple(args[1].shape)
+            if (shape[::-1] if op == torch.ops.aten.linear.default else shape) in recomputed_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            counts[key] += 1
+        if op in saved:
+            if op in mm_ops and counts[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def op_sac_wrap(block: nn.Module, preserve_rng: bool) -> nn.Module:
+    """A block under op-level checkpointing, torchtitan's way: a fresh matmul count for each
+    forward, no early stop of the recompute."""
+    from torch.utils import checkpoint
+
+    # FSDP2's hooks on a module inside the block (the experts' own FSDP2) mark their work with
+    # record_function, a different number of times in forward and recompute: profiler marks keep
+    # no tensor, so selective checkpointing lets them pass uncounted (as it does detach)
+    profiler = torch.ops.profiler
+    checkpoint.SAC_IGNORED_OPS.update(
+        {
+            profiler._record_function_enter_new.default,
+            profiler._record_function_exit.default,
+            profiler._record_function_exit._RecordFunction,
+        }
+    )
+    saved = _op_sac_saved()
+    # the router's mm as the policy sees it: (in, out) of its weight
+    routers = {
+        tuple(m.weight.shape[::-1]) for name, m in block.named_modules() if name.endswith("router.gate")
+    }
+
+    def contexts():
+        counts = {"forward": 0, "recompute": 0}
+        return checkpoint.create_selective_checkpoint_contexts(op_sac_policy(saved, counts, routers))
+
+    return checkpoint_wrapper(block, preserve_rng_state=preserve_rng, context_fn=contexts, early_stop=False)
 
 
 def apply_compile(model: GPT) -> None:

@@ -99,6 +99,14 @@ def test_layout_arithmetic() -> None:
         (ParallelConfig(cp=2, dp_replicate=2, zero_stage=2), "HSDP over dp_replicate x cp, not built"),
         (ParallelConfig(dp_shard=2, zero_stage=1), "zero_stage 1 is not one of"),
         (ParallelConfig(activation_checkpoint="some"), "activation_checkpoint 'some'"),
+        (
+            ParallelConfig(cp=2, activation_checkpoint="op"),
+            "activation_checkpoint op with cp (2) > 1 is not priced",
+        ),
+        (
+            ParallelConfig(tp_col=2, activation_checkpoint="op"),
+            "activation_checkpoint op with tp_col (2) > 1",
+        ),
         (ParallelConfig(micro_batch_size=0), "micro_batch_size must be >= 1"),
     ],
 )

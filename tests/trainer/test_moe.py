@@ -287,6 +287,12 @@ CASES = [
         "moe",
         P(dp_replicate=2, ep=2, activation_checkpoint="selective", micro_batch_size=2, num_microbatches=2),
     ),
+    # op-level checkpointing: the router's matmul and the experts' run again, the all-to-alls too
+    (
+        "ep2-dps2-ac-op",
+        "moe",
+        P(dp_shard=2, zero_stage=2, ep=2, activation_checkpoint="op", micro_batch_size=4),
+    ),
     # per-head q/k norms replicated over tp, their gradients summed over the heads' ranks
     ("qwen3-ep2-tp2-sp", "moe-qwen3", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=8)),
     ("ds-ep2-dps2", "moe-ds", P(dp_shard=2, zero_stage=2, ep=2, micro_batch_size=4)),

@@ -58,6 +58,19 @@ LAYOUTS = [
     ),
     ("ac-full", P(activation_checkpoint="full", micro_batch_size=8)),
     ("ac-selective", P(activation_checkpoint="selective", micro_batch_size=8)),
+    ("ac-op", P(activation_checkpoint="op", micro_batch_size=8)),  # torchtitan's op-level policy
+    # op-level over tp: the reduce-scatters kept, the all-gathers run again
+    (
+        "tp2-dp2-sp-ac-op",
+        P(
+            tp=2,
+            dp_shard=2,
+            zero_stage=3,
+            sequence_parallel=True,
+            activation_checkpoint="op",
+            micro_batch_size=4,
+        ),
+    ),
     ("accum4-vs-big-batch", P(micro_batch_size=2, num_microbatches=4)),
 ]
 # (id, model, layout): the Llama family (llama-tiny: 4 query heads, 2 KV heads), global batch 8.
@@ -83,6 +96,11 @@ FAMILY_LAYOUTS = [
         P(dp_shard=2, zero_stage=3, activation_checkpoint="full", micro_batch_size=4),
     ),
     ("llama-ac-selective", "llama", P(activation_checkpoint="selective", micro_batch_size=8)),
+    (
+        "llama-tp2-pp2-ac-op",
+        "llama",
+        P(tp=2, pp=2, activation_checkpoint="op", micro_batch_size=2, num_microbatches=4),
+    ),
     # A tied head: one Parameter under TP and FSDP2; across stages a copy on the first and the last,
     # their gradients summed (and counted once in the norm), also when interleaved.
     ("llama-tied-tp2-fsdp2", "llama-tied", P(tp=2, dp_shard=2, zero_stage=2, micro_batch_size=4)),
@@ -171,6 +189,8 @@ def test_loss_parity(name: str, model: str, layout: ParallelConfig, measured) ->
         ("dp2-shard-zero3", "dp2-replicate"),  # parameters, gradients and Adam state sharded
         ("pp2-1f1b", "pp2-gpipe"),  # 1F1B holds at most pp micro-batches of activations
         ("ac-full", "ac-selective"),  # full recompute keeps only block inputs
+        ("ac-full", "ac-op"),  # op-level keeps half the matmuls' outputs besides
+        ("ac-op", "ac-selective"),  # ... and no norm, activation or rotation
     ],
 )
 def test_peak_memory_follows_the_layout(smaller: str, larger: str, measured) -> None:

@@ -5,6 +5,7 @@ golden files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -1276,3 +1277,28 @@ def test_the_cli_and_the_api_export_the_sites_slurm_settings(
     # Without TUNER_SLURM_PYTHON: python from the job's PATH, not this machine's interpreter.
     bare = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120).stdout.splitlines()
     assert " python -m trainer.benchmark " in bare[-1] and not [line for line in bare if "--account" in line]
+
+
+def test_op_level_checkpointing_exports_torchtitans_policy_and_megatrons_nearest_modules(
+    tmp_path: Path, megatron_src: str
+) -> None:
+    """activation_checkpoint op is torchtitan's SelectiveAC (its op-level policy); Megatron has none:
+    the export asks for its nearest recompute modules (norms, the experts' activation), says so,
+    and Megatron's own TransformerConfig accepts them (moe_act needs the grouped GEMM)."""
+    spec, config = MORE_MOE["moe_tiny_ds"]
+    op = dataclasses.replace(config, activation_checkpoint="op")
+    assert "config.activation_checkpoint = SelectiveAC.Config()" in export_layout("torchtitan", spec, op)
+    text = export_layout("megatron", spec, op)
+    assert "--recompute-granularity selective" in text and "--recompute-modules layernorm moe_act" in text
+    assert "has no Megatron equivalent" in text
+    (tmp_path / "op.txt").write_text(text)
+    script = ROOT / "scripts" / "check-megatron-export.py"
+    run = subprocess.run([sys.executable, str(script), "--json", str(tmp_path / "op.txt")], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": megatron_src})  # fmt: skip
+    parsed = json.loads(run.stdout.splitlines()[-1]) if run.stdout else {}
+    assert run.returncode == 0 and parsed, (run.stderr[-3000:], run.stdout[-3000:])
+    args = parsed[str(tmp_path / "op.txt")]
+    assert (args["recompute_granularity"], args["recompute_modules"]) == (
+        "selective",
+        ["layernorm", "moe_act"],
+    )

@@ -269,6 +269,65 @@ def test_the_llama_block_matches_the_oracle_on_every_stage(
     assert_every_rank_matches_the_oracle(BenchmarkConfig(model=model, parallel=parallel, device=device), 0.03)
 
 
+# Op-level checkpointing (torchtitan's SelectiveAC policy, trainer/parallelize.py): what it keeps of
+# a block (tuner.cost.layer.op_checkpoint) matched the oracle to the byte on these layouts (the
+# peak's difference from the same layout without it); the recompute's transient is an upper
+# bound (up to +2 % beside the layout without it: llama pp2's first rank).
+OP_LAYOUTS = [
+    pytest.param(SMALL_LLAMA, ParallelConfig(tp=2, sequence_parallel=True, micro_batch_size=2,
+                                             activation_checkpoint="op"), "cuda", id="cuda-tp2-sp"),
+    pytest.param(SMALL_LLAMA, ParallelConfig(dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=2,
+                                             activation_checkpoint="op"), "cpu", id="cpu-zero3"),
+    pytest.param(SMALL_LLAMA, ParallelConfig(pp=2, micro_batch_size=2, num_microbatches=4,
+                                             activation_checkpoint="op"), "cuda", id="cuda-pp2"),
+]  # fmt: skip
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(("model", "parallel", "device"), OP_LAYOUTS)
+def test_op_level_checkpointing_matches_the_oracle(
+    model: ModelConfig, parallel: ParallelConfig, device: str
+) -> None:
+    from trainer.contract.result import BenchmarkConfig
+
+    assert_every_rank_matches_the_oracle(BenchmarkConfig(model=model, parallel=parallel, device=device), 0.04)
+
+
+def test_op_level_checkpointing_keeps_every_other_matmul_attention_and_the_input() -> None:
+    """A Llama block at tp 1, bf16 with an fp32 residual: q (1st matmul), v (3rd), SDPA's output and
+    log-sum-exp, the gate (5th) and the down projection (7th), and the block's input; k, the
+    out-projection and up (2nd, 4th, 6th) recomputed. 2,192 B a token on llama-small: the oracle's
+    per-layer growth less autocast's weight cache (bench: docs/benchmarks.md)."""
+    m = MODEL_PRESETS["llama-small"]
+    h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.ffn_size
+    expected = 4 * h + 2 * (q + kv + q + f + h) + 4 * m.num_heads
+    op = ParallelConfig(activation_checkpoint="op")
+    assert activation_bytes_per_token(m, op, 2, ModelConstants(), 4, "gpu") == expected == 2192
+    # on CPU the attention kernel is not among the ops the policy keeps
+    assert (
+        activation_bytes_per_token(m, op, 2, ModelConstants(), 4, "cpu") == expected - 2 * q - 4 * m.num_heads
+    )
+
+
+@pytest.mark.parametrize("preset", ["llama3.1-8b", "gpt-22b", "qwen3-30b-a3b"])
+def test_op_level_checkpointing_sits_between_none_and_full(preset: str) -> None:
+    """In memory full < op < none, in step time none < op < full (it recomputes every other matmul
+    and the memory-bound work, not attention)."""
+    m = MODEL_PRESETS[preset]
+    base = dict(
+        tp=2, dp_shard=4, zero_stage=3, sequence_parallel=True, micro_batch_size=1, num_microbatches=4
+    )
+    if m.moe:
+        base["ep"] = 4
+    h100 = ClusterSpec(**{**cluster_preset("h100-80gb"), "num_nodes": 1})
+    est = {
+        ac: estimate(m, ParallelConfig(**base, activation_checkpoint=ac), h100)
+        for ac in ("none", "op", "full")
+    }
+    assert est["full"].memory_bytes < est["op"].memory_bytes < est["none"].memory_bytes
+    assert est["none"].step_time_s < est["op"].step_time_s < est["full"].step_time_s
+
+
 # Moments of a pipelined step the Llama suite found missing (bench/memory_oracle.py --suite llama),
 # as true of GPT's block: (model, layout, pipeline rank, the model's error on main before).
 SMALL_GPT = ModelConfig(num_layers=8, hidden_size=128, num_heads=4, vocab_size=1024, seq_len=256)

@@ -294,6 +294,9 @@ ORACLE_MOE = dataclasses.replace(
     vocab_size=1024,
 )  # fmt: skip
 ORACLE_MOE_LAYOUTS = [
+    # op-level checkpointing: the router's matmul and (on GPUs) the grouped GEMMs recomputed
+    pytest.param(ParallelConfig(dp_shard=2, ep=2, zero_stage=2, activation_checkpoint="op",
+                                micro_batch_size=2, num_microbatches=2), id="edp1-op"),
     pytest.param(ParallelConfig(dp_shard=2, ep=2, zero_stage=2, activation_checkpoint="selective",
                                 micro_batch_size=2, num_microbatches=2), id="edp1-selective"),
     pytest.param(ParallelConfig(dp_shard=4, ep=2, zero_stage=3, micro_batch_size=2, num_microbatches=2),

@@ -160,9 +160,10 @@ AXES: tuple[Axis, ...] = (
          choices=rules.ZERO_STAGES, space_default=(0, 2, 3), space_choices=(0, 1, 2, 3), space_order=3,
          sampler="categorical", knob_order=6, rules=rules.zero_rules, aliases=("zero",), short="zero"),
     Axis("activation_checkpoint", str, "ActivationCheckpoint", "none", "act. ckpt",
-         "activation checkpointing: none, selective (attention core) or full (every block)",
-         choices=ACTIVATION_CHECKPOINTS, space_default=ACTIVATION_CHECKPOINTS, space_order=4, sampler="categorical",
-         knob_order=7, aliases=("ac",),
+         "activation checkpointing: none, selective (attention core), op (torchtitan's op-level: matmul, "
+         "attention and reduce-scatter outputs kept, the rest recomputed) or full (every block)",
+         choices=ACTIVATION_CHECKPOINTS, space_default=("none", "selective", "full"), space_order=4, sampler="categorical",
+         knob_order=7, aliases=("ac",), rules=rules.ac_rules,
          token=lambda p: f"ac={p.activation_checkpoint}" if p.activation_checkpoint != "none" else "",
          check_choices=True, short="ckpt"),
     Axis("sequence_parallel", bool, "bool", False, "seq. par.", "sequence parallelism over the tp ranks",

@@ -19,7 +19,7 @@ Violations = list[tuple[str, str]]
 # shard optimizer state alone, and stage 2 moves the same bytes (reduce-scatter + all-gather =
 # all-reduce) while holding less.
 ZERO_STAGES = (0, 2, 3)
-ACTIVATION_CHECKPOINTS = ("none", "selective", "full")
+ACTIVATION_CHECKPOINTS = ("none", "selective", "op", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -170,6 +170,27 @@ def ep_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
             f"a mixture of experts with tp ({p.tp}) > 1 needs sequence_parallel: each tensor-parallel "
             "rank routes its own tokens (experts are not split over tp; Megatron requires sequence "
             "parallelism when EP > 1 and TP > 1)",
+        ))  # fmt: skip
+    return out
+
+
+def ac_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
+    """Op-level checkpointing (trainer/parallelize.py op_sac_policy) runs where its memory is
+    priced and checked against the oracle: 1D tensor parallelism without context parallelism."""
+    if p.activation_checkpoint != "op":
+        return []
+    out = []
+    if p.tp_col > 1:
+        out.append((
+            "op checkpointing needs tp_col 1",
+            f"activation_checkpoint op with tp_col ({p.tp_col}) > 1 is not built: 2D tensor "
+            "parallelism's ops (trainer/tp2d.py) are not in its policy; use none, selective or full",
+        ))  # fmt: skip
+    if p.cp > 1:
+        out.append((
+            "op checkpointing needs cp 1",
+            f"activation_checkpoint op with cp ({p.cp}) > 1 is not priced yet (the gathered K/V and "
+            "masks under its policy); use none, selective or full",
         ))  # fmt: skip
     return out
 

@@ -19,6 +19,7 @@ from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost.context import attention_keys, keys_per_query
 from tuner.cost.experts import MoEStep, moe_step
+from tuner.cost.layer import op_recomputed_flops_per_token
 from tuner.devicelevels import MEMORY_TRAFFIC
 
 if TYPE_CHECKING:
@@ -118,7 +119,8 @@ def elementwise_flops(case: Case) -> float:
         if p.sequence_parallel
         else h * (replicated / p.tp_col + (sharded + scores) / t)
     )
-    passes = {"none": 3.0, "selective": 3.0 + scores / (stored + scores), "full": 4.0}[
+    # op-level checkpointing recomputes all of it (it keeps matmuls' and attention's outputs)
+    passes = {"none": 3.0, "selective": 3.0 + scores / (stored + scores), "op": 4.0, "full": 4.0}[
         p.activation_checkpoint
     ]
     # table 2 counts 16-bit values as 2 bytes: an fp32 value is 2 of its units
@@ -162,16 +164,18 @@ def flash_attention_s(case: Case, attn_fwd: float) -> float:
     flash-attn's benchmark counts the rate it reports (tuner/devicelevels.py): a causal forward
     computes half the score matrix (context parallelism's explicit masks: half of
     context.attention_keys' count, the blocks computed), the backward 2.5 forwards (it recomputes
-    the scores), and recompute (full or selective) one more forward."""
+    the scores), and recompute (full or selective: op-level checkpointing keeps its output) one
+    more forward."""
     c = case.constants
     assert c.attention_efficiency is not None
-    forwards = 3.5 + (0.0 if case.layout.activation_checkpoint == "none" else 1.0)
+    forwards = 3.5 + (0.0 if case.layout.activation_checkpoint in ("none", "op") else 1.0)
     return attn_fwd * 0.5 * forwards / (case.peak_flops * c.attention_efficiency)
 
 
 def compute(case: Case) -> Compute:
-    """Forward, backward = 2x forward (Megatron-3D sec. 5.1), plus recompute: a whole forward (full)
-    or the attention core (selective, Korthikanti sec. 5). The head's V x h matmul sits on the
+    """Forward, backward = 2x forward (Megatron-3D sec. 5.1), plus recompute: a whole forward (full),
+    the attention core (selective, Korthikanti sec. 5) or the matmuls op-level checkpointing does
+    not keep (op). The head's V x h matmul sits on the
     last stage. With 2D tensor parallelism the GEMMs split over tp x tp_col ranks, the attention
     core over the row group's heads only: every column rank repeats it (trainer/tp2d.py).
     Memory-bound work is written in FLOPs of the case's `memory_peak_flops`, the low-precision peak
@@ -183,13 +187,19 @@ def compute(case: Case) -> Compute:
     gemm_fwd = gemm_fwd_flops_per_token(m) * tokens_mb / (p.tp * p.tp_col)
     attn_fwd = attention_fwd_flops_per_token(m, p) * tokens_mb / p.tp
     own_s = elementwise_flops(case) / case.memory_peak_flops
+    # op-level checkpointing: the matmuls its policy does not keep (tuner.cost.layer.op_checkpoint)
+    op_gemms = op_recomputed_flops_per_token(m, p, case.value_bytes) * tokens_mb
     if c.flash_attention and c.attention_efficiency is not None:
-        recompute = gemm_fwd if p.activation_checkpoint == "full" else 0.0
+        recompute = {"none": 0.0, "selective": 0.0, "op": op_gemms, "full": gemm_fwd}[p.activation_checkpoint]
         layer_flops = 3 * gemm_fwd + recompute
         own_s += flash_attention_s(case, attn_fwd)
     else:
         layer_fwd = gemm_fwd + attn_fwd
-        recompute = {"none": 0.0, "selective": attn_fwd, "full": layer_fwd}[p.activation_checkpoint]
+        # op on CPU ranks: the CPU's SDPA kernel is not among the ops the policy keeps
+        op_gemms += attn_fwd if case.device == "cpu" else 0.0
+        recompute = {"none": 0.0, "selective": attn_fwd, "op": op_gemms, "full": layer_fwd}[
+            p.activation_checkpoint
+        ]
         layer_flops = 3 * layer_fwd + recompute
     head_fwd = 2 * m.vocab_size * m.hidden_size * tokens_mb / (p.tp * p.tp_col)
     efficiency = compute_efficiency(case)

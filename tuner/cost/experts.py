@@ -26,7 +26,7 @@ from trainer.contract.parallel import ParallelConfig
 from tuner.cost import dtypes
 from tuner.cost.collectives import Comm, Link, call_overhead_s
 from tuner.cost.context import local_tokens
-from tuner.cost.layer import layer_params
+from tuner.cost.layer import Op, attention_ops, layer_params, mlp_ops, op_checkpoint
 from tuner.cost.pipeline import stage_layers
 from tuner.spec import ClusterSpec
 
@@ -141,9 +141,13 @@ def moe_step(case: Case, dense_efficiency: float) -> MoEStep:
     tokens = routed_tokens(m, p)
     full = p.activation_checkpoint == "full"
     passes = 4 if full else 3  # forward, backward (2x), recompute
+    # op-level checkpointing recomputes the memory-bound work and the matmuls it does not keep
+    own_passes = 4 if p.activation_checkpoint in ("full", "op") else 3
     shared_mlp = m.mlp_matrices * h * m.moe_shared_ffn_hidden_size
     dense_mlp = m.mlp_matrices * h * m.ffn_size
     gemm_delta = 2 * (shared_mlp + h * e - dense_mlp) * tokens * passes
+    if p.activation_checkpoint == "op":
+        gemm_delta += moe_op_recomputed_delta(m, p, case.value_bytes, case.device) * case.tokens_mb
     eff = expert_gemm_efficiency(case)
     factor = imbalance_factor(m, p, case.moe_imbalance)
     expert_flops = 2 * k * m.expert_params * tokens * passes
@@ -155,7 +159,7 @@ def moe_step(case: Case, dense_efficiency: float) -> MoEStep:
     mlp_units = 2 * m.mlp_kind.kept * (k * m.expert_ffn_size + m.moe_shared_ffn_hidden_size - m.ffn_size)
     units = mlp_units + 8 * e + 4 * k * h
     own_delta = (
-        tokens * units * case.units_16bit * passes * c.elementwise_flops_per_byte / case.memory_peak_flops
+        tokens * units * case.units_16bit * own_passes * c.elementwise_flops_per_byte / case.memory_peak_flops
     )
     return MoEStep(gemm_delta, expert_s, own_delta, a2a(case), eff, factor, tokens_per_expert(m, p))
 
@@ -168,8 +172,10 @@ def a2a_volume_bytes(case: Case) -> float:
 
 def a2a_calls(p: ParallelConfig) -> int:
     """All-to-alls per MoE layer and micro-batch: dispatch and combine in forward and backward,
-    and the forward's two again when full recompute reruns the layer."""
-    return 6 if p.activation_checkpoint == "full" else 4
+    and the forward's two again when full recompute reruns the layer (op-level checkpointing too:
+    the experts' input and output are not kept, trainer/moe.py's all-to-all is not a functional
+    collective its policy keeps)."""
+    return 6 if p.activation_checkpoint in ("full", "op") else 4
 
 
 def a2a(case: Case) -> Comm:
@@ -219,7 +225,9 @@ def local_expert_params(m: ModelConfig, ep: int) -> float:
     return m.num_experts // ep * m.expert_params
 
 
-def moe_activation_delta_per_token(m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float) -> float:
+def moe_activation_delta_per_token(
+    m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float, device: str = "gpu"
+) -> float:
     """Bytes a MoE layer keeps per token of a micro-batch beyond a dense layer's (full recompute:
     0, the layer input only), as trainer/moe.py's autograd graph saves them (traced per tensor:
     docs/perfmodel.md, "MoE activations"). Per routed assignment (k a token):
@@ -243,6 +251,8 @@ def moe_activation_delta_per_token(m: ModelConfig, p: ParallelConfig, cb: int, i
     T tokens a rank)."""
     if p.activation_checkpoint == "full":
         return 0.0
+    if p.activation_checkpoint == "op":
+        return moe_op_delta_per_token(m, p, cb, imbalance, device)
     tensors = m.mlp_kind.kept
     k, h, f = m.moe_top_k, m.hidden_size, m.expert_ffn_size
     row_indices = 8 * (3 if p.ep > 1 else 1)
@@ -257,6 +267,56 @@ def moe_activation_delta_per_token(m: ModelConfig, p: ParallelConfig, cb: int, i
         router += 4 * m.num_experts * h * p.tp / local_tokens(m, p)  # the weight, not split over tp
     shared = tensors * m.moe_shared_ffn_hidden_size * cb
     return (experts_side + token_side + router + shared - tensors * m.ffn_size * cb) / p.tp
+
+
+def moe_ops(m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float, device: str = "gpu") -> list[Op]:
+    """A MoE layer's MLP half as op-level checkpointing sees it (tuner.cost.layer.Op), in
+    trainer/moe.py's order, per token of a micro-batch on this rank (a rank routes 1 / tp of them:
+    the router and the shared expert are replicated over tp): the router's matmul (always
+    recomputed: torchtitan's forced shape), its top-k values (fp32) and ids (int64), kept, the
+    shared expert's linears, the experts' GEMMs at k x the imbalance factor assignments a token (on
+    GPUs torch._grouped_mm, not in the policy's list: recomputed; on CPU a loop of matmuls over the
+    rank's E / ep experts, kept in turn), and the batched product that weights and sums them (bmm:
+    kept)."""
+    h, k, f, t = m.hidden_size, m.moe_top_k, m.expert_ffn_size, p.tp
+    ops = [Op("recomputed", 0.0, 2 * h * m.num_experts / t), Op("saved", k * (4 + 8) / t)]
+    if m.moe_shared_ffn_hidden_size:
+        shared = mlp_ops(m, p, cb, m.moe_shared_ffn_hidden_size, 1)
+        ops += [Op(o.kind, o.bytes / t, o.flops / t) for o in shared]
+    share = k * imbalance / t  # assignments a token of the micro-batch, on the busiest rank
+    widths = [f] * m.mlp_kind.inputs + [h]
+    ins = [h] * m.mlp_kind.inputs + [f]
+    if device == "gpu":
+        ops += [Op("recomputed", 0.0, 2 * i * w * share) for w, i in zip(widths, ins, strict=True)]
+    else:
+        local = m.num_experts // p.ep
+        per_expert = share / local
+        for _ in range(local):
+            ops += [
+                Op("mm", w * per_expert * cb, 2 * i * w * per_expert)
+                for w, i in zip(widths, ins, strict=True)
+            ]
+    ops.append(Op("saved", h * cb / t))
+    return ops
+
+
+def moe_op_recomputed_delta(m: ModelConfig, p: ParallelConfig, cb: int, device: str = "gpu") -> float:
+    """The GEMM FLOPs op-level checkpointing runs again per token in a MoE layer beyond a dense
+    one (the experts' at the mean load)."""
+    attention = attention_ops(m, p, cb)
+    moe = op_checkpoint(attention + moe_ops(m, p, cb, 1.0, device))[1]
+    return moe - op_checkpoint(attention + mlp_ops(m, p, cb, m.ffn_size, p.tp))[1]
+
+
+def moe_op_delta_per_token(
+    m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float, device: str = "gpu"
+) -> float:
+    """What a MoE layer keeps beyond a dense one under op-level checkpointing, per token: the same
+    attention first (the matmuls' count carries on into the MLP half)."""
+    attention = attention_ops(m, p, cb, device)
+    moe, _ = op_checkpoint(attention + moe_ops(m, p, cb, imbalance, device))
+    dense, _ = op_checkpoint(attention + mlp_ops(m, p, cb, m.ffn_size, p.tp))
+    return moe - dense
 
 
 # A rank's experts in memory -------------------------------------------------------------------
@@ -274,7 +334,9 @@ class ExpertRank:
     flow_per_token: float  # gradients flowing in a MoE layer's backward beyond a dense one's
 
 
-def expert_rank(m: ModelConfig, p: ParallelConfig, cb: int, stage: int, imbalance: float) -> ExpertRank:
+def expert_rank(
+    m: ModelConfig, p: ParallelConfig, cb: int, stage: int, imbalance: float, device: str = "gpu"
+) -> ExpertRank:
     """The experts of the rank at pipeline coordinate `stage`, with `cb` bytes a value of the
     compute dtype, at the study's `imbalance` (the same on either device's kernels: the grouped
     GEMM's padded copy replaces the gathered rows the CPU's loop keeps)."""
@@ -291,7 +353,7 @@ def expert_rank(m: ModelConfig, p: ParallelConfig, cb: int, stage: int, imbalanc
     return ExpertRank(
         num_moe=num_moe, dense_params=num_dense * layer_params(m, p.tp) + num_moe * moe_params,
         experts=num_moe * experts, layer_params=moe_params + experts,
-        act_per_token=moe_activation_delta_per_token(m, p, cb, factor), flow_per_token=max(grads, 0.0) if num_moe else 0.0,
+        act_per_token=moe_activation_delta_per_token(m, p, cb, factor, device), flow_per_token=max(grads, 0.0) if num_moe else 0.0,
     )  # fmt: skip
 
 

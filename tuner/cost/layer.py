@@ -6,6 +6,7 @@ attention are asked for their facts (trainer/contract/blocks.py), never compared
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainer.contract.model import ModelConfig
@@ -61,6 +62,8 @@ def activation_bytes_per_token(
     shard = t if p.sequence_parallel else 1
     if p.activation_checkpoint == "full":
         return res * h / shard
+    if p.activation_checkpoint == "op":
+        return op_activation_bytes_per_token(m, p, cb, res, device)
     # Under autocast (an fp32 residual: no FSDP2 mixed precision) each linear casts its input
     # itself, so q, k and v save a copy each of the first norm's output where FSDP2's bf16
     # modules share one (and SwiGLU's gate and up projections of the second's).
@@ -157,3 +160,90 @@ def layer_params(m: ModelConfig, tp: int, tp_col: int = 1) -> float:
     if m.qkv_bias:
         params += (m.hidden_size + 2 * m.kv_size) / tp
     return params
+
+
+# Op-level checkpointing ("op": trainer/parallelize.py op_sac_policy) ------------------------------
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of a block's forward as op-level checkpointing sees it, per token of a micro-batch on
+    this rank: `kind` "mm" (aten.mm: kept or recomputed in turn), "saved" (always kept: SDPA's CUDA
+    kernels, addmm, bmm, topk, reduce-scatter) or "recomputed" (never kept: the router's matmul,
+    the grouped GEMM, the CPU's SDPA kernel); the bytes of its output and its GEMM FLOPs."""
+
+    kind: str
+    bytes: float
+    flops: float = 0.0
+
+
+def op_checkpoint(ops: list[Op]) -> tuple[float, float]:
+    """(bytes kept, GEMM FLOPs recomputed) per token of a block under torchtitan's policy
+    (trainer/parallelize.py op_sac_policy): the outputs of the saved ops and of every other
+    matmul, the first included; the matmuls in between and the never-kept GEMMs run again in
+    backward."""
+    kept = recomputed = 0.0
+    mms = 0
+    for op in ops:
+        if op.kind == "mm":
+            mms += 1
+            if mms % 2:
+                kept += op.bytes
+            else:
+                recomputed += op.flops
+        elif op.kind == "saved":
+            kept += op.bytes
+        else:
+            recomputed += op.flops
+    return kept, recomputed
+
+
+def _linear(width: float, flops_in: float, cb: int, bias: bool = False) -> Op:
+    """A linear layer's output (width values a token) and its FLOPs from flops_in inputs a value:
+    aten.mm without a bias, addmm (always kept) with one (F.linear folds a 3-D input to 2-D)."""
+    return Op("saved" if bias else "mm", width * cb, 2 * flops_in * width)
+
+
+def attention_ops(m: ModelConfig, p: ParallelConfig, cb: int, device: DeviceKind = "gpu") -> list[Op]:
+    """The attention half of a block, in the trainer's order (trainer/model.py Attention): q, k and
+    v (column-parallel: over tp), SDPA (on GPUs its output and fp32 log-sum-exp per head, kept; the
+    CPU's kernel is not in the policy's list: recomputed, no GEMM FLOPs counted here), the
+    out-projection (row-parallel: every rank's partial sum is h wide), and under sequence
+    parallelism its reduce-scatter (kept, h / tp)."""
+    h, t = m.hidden_size, p.tp
+    ops = [_linear(w / t, h, cb, m.qkv_bias) for w in (m.q_size, m.kv_size, m.kv_size)]
+    ops.append(Op("saved" if device == "gpu" else "recomputed", m.q_size / t * cb + 4 * m.num_heads / t))
+    ops.append(_linear(h, m.q_size / t, cb))
+    if p.sequence_parallel:
+        ops.append(Op("saved", h / t * cb))
+    return ops
+
+
+def mlp_ops(m: ModelConfig, p: ParallelConfig, cb: int, ffn: int, tp: int) -> list[Op]:
+    """A dense MLP of width `ffn` over `tp` ranks: its input linears (SwiGLU's gate, then up; GELU's
+    fc), the down projection (a partial sum, h wide), and its reduce-scatter under sequence
+    parallelism when split over tp."""
+    h = m.hidden_size
+    ops = [_linear(ffn / tp, h, cb) for _ in range(m.mlp_kind.inputs)]
+    ops.append(_linear(h, ffn / tp, cb))
+    if p.sequence_parallel and tp > 1:
+        ops.append(Op("saved", h / tp * cb))
+    return ops
+
+
+def op_activation_bytes_per_token(
+    m: ModelConfig, p: ParallelConfig, cb: int, res: int, device: DeviceKind = "gpu"
+) -> float:
+    """A dense block's bytes per token under op-level checkpointing: its input (the checkpoint's,
+    in the residual's dtype; over tp with sequence parallelism) and what op_checkpoint keeps of
+    attention and the MLP. Norms, rotary positions, activations, GQA's repeat, all-gathers and
+    all-reduces are recomputed."""
+    shard = p.tp if p.sequence_parallel else 1
+    kept, _ = op_checkpoint(attention_ops(m, p, cb, device) + mlp_ops(m, p, cb, m.ffn_size, p.tp))
+    return res * m.hidden_size / shard + kept
+
+
+def op_recomputed_flops_per_token(m: ModelConfig, p: ParallelConfig, cb: int) -> float:
+    """The GEMM FLOPs op-level checkpointing runs again per token of a dense block (every other
+    matmul)."""
+    return op_checkpoint(attention_ops(m, p, cb) + mlp_ops(m, p, cb, m.ffn_size, p.tp))[1]

@@ -121,7 +121,7 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     head_weight = 0.0 if m.tie_embeddings and first else v * h / t
     head = (head_weight + m.norm_params) / k if last else 0.0
     params = stage_layers(m.num_layers, p, stage) * layer_params(m, t, k) + embed + head
-    moe = expert_rank(m, p, cb, stage, case.moe_imbalance) if m.moe else None  # the experts' part
+    moe = expert_rank(m, p, cb, stage, case.moe_imbalance, device) if m.moe else None  # the experts' part
     if moe is not None:
         params = moe.dense_params + embed + head
     tokens, shard = case.tokens_mb, t if p.sequence_parallel else k
@@ -142,12 +142,16 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         layers += moe.num_moe * moe.act_per_token * tokens
     logits = tokens * v / t  # per micro-batch, vocab-sharded
     recompute = 0.0
-    if p.activation_checkpoint == "full":  # recomputing a layer brings its activations back
+    if p.activation_checkpoint in ("full", "op"):  # recomputing a layer brings its activations back
         plain = ParallelConfig(**{**p.to_dict(), "activation_checkpoint": "none"})
         recompute = activation_bytes_per_token(m, plain, cb, c, residual, device) * tokens
         recompute += gathered_kv_bytes(m, plain, cb)
         if moe is not None and moe.num_moe:
-            recompute += expert_rank(m, plain, cb, stage, case.moe_imbalance).act_per_token * tokens
+            recompute += expert_rank(m, plain, cb, stage, case.moe_imbalance, device).act_per_token * tokens
+        if p.activation_checkpoint == "op":  # less what it kept: the recompute reuses those outputs
+            recompute -= (layer - residual * h / (t if p.sequence_parallel else 1) * tokens) + (
+                moe.act_per_token * tokens if moe is not None and moe.num_moe else 0.0
+            )
     # Transient: the fp32 copy of the bf16 logits (forward), or the log-softmax's gradient and the
     # logits' (backward; loss_parallel computes the second in place).
     loss = max(4 + (cb if cb < 4 else 0), 8 if t == 1 else 4) * logits

@@ -76,8 +76,11 @@ def tensor_1d(case: Case, layers: float) -> Comm:
 
 
 def tp_1d_collectives(p: ParallelConfig) -> int:
-    """1D tensor parallelism's blocking collectives per layer and micro-batch (Megatron-3D sec. 3.2)."""
-    return 4 + (2 if p.activation_checkpoint == "full" else 0)
+    """1D tensor parallelism's blocking collectives per layer and micro-batch (Megatron-3D sec. 3.2);
+    op-level checkpointing reruns attention's all-reduce (with sequence parallelism the two
+    all-gathers; it keeps the reduce-scatters) and stops before the MLP's, which nothing in the
+    backward needs (checkpoint's early stop)."""
+    return 4 + {"full": 2, "op": 1}.get(p.activation_checkpoint, 0)
 
 
 def tensor_2d(case: Case, layers: float, dw_mb: float) -> tuple[Comm, float]:

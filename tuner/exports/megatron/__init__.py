@@ -110,6 +110,9 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
                  ("--recompute-num-layers", 1)]  # fmt: skip
     elif c.activation_checkpoint == "selective":
         args.append(("--recompute-granularity", "selective"))
+    elif c.activation_checkpoint == "op":  # the nearest modules: norms, the experts' activation
+        modules = ("layernorm", "moe_act") if m.moe else ("layernorm",)
+        args += [("--recompute-granularity", "selective"), ("--recompute-modules", " ".join(modules))]
     if fsdp:
         args += [("--use-torch-fsdp2", None), ("--no-gradient-accumulation-fusion", None)]
     elif c.zero_stage:
@@ -218,6 +221,13 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
         )
     if c.activation_checkpoint == "selective":
         notes.append("selective recompute is the attention core in both (Korthikanti et al. 2022).")
+    if c.activation_checkpoint == "op":
+        notes.append(
+            "op (torchtitan's op-level checkpointing, as measured) has no Megatron equivalent: "
+            "--recompute-modules layernorm (and moe_act) discards the norms' (and the experts' "
+            "activation's) outputs only, where op also recomputes every other matmul, the activations "
+            "and the MoE experts' GEMMs: Megatron holds more, computes less."
+        )
     if spec.training.precision == "fp16":
         notes.append("--bf16: --use-torch-fsdp2 does not support fp16; the trainer measured bf16 too."
                      if _megatron_fsdp2(spec, config)

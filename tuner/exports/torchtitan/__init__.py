@@ -71,8 +71,9 @@ TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "I
 TORCHTITAN_RESHARD = {0: "default", 2: "never", 3: "always"}
 # activation_checkpoint -> (module to import from, the Trainer.Config value)
 _AC_MODULE = "torchtitan.distributed.activation_checkpoint"
+# (torchtitan's SelectiveAC is op-level: ours "op" is its policy, trainer/parallelize.py)
 TORCHTITAN_AC = {"none": ("", "None"), "full": (_AC_MODULE, "FullAC.Config()"),
-                 "selective": (_AC_MODULE, "SelectiveAC.Config()")}  # fmt: skip
+                 "selective": (_AC_MODULE, "SelectiveAC.Config()"), "op": (_AC_MODULE, "SelectiveAC.Config()")}  # fmt: skip
 TORCHTITAN_CONFIG_FN = "tuned_layout"
 # What the export's base config (torchtitan's llama3_debugmodel) reads, relative to the working
 # directory: files of a torchtitan source checkout that the package does not ship (tests/tuner/test_export.py
@@ -246,7 +247,8 @@ def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
     if c.activation_checkpoint == "selective":
         notes.append(
             "selective: ours recomputes the attention core (Korthikanti et al. 2022); torchtitan's "
-            "SelectiveAC saves matmul outputs (every second one) instead: similar, not the same memory."
+            "SelectiveAC saves matmul outputs (every second one) instead: similar, not the same memory "
+            "(activation_checkpoint op is torchtitan's policy)."
         )
     if spec.training.precision == "fp16":
         notes.append("fp16 study: torchtitan's mixed precision is bfloat16 (the trainer measured bf16 too).")
