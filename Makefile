@@ -26,7 +26,8 @@ demo: setup
 #   process, started first and in the background: most of their time is waiting on Slurm (a job's
 #   start, a node's timeout, a time limit of a minute) with the machine's load near 1. Their output
 #   is printed when they end (the file: $$SLURM_LOG, or a new one in /tmp);
-# - meanwhile, at a lower priority (nice) so that Slurm's daemons and jobs keep their timing,
+# - meanwhile, at the same priority (under nice 10 the Slurm run's trials took ~90 % of the
+#   cores whenever both ran, and the foreground became the longer of the two: 28 min against 21),
 #   everything else on both cores (pytest-xdist; a worker that runs out steals the other's queue):
 #   the single-process groups, the multi-process trials (ranks of their own, forked from one
 #   server: tests/trainer/conftest.py) and the browser; one OpenMP thread a process (two workers of
@@ -39,7 +40,7 @@ test: setup system-deps
 	log=$${SLURM_LOG:-$$(mktemp /tmp/parallel-tuner-slurm-tests.XXXXXX)}; \
 	echo "make test: the Slurm tests run in the background, output in $$log"; \
 	$(PYTEST) -p no:cacheprovider -m "slurm" >"$$log" 2>&1 & slurm_pid=$$!; \
-	OMP_NUM_THREADS=1 nice -n 10 $(PYTEST) -n 2 --dist worksteal -m "not slurm"; rest=$$?; \
+	OMP_NUM_THREADS=1 $(PYTEST) -n 2 --dist worksteal -m "not slurm"; rest=$$?; \
 	wait $$slurm_pid; slurm=$$?; \
 	echo "==================== the Slurm tests (in the background) ===================="; \
 	cat "$$log"; \
