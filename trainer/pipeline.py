@@ -1,5 +1,6 @@
 """Pipeline parallelism: split a GPT into stages and drive them with a torch.distributed.pipelining
-schedule (GPipe, 1F1B, interleaved 1F1B).
+schedule (GPipe, 1F1B, interleaved 1F1B), holding its buffers and sends no longer than Megatron-LM
+holds them (OnDemandStage, Interleaved1F1B).
 
 Every stage is the same GPT class with parts removed, so each keeps its own copy of the rotary
 table (a buffer, not a parameter). A head tied to the token embedding (small Llamas) becomes two
@@ -8,8 +9,10 @@ copies of the one weight, on the first and the last stage: TiedEmbeddings keeps 
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,10 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.pipelining import schedules as schedules_module
+from torch.distributed.pipelining import stage as stage_module
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
+from torch.distributed.pipelining.schedules import _ComputationType as ComputationType
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
@@ -142,17 +149,199 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> _PipelineSchedule:
     stages = [
-        PipelineStage(module, stage_id, num_stages, device, group=pp_mesh.get_group())
+        OnDemandStage(module, stage_id, num_stages, device, group=pp_mesh.get_group())
         for stage_id, module in stage_modules
     ]
     for stage in stages:
         if moe_layers([stage.submod]):
             _clean_all_after_inference(stage)
     if schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    (stage,) = stages
-    return cls(stage, n_microbatches=num_microbatches, loss_fn=loss_fn)
+        runner: _PipelineSchedule = Interleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+    else:
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        (stage,) = stages
+        runner = cls(stage, n_microbatches=num_microbatches, loss_fn=loss_fn)
+    for stage in stages:
+        stage.schedule = weakref.ref(runner)
+    return runner
+
+
+class OnDemandStage(PipelineStage):
+    """torch's PipelineStage with its receive buffers allocated when their receive is posted and
+    dropped after the micro-batch's backward, as Megatron-LM's p2p_communication allocates them.
+
+    torch allocates a stage's buffers once for every micro-batch: an input buffer for each
+    micro-batch it receives and a gradient buffer for each it sends, kept for the whole run:
+    2 n boundary tensors on a middle stage (n micro-batches), each also a local stage's share
+    when interleaved: 47 GiB on Qwen3-30B-A3B's published 16-GPU layout (PP 2 x VP 24, 32
+    micro-batches of 2 x 4096 tokens). Here a received input lives from its receive to its
+    micro-batch's backward (autograd keeps it as long anyway) and a received gradient from its
+    receive to the end of that backward.
+
+    The last stage's loss of each micro-batch stays in its schedule (`_internal_losses`) until the
+    step ends; after the backward its graph holds only the stage's input, the leaf its
+    AccumulateGrad node refers to, with that input's gradient: a detached loss lets both go."""
+
+    schedule: weakref.ref[_PipelineSchedule] | None = None
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        with _no_buffers():  # torch's loop over the micro-batches, metadata only
+            super()._setup_forward_recv_info(num_microbatches, has_backward)
+
+    def _create_grad_recv_info(self, act_send_info: dict):  # type: ignore[override]
+        with _no_buffers():
+            return super()._create_grad_recv_info(act_send_info)
+
+    def _get_recv_ops(self, recv_infos):  # type: ignore[override]
+        for info in recv_infos:
+            if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+        return super()._get_recv_ops(recv_infos)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int):  # type: ignore[override]
+        return self._posting("F", fwd_chunk_id, super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):  # type: ignore[override]
+        return self._posting("B", bwd_chunk_id, super().get_bwd_send_ops(bwd_chunk_id))
+
+    def _posting(self, kind: str, mb: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        """Tell an interleaved schedule's Sends which send the next batch of isends is."""
+        runner = self.schedule() if self.schedule is not None else None
+        if isinstance(runner, Interleaved1F1B) and ops:
+            runner.sends.pending = (kind, self.stage_index, mb)
+        return ops
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
+        runner = self.schedule() if self.schedule is not None else None
+        if isinstance(runner, Interleaved1F1B) and not self.is_first:  # its input has arrived
+            runner.sends.received_forward(self.stage_index, fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
+        runner = self.schedule() if self.schedule is not None else None
+        if isinstance(runner, Interleaved1F1B) and not self.is_last:  # its gradient has arrived
+            runner.sends.received_backward(self.stage_index, bwd_chunk_id)
+        result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        for infos in (self.args_recv_info.get(bwd_chunk_id, ()), self.grad_recv_info.get(bwd_chunk_id, ())):
+            for info in infos:
+                if not info.is_root_arg and info.tensor_meta is not None:
+                    info.buffer = None
+        losses = getattr(runner, "_internal_losses", None)
+        if self.is_last and losses is not None and bwd_chunk_id < len(losses):
+            losses[bwd_chunk_id] = losses[bwd_chunk_id].detach()
+        return result
+
+
+class Interleaved1F1B(ScheduleInterleaved1F1B):
+    """torch's interleaved 1F1B with each send let go once its receiver has it, not at the step's
+    end. torch's runtime keeps every send's Work, and with it the tensor sent, until the step
+    ends (`send_ops`): every local stage's output and input gradient of every micro-batch, 2 n v
+    boundary tensors a rank (another 48 GiB on Qwen3-30B-A3B's published layout; see
+    OnDemandStage). Waiting on a send early could deadlock (both neighbours sending before
+    either receives); waiting on one the receiver has provably received cannot. `Sends` says
+    when, from what this rank has itself received."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sends = Sends(self.pipeline_order, self.rank, self.pp_group_size)
+
+    def _step_microbatches(self, *args, **kwargs):  # type: ignore[override]
+        original = schedules_module._batch_p2p
+
+        def batch_p2p(ops: list[dist.P2POp], desc: str | None = None) -> list:
+            works = original(ops, desc)
+            if ops and all(op.op is dist.isend for op in ops):
+                return self.sends.hold(works)
+            return works
+
+        schedules_module.__dict__["_batch_p2p"] = batch_p2p
+        try:
+            return super()._step_microbatches(*args, **kwargs)
+        finally:
+            schedules_module.__dict__["_batch_p2p"] = original
+            self.sends.clear()
+
+
+class SentWork:
+    """A send's Work, waited on and dropped (with its tensor) when released; torch's runtime
+    waits on this proxy at the step's end as on the Work itself."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work: dist.Work | None = work
+
+    def wait(self, *args, **kwargs) -> bool:
+        if self.work is not None:
+            self.work.wait(*args, **kwargs)
+            self.work = None
+        return True
+
+
+class Sends:
+    """The sends of one interleaved pipeline rank, each released as soon as this rank has
+    received something its receiver sent after receiving it (causality, no clock):
+    - a local stage s's output for micro-batch k (to stage s + 1): once s's gradient for k arrives
+      (stage s + 1 ran k's forward, so it had received k's input, before its backward sent it);
+    - s's input gradient for k (to stage s - 1, on the previous rank): once an input arrives that
+      the previous rank sent after its backward of (s - 1, k), in its order (`pipeline_order`:
+      every rank computes every rank's)."""
+
+    def __init__(self, pipeline_order: dict, rank: int, pp: int) -> None:
+        self.previous = (rank - 1) % pp
+        # where each forward and backward falls in the previous rank's order
+        self.position: dict[tuple[str, int, int], int] = {}
+        kinds = {ComputationType.FORWARD: "F", ComputationType.FULL_BACKWARD: "B"}
+        for i, a in enumerate(a for a in pipeline_order[self.previous] if a is not None):
+            if a.computation_type in kinds:
+                self.position[(kinds[a.computation_type], a.stage_index, a.microbatch_index)] = i
+        self.pending: tuple[str, int, int] | None = None  # the send being posted (stage reports it)
+        self.outputs: dict[tuple[int, int], list[SentWork]] = {}  # (stage, micro-batch): its output
+        # input gradients: (the previous rank's position of the backward they wait for, the send)
+        self.gradients: list[tuple[int, list[SentWork]]] = []
+
+    def hold(self, works: list[dist.Work]) -> list[SentWork]:
+        held = [SentWork(w) for w in works]
+        kind, stage, mb = self.pending if self.pending is not None else ("?", -1, -1)
+        self.pending = None
+        if kind == "F":
+            self.outputs[(stage, mb)] = held
+        elif kind == "B":
+            self.gradients.append((self.position.get(("B", stage - 1, mb), -1), held))
+        return held
+
+    def received_backward(self, stage: int, mb: int) -> None:
+        for sent in self.outputs.pop((stage, mb), ()):
+            sent.wait()
+
+    def received_forward(self, stage: int, mb: int) -> None:
+        reached = self.position.get(("F", stage - 1, mb))
+        if reached is None:
+            return
+        keep = []
+        for after, held in self.gradients:
+            if 0 <= after < reached:
+                for sent in held:
+                    sent.wait()
+            else:
+                keep.append((after, held))
+        self.gradients = keep
+
+    def clear(self) -> None:
+        self.outputs.clear()
+        self.gradients.clear()
+        self.pending = None
+
+
+@contextlib.contextmanager
+def _no_buffers() -> Iterator[None]:
+    """torch.distributed.pipelining.stage allocates a receive buffer by calling its module-level
+    _make_tensor_from_meta: make it allocate none (the receive allocates, OnDemandStage)."""
+    stage_module.__dict__["_make_tensor_from_meta"] = lambda meta, device: None
+    try:
+        yield
+    finally:
+        stage_module.__dict__["_make_tensor_from_meta"] = _make_tensor_from_meta
 
 
 def _clean_all_after_inference(stage: PipelineStage) -> None:

@@ -17,7 +17,7 @@ from tuner.cost.case import Case
 from tuner.cost.data import model_state_bytes
 from tuner.cost.layer import activation_bytes_per_token, layer_params
 from tuner.cost.memory import phase_bytes, rank_bytes
-from tuner.cost.pipeline import in_flight, interleaved_order
+from tuner.cost.pipeline import _ops_with_microbatches, in_flight, interleaved_order
 from tuner.hardware import cluster_preset
 from tuner.perfconstants import ModelConstants
 from tuner.perfmodel import estimate
@@ -379,15 +379,19 @@ def test_the_interleaved_order_is_torchs(pp: int, v: int, n: int) -> None:
         assert interleaved_order(pp, v, n, rank) == [
             (kinds[a.computation_type], a.stage_index // pp) for a in ops
         ]
+        # ... and their micro-batches, which say when a held send is let go (_released)
+        assert _ops_with_microbatches(pp, v, n, rank) == [
+            (kinds[a.computation_type], a.stage_index // pp, a.microbatch_index) for a in ops
+        ]
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_the_interleaved_walk_without_its_middle_periods_finds_the_same_peak(
     zero_stage: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """tuner.cost.pipeline._walk leaves out the steady state's middle periods (adding their sends
-    at once): the same peak moment on every rank as the whole walk, to rounding, for 1F1B rounds
-    of pp micro-batches and for uneven ones (n not a multiple of pp)."""
+    """tuner.cost.pipeline._walk leaves out the steady state's middle periods (adding their held
+    sends at once): the same peak moment on every rank as the whole walk, to rounding, for 1F1B
+    rounds of pp micro-batches and for uneven ones (n not a multiple of pp)."""
     import tuner.cost.pipeline as pipeline
 
     m = MODEL_PRESETS["llama3.1-8b"]
@@ -396,16 +400,22 @@ def test_the_interleaved_walk_without_its_middle_periods_finds_the_same_peak(
         p = ParallelConfig(pp=pp, virtual_stages=v, num_microbatches=n, pp_schedule="interleaved_1f1b",
                            dp_shard=2, zero_stage=zero_stage)  # fmt: skip
         short = [phase_bytes(Case(m, p, "bf16", c), stage) for stage in range(pp)]
-        assert any(pipeline._walk(pp, v, n, stage)[1] for stage in range(pp)) == (n >= 4 * pp)
+        assert any(pipeline._walk(pp, v, n, stage)[2] for stage in range(pp)) == (n >= 4 * pp)
         with monkeypatch.context() as patched:
-            patched.setattr(
-                pipeline, "_walk", lambda pp, v, n, rank: (pipeline._order(pp, v, n, rank), 0, (), 1)
-            )
+            patched.setattr(pipeline, "_walk", whole_walk)
             whole = [phase_bytes(Case(m, p, "bf16", c), stage) for stage in range(pp)]
         for a, b in zip(short, whole, strict=True):
             assert a.keys() == b.keys()
             for phase in a:
                 assert a[phase] == pytest.approx(b[phase], rel=1e-12), (pp, v, n, phase)
+
+
+def whole_walk(pp: int, v: int, n: int, rank: int) -> tuple:
+    """tuner.cost.pipeline._walk without leaving anything out."""
+    import tuner.cost.pipeline as pipeline
+
+    order, released = pipeline._order(pp, v, n, rank), pipeline._released(pp, v, n, rank)
+    return tuple((kind, j, r) for (kind, j), r in zip(order, released, strict=True)), 0, ()
 
 
 @pytest.mark.oracle

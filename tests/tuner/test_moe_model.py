@@ -455,7 +455,9 @@ def test_dense_predictions_unchanged() -> None:
     (tuner.cost.pipeline.interleaved_order, stop 36); 19 rows whose peak was the optimizer step,
     re-priced for fused AdamW (no temporary; issue 37); one row's memory by 2e-16 (relative) when
     the interleaved walk began to leave out the steady state's middle periods (their sends added
-    at once, not one by one: tuner.cost.pipeline._walk)."""
+    at once, not one by one: tuner.cost.pipeline._walk); 271 pipeline rows' memory when the
+    trainer began to allocate receive buffers on demand and let interleaved sends go as they are
+    received (trainer/pipeline.py OnDemandStage, Interleaved1F1B; issue 37)."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300
     specs = {}

@@ -88,7 +88,7 @@ def test_full_checkpointing_costs_a_third_more_compute_and_saves_memory() -> Non
     full = estimate(GPT3, layout(8, 8, 1, **base, activation_checkpoint="full"), a100(8))
     assert full.compute_s / none.compute_s == pytest.approx(4 / 3, rel=0.03)
     # The layers' activations shrink ~40x (2sbh of ~87 sbh per layer); what stays is the same for
-    # both: pipeline receive buffers for all 64 micro-batches.
+    # both: the batch, the stage boundaries and what a layer keeps under recompute.
     assert full.activations_bytes < none.activations_bytes / 2 and full.memory_bytes < none.memory_bytes
     # Ranking: with room to spare no checkpointing wins; on fewer, smaller devices the best
     # layout that fits has to checkpoint.

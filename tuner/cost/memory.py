@@ -75,7 +75,7 @@ class RankBytes:
     head: float  # one micro-batch's on the last stage: the head's input, the fp32 log-softmax
     flow: float  # gradients flowing back inside a layer, with recompute its activations
     loss: float  # the loss's transient: logits in bf16 and fp32, or their gradients
-    buffers: float  # pipeline receive buffers and the batch, all step long
+    buffers: float  # the batch's micro-batches (and the rotary and mask buffers), all step long
     boundary: float  # what a stage sends the next per micro-batch (and gets back as its gradient)
     experts: float = 0.0  # a mixture of experts' routed experts on the rank (E / ep a MoE layer)
     ed: int = 1  # how many ways FSDP2 shards them (the expert data parallelism; 1: replicated)
@@ -127,17 +127,18 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     tokens, shard = case.tokens_mb, t if p.sequence_parallel else k
     boundary = tokens * h / shard * residual  # what one stage sends the next per micro-batch
     chunks = range(stage, p.num_stages, p.pp)
-    receiving = sum(i > 0 for i in chunks)  # chunks with a previous stage (receive activations)
     sending = sum(i < p.num_stages - 1 for i in chunks)  # ... with a next (receive gradients)
     layer = activation_bytes_per_token(m, p, cb, c, residual, device) * tokens + gathered_kv_bytes(m, p, cb)
     if m.positions_kind.rotary and dp > 1 and low:
         # FSDP2's and replicate's mixed precision casts every block's floating inputs, the cos/sin
         # buffer too: each layer keeps its bf16 copy (rotary's multiplications save it).
         layer += 2 * s_local * m.head_dim * cb
-    # A received input is its receive buffer; a stage's output is kept for its backward (held by
-    # its send when interleaved: pipeline.interleaved_moments).
+    # A received input is its receive buffer, allocated at its receive and dropped after its
+    # backward (trainer/pipeline.py OnDemandStage): the first layer's input, counted there; a
+    # stage's output is kept for its backward (held by its send when interleaved:
+    # pipeline.interleaved_moments).
     own = sending * boundary if p.virtual_stages == 1 else 0.0
-    layers = layer * stage_layers(m.num_layers, p, stage) + (own - receiving * boundary) / p.virtual_stages
+    layers = layer * stage_layers(m.num_layers, p, stage) + own
     if moe is not None:
         layers += moe.num_moe * moe.act_per_token * tokens
     logits = tokens * v / t  # per micro-batch, vocab-sharded
@@ -180,7 +181,7 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         head=(final_norm if k == 1 else tokens * (8 + norm_2d_bytes(m, residual)) * h / k)
         + (4 + (cb if p.pp > 1 else 0)) * logits if last else 0.0,
         flow=flow, loss=loss,
-        buffers=n * boundary * (receiving + sending) + 2 * 8 * n * tokens + rope + mask_bytes(m, p, cb),
+        buffers=2 * 8 * n * tokens + rope + mask_bytes(m, p, cb),
         boundary=boundary,
         experts=moe.experts if moe is not None else 0.0, ed=expert_shards(case),
         chunks=chunk_shares(m.num_layers, p, stage),
@@ -205,21 +206,23 @@ def forward_backward(
     if p.virtual_stages > 1:
         return interleaved_moments(p, r, stage, accumulated, working, fresh)
     n, inflight = p.num_microbatches, in_flight(p, stage)
+    # A backward's received gradient (OnDemandStage: from its receive to the backward's end)
+    flow = r.flow + (r.boundary if stage < p.pp - 1 else 0.0)
     # Every forward before the first backward (GPipe; 1F1B on a stage with n <= pp - stage; one
     # micro-batch): the peak can precede any gradient.
     first_backward = inflight >= n
     grads = 0.0 if first_backward else accumulated
     held = r.layers + r.head
     moments = [  # (working copies, gradients, activations)
-        (working, grads + fresh, held * (inflight - 1) + r.layers + r.flow),  # in a layer's backward
+        (working, grads + fresh, held * (inflight - 1) + r.layers + flow),  # in a layer's backward
     ]
     if r.head:  # the loss, every layer's activations still there
         moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held * inflight + r.loss))
     if first_backward and n > 1:  # GPipe: the next backward, with the first's gradients
-        moments.append((working, accumulated + fresh, held * (inflight - 2) + r.layers + r.flow))
+        moments.append((working, accumulated + fresh, held * (inflight - 2) + r.layers + flow))
         if r.head:  # ... and its loss, the later micro-batches' logits still there
             moments.append((r.whole, accumulated, held * (inflight - 1) + r.loss))
     if p.zero_stage == 3 and p.pp > 1:  # a backward that does not sync leaves its layers
         # gathered until their next forward: all of them at its last layer
-        moments.append((r.whole, accumulated + fresh, held * (inflight - 1) + r.layer + r.flow))
+        moments.append((r.whole, accumulated + fresh, held * (inflight - 1) + r.layer + flow))
     return max(moments, key=sum)

@@ -75,42 +75,42 @@ def interleaved_moments(
         layer_grads * f + ((4 * root_params + r.vocab_grad) if j == home else 0.0)
         for j, f in enumerate(r.chunks)
     ]
-    # torch's runtime waits for its sends at the end of the step: each holds what it sent, a
-    # local stage's output (also kept for its backward) or its input's gradient, until then.
+    # Sends (trainer/pipeline.py Interleaved1F1B): a local stage's output, kept for its backward
+    # anyway, is let go once its backward starts; its input's gradient is held until the
+    # previous rank has provably received it (_released: how many go at each forward).
     to_next = [stage + j * p.pp < p.num_stages - 1 for j in range(len(r.chunks))]
     to_previous = [stage + j * p.pp > 0 for j in range(len(r.chunks))]
     held, grads, started = 0.0, 0.0, set()
     # The peak moment by its sum, the first of equal ones: max(moments, key=sum), kept as it goes
     # (a + b + c is sum's order). The walk is a plan's hottest loop: the moments are inlined, and
-    # the steady state's middle periods are not walked (_walk: each raises every moment of the
-    # one before by the sends it leaves held, so the last period holds their peak).
+    # the steady state's middle periods are not walked (_walk: every period repeats the one
+    # before, its held gradients' net change added at once).
     best, best_sum = None, -math.inf
-    zero3, layers, flow = p.zero_stage == 3, r.layers, r.flow
-    head, skipped, tail, per_round = _walk(p.pp, p.virtual_stages, p.num_microbatches, stage)
-    held_per_period = per_round * sum(
-        (r.boundary if to_next[j] else 0.0) + (r.boundary if to_previous[j] else 0.0)
-        for j in range(len(r.chunks))
-    )
-    for kind, j in itertools.chain(head, (("skip", 0),), tail):
+    zero3, layers, flow, boundary = p.zero_stage == 3, r.layers, r.flow, r.boundary
+    head, skipped_net, tail = _walk(p.pp, p.virtual_stages, p.num_microbatches, stage)
+    for kind, j, released in itertools.chain(head, (("skip", 0, 0),), tail):
         if kind == "skip":
-            held += skipped * held_per_period
+            held += skipped_net * boundary
             continue
         if kind == "F":
-            held += acts[j] + (r.boundary if to_next[j] else 0.0)
+            held += acts[j] + (boundary if to_next[j] else 0.0) - released * boundary
             if last_rank and j == home:  # the loss, computed at the end of the last stage's forward
                 a, b, c = r.root if zero3 else r.whole, grads, held + r.loss
                 if a + b + c > best_sum:
                     best, best_sum = (a, b, c), a + b + c
             continue
         others = held - acts[j]
-        b, c = grads + fresh, others + layers * r.chunks[j] + flow
+        # ... with its received gradient (trainer/pipeline.py OnDemandStage) while it runs
+        grad_in = boundary if to_next[j] else 0.0
+        b, c = grads + fresh, others + layers * r.chunks[j] + flow + grad_in
         if working + b + c > best_sum:
             best, best_sum = (working, b, c), working + b + c
         if zero3:  # a backward that does not sync leaves its layers gathered (see above)
-            c = others + r.layer + flow
+            c = others + r.layer + flow + grad_in
             if r.whole + b + c > best_sum:
                 best, best_sum = (r.whole, b, c), r.whole + b + c
-        held = others + (r.boundary if to_previous[j] else 0.0)
+        # its output's send let go, its input gradient's held
+        held = others - grad_in + (boundary if to_previous[j] else 0.0)
         if j not in started:  # its gradients, whole and in fp32 until the step's last backward
             started.add(j)
             grads += grads_of[j]
@@ -125,26 +125,71 @@ def interleaved_order(pp: int, v: int, n: int, rank: int) -> list[tuple[str, int
 @functools.lru_cache(maxsize=4096)
 def _walk(
     pp: int, v: int, n: int, rank: int
-) -> tuple[tuple[tuple[str, int], ...], int, tuple[tuple[str, int], ...], int]:
-    """`_order` with the steady state's middle periods left out: (the ops up to the end of its
-    second period, how many periods are left out, the ops from its last period on, micro-batches
-    per round). A period is round x v steady ops (a forward and a backward each): the forwards'
-    and the backwards' local stages both repeat with it, every local stage has had its first
-    backward by the end of the first, and each one leaves the same sends held, so from the second
-    period on each period's moments are the previous one's plus those sends (>= 0): the last one
-    holds the peak of all of them (equal ones: the second's, the first of them)."""
+) -> tuple[tuple[tuple[str, int, int], ...], int, tuple[tuple[str, int, int], ...]]:
+    """`_order` with, for each op, the input gradients it lets go (_released), and the steady
+    state's middle periods left out: (the ops up to the end of its second period, the gradients
+    the left-out periods hold in all (sent less let go), the ops from its last period on). A
+    period is round x v steady ops (a forward and a backward each): the forwards' and the
+    backwards' local stages both repeat with it and every local stage has had its first backward
+    by the end of the first, so from the second period on each period's moments are the previous
+    one's plus its net held gradients (0 once the sends are let go as they arrive)."""
     order = _order(pp, v, n, rank)
+    released = _released(pp, v, n, rank)
+    ops = tuple((kind, j, let_go) for (kind, j), let_go in zip(order, released, strict=True))
     per_round = n // max(1, n // pp)
     total = v * n
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
     period = per_round * v
     periods = (total - warmup) // period
     if periods < 4:
-        return order, 0, (), per_round
+        return ops, 0, ()
     # ops before the warm-up's end give one entry (a forward), steady ops two
     head_end = warmup + 2 * 2 * period
     tail_start = warmup + 2 * (periods - 1) * period
-    return order[:head_end], periods - 3, order[tail_start:], per_round
+    sends = sum(1 for kind, j, _ in ops[head_end:tail_start] if kind == "B" and rank + j * pp > 0)
+    let_go = sum(r for _, _, r in ops[head_end:tail_start])
+    return ops[:head_end], sends - let_go, ops[tail_start:]
+
+
+@functools.lru_cache(maxsize=4096)
+def _released(pp: int, v: int, n: int, rank: int) -> tuple[int, ...]:
+    """For each op of `_order(pp, v, n, rank)`: how many of the rank's input-gradient sends it lets
+    go (trainer/pipeline.py Sends): a forward whose input the previous rank sent after its
+    backward of the stage before a held gradient's (positions in `_order` of the previous rank)."""
+    previous = (rank - 1) % pp
+
+    def before(j: int) -> int | None:  # the previous rank's local stage of stage rank + j pp - 1
+        return j if rank > 0 else (j - 1 if j > 0 else None)
+
+    # (A count of micro-batches the trainer refuses, not a multiple of the rounds, gives local
+    # stages unequal counts: an op the previous rank lacks lets go nothing, or is never let go.)
+    position = {op: i for i, op in enumerate(_ops_with_microbatches(pp, v, n, previous))}
+    held: list[float] = []  # the previous rank's positions of the backwards the held gradients wait for
+    out = []
+    for kind, j, mb in _ops_with_microbatches(pp, v, n, rank):
+        k = before(j)
+        if kind == "F":
+            reached = position.get(("F", k, mb), -1) if k is not None else -1
+            kept = [after for after in held if after >= reached]
+            out.append(len(held) - len(kept))
+            held = kept
+        else:
+            out.append(0)
+            if k is not None:
+                held.append(position.get(("B", k, mb), math.inf))
+    return tuple(out)
+
+
+def _ops_with_microbatches(pp: int, v: int, n: int, rank: int) -> list[tuple[str, int, int]]:
+    """`_order` with each op's micro-batch: torch counts each local stage's forwards and
+    backwards on their own (the k-th forward of a local stage is micro-batch k)."""
+    counts: dict[tuple[str, int], int] = {}
+    out = []
+    for kind, j in _order(pp, v, n, rank):
+        mb = counts.get((kind, j), 0)
+        counts[(kind, j)] = mb + 1
+        out.append((kind, j, mb))
+    return out
 
 
 @functools.lru_cache(maxsize=4096)  # a plan asks the same few (pp, v, n, rank) for every layout
