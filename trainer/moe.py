@@ -23,6 +23,8 @@ Plain modules like trainer/model.py: expert parallelism is applied from outside
 from __future__ import annotations
 
 import itertools
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -225,6 +227,9 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, h, f))
         self.w2 = nn.Parameter(torch.empty(num_experts, f, h))
         self.w3 = nn.Parameter(torch.empty(num_experts, h, f)) if self.swiglu else None
+        # activation_checkpoint moe_act: the activation's output discarded and recomputed in
+        # backward, its inputs (the first GEMMs' outputs) kept (recompute_without_output)
+        self.recompute_act = False
 
     def forward(self, x: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
         """x: tokens sorted by expert, counts[e] of them for local expert e."""
@@ -246,8 +251,14 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x[:0]
 
     def _mlp(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None = None):
-        h = F.silu(x @ w1) * (x @ w3) if w3 is not None else F.gelu(x @ w1, approximate="tanh")
-        return h @ w2
+        inputs = (x @ w1, x @ w3) if w3 is not None else (x @ w1,)
+        return self._act_then(inputs, lambda h: h @ w2)
+
+    def _act_then(self, inputs: tuple[torch.Tensor, ...], down: Callable[[torch.Tensor], torch.Tensor]):
+        """down(activation(*inputs)): SwiGLU's silu(gate) * up or GELU, then the down projection."""
+        if self.recompute_act:
+            return recompute_without_output(_activation, inputs, down)
+        return down(_activation(*inputs))
 
     def _grouped(self, x: torch.Tensor, counts: list[int], weights: list[torch.Tensor]) -> torch.Tensor:
         """One grouped GEMM per matrix over every expert: each group padded to GROUPED_MM_ALIGN rows."""
@@ -260,9 +271,54 @@ class GroupedExperts(nn.Module):
         xp[rows] = x  # index_put keeps the indices for the backward; index_copy would keep x too
         offs = torch.tensor(ends, device=x.device, dtype=torch.int32)
         w1, w2, *w3 = weights
-        h = torch._grouped_mm(xp, w1, offs=offs)
-        h = F.silu(h) * torch._grouped_mm(xp, w3[0], offs=offs) if w3 else F.gelu(h, approximate="tanh")
-        return torch._grouped_mm(h, w2, offs=offs)[rows]
+        inputs = tuple(torch._grouped_mm(xp, w, offs=offs) for w in (w1, *w3))
+        return self._act_then(inputs, lambda h: torch._grouped_mm(h, w2, offs=offs))[rows]
+
+
+def _activation(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    return F.silu(gate) * up if up is not None else F.gelu(gate, approximate="tanh")
+
+
+class _Discarded:
+    """A saved tensor left out of the graph: recomputed from its function's inputs when the
+    backward unpacks it."""
+
+    __slots__ = ("fn", "inputs")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]):
+        self.fn, self.inputs = fn, inputs
+
+    def value(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self.fn(*self.inputs)
+
+
+def recompute_without_output(
+    fn: Callable[..., torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+    consume: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """consume(fn(*inputs)) keeping fn's inputs but neither fn's intermediates nor its output, as
+    Megatron-LM's CheckpointWithoutOutput (--recompute-modules moe_act, layernorm): fn runs under
+    non-reentrant checkpointing (its backward recomputes it from the inputs it keeps), and where
+    consume's ops save fn's output (the down projection saves its input) a saved-tensor hook keeps
+    a recipe instead, recomputing the output when the backward needs it. SwiGLU's experts keep
+    their gate and up (2 f a routed token) instead of also SiLU's output and the product (4 f)."""
+    from torch.utils.checkpoint import checkpoint
+
+    out = checkpoint(fn, *inputs, use_reentrant=False)
+    recipe = _Discarded(fn, inputs)
+    # (weakly: autograd keeps the hooks with every tensor they saved, and they must not keep it)
+    target = weakref.ref(out)
+
+    def pack(t: torch.Tensor):
+        return recipe if t is target() else t
+
+    def unpack(saved):
+        return saved.value() if isinstance(saved, _Discarded) else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return consume(out)
 
 
 def use_grouped_mm(x: torch.Tensor) -> bool:

@@ -222,8 +222,10 @@ def _expert_params(module: nn.Module) -> set[nn.Parameter] | None:
 
 def apply_ac(model: GPT, mode: str) -> None:
     """full: recompute whole blocks in backward. selective: recompute only the attention core
-    (QK^T, softmax, @V), which holds the O(s^2) activations and no collective. op: torchtitan's
-    op-level selective checkpointing of each block (op_sac_policy), as torchtitan's SelectiveAC."""
+    (QK^T, softmax, @V), which holds the O(s^2) activations and no collective. moe_act: the routed
+    experts' activation, as Megatron-LM's --recompute-modules moe_act (trainer/moe.py
+    recompute_without_output). op: torchtitan's op-level selective checkpointing of each block
+    (op_sac_policy), as torchtitan's SelectiveAC."""
     preserve_rng = model.cfg.dropout > 0
     for name, block in list(model.layers.named_children()):
         if mode == "full":
@@ -232,8 +234,11 @@ def apply_ac(model: GPT, mode: str) -> None:
             block.attn.core = checkpoint_wrapper(block.attn.core, preserve_rng_state=preserve_rng)
         elif mode == "op":
             model.layers.register_module(name, op_sac_wrap(block, preserve_rng))
+        elif mode == "moe_act":
+            for layer in moe_layers([block]):
+                layer.experts.recompute_act = True
         else:
-            raise ValueError(f"activation_checkpoint {mode!r} is not one of none/selective/op/full")
+            raise ValueError(f"activation_checkpoint {mode!r} is not one of none/selective/moe_act/op/full")
 
 
 def _op_sac_saved() -> set:

@@ -107,6 +107,10 @@ def test_layout_arithmetic() -> None:
             ParallelConfig(tp_col=2, activation_checkpoint="op"),
             "activation_checkpoint op with tp_col (2) > 1",
         ),
+        (
+            ParallelConfig(activation_checkpoint="moe_act"),
+            "activation_checkpoint moe_act recomputes the routed experts' activation: this model has no experts",
+        ),
         (ParallelConfig(micro_batch_size=0), "micro_batch_size must be >= 1"),
     ],
 )

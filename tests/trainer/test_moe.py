@@ -176,6 +176,40 @@ def test_the_grouped_gemm_path_equals_the_loop(mlp: str, monkeypatch: pytest.Mon
         assert (a.float() - b.float()).norm() <= 1e-2 * b.float().norm()
 
 
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_moe_act_recomputes_the_activation_and_keeps_no_output(
+    mlp: str, grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """activation_checkpoint moe_act (trainer/moe.py recompute_without_output): the same output
+    and gradients as without, on either path, and after the forward none of the activation's
+    outputs (nor SiLU's) is alive: the down projection's graph keeps a recipe, not the tensor."""
+    import weakref
+
+    cfg = dataclasses.replace(MOE, mlp=mlp)
+    monkeypatch.setattr(moe, "use_grouped_mm", lambda x: grouped)
+    torch.manual_seed(0)
+    experts = GroupedExperts(cfg, 4).to(torch.bfloat16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    counts = [5, 0, 37, 22]
+    x = torch.randn(sum(counts), cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    outputs, activation = [], moe._activation
+    monkeypatch.setattr(moe, "_activation", lambda *a: outputs.append(weakref.ref(r := activation(*a))) or r)
+    results = []
+    for recompute in (False, True):
+        experts.recompute_act, x.grad = recompute, None
+        experts.zero_grad()
+        outputs.clear()
+        y = experts(x, counts)
+        alive = sum(ref() is not None for ref in outputs)
+        assert alive == (0 if recompute else len(outputs)) and outputs
+        y.float().square().sum().backward()
+        results.append([y, x.grad] + [p.grad for p in experts.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 @functools.cache
 def _single(model: str, routing: str) -> BenchmarkResult:
     return run(tiny_config(P(micro_batch_size=GLOBAL_BATCH), MODEL_PRESETS[model], moe_routing=routing))
@@ -292,6 +326,12 @@ CASES = [
         "ep2-dps2-ac-op",
         "moe",
         P(dp_shard=2, zero_stage=2, ep=2, activation_checkpoint="op", micro_batch_size=4),
+    ),
+    # Megatron's moe_act: the experts' activation recomputed, its output left out of the graph
+    (
+        "ep2-dps2-moe-act",
+        "moe",
+        P(dp_shard=2, zero_stage=2, ep=2, activation_checkpoint="moe_act", micro_batch_size=4),
     ),
     # per-head q/k norms replicated over tp, their gradients summed over the heads' ranks
     ("qwen3-ep2-tp2-sp", "moe-qwen3", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=8)),

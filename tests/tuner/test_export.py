@@ -1298,6 +1298,9 @@ def test_op_level_checkpointing_exports_torchtitans_policy_and_megatrons_nearest
     parsed = json.loads(run.stdout.splitlines()[-1]) if run.stdout else {}
     assert run.returncode == 0 and parsed, (run.stderr[-3000:], run.stdout[-3000:])
     args = parsed[str(tmp_path / "op.txt")]
+    moe_act = dataclasses.replace(config, activation_checkpoint="moe_act")  # the same module in both
+    assert "--recompute-modules moe_act" in export_layout("megatron", spec, moe_act)
+    assert "has no torchtitan equivalent" in export_layout("torchtitan", spec, moe_act)
     assert (args["recompute_granularity"], args["recompute_modules"]) == (
         "selective",
         ["layernorm", "moe_act"],

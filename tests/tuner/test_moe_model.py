@@ -305,6 +305,9 @@ ORACLE_MOE_LAYOUTS = [
                                 micro_batch_size=1, num_microbatches=4), id="pp2-full"),
     pytest.param(ParallelConfig(pp=2, dp_replicate=2, ep=2, micro_batch_size=1, num_microbatches=4),
                  id="pp2-replicated"),
+    # Megatron's moe_act: the experts keep their gate and up, not SiLU's output and the product
+    pytest.param(ParallelConfig(dp_shard=2, ep=2, zero_stage=2, activation_checkpoint="moe_act",
+                                micro_batch_size=2, num_microbatches=2), id="edp1-moe-act"),
 ]  # fmt: skip
 
 

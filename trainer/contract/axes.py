@@ -160,8 +160,9 @@ AXES: tuple[Axis, ...] = (
          choices=rules.ZERO_STAGES, space_default=(0, 2, 3), space_choices=(0, 1, 2, 3), space_order=3,
          sampler="categorical", knob_order=6, rules=rules.zero_rules, aliases=("zero",), short="zero"),
     Axis("activation_checkpoint", str, "ActivationCheckpoint", "none", "act. ckpt",
-         "activation checkpointing: none, selective (attention core), op (torchtitan's op-level: matmul, "
-         "attention and reduce-scatter outputs kept, the rest recomputed) or full (every block)",
+         "activation checkpointing: none, selective (attention core), moe_act (the experts' activation, "
+         "Megatron's --recompute-modules moe_act), op (torchtitan's op-level: matmul, attention and "
+         "reduce-scatter outputs kept, the rest recomputed) or full (every block)",
          choices=ACTIVATION_CHECKPOINTS, space_default=("none", "selective", "full"), space_order=4, sampler="categorical",
          knob_order=7, aliases=("ac",), rules=rules.ac_rules,
          token=lambda p: f"ac={p.activation_checkpoint}" if p.activation_checkpoint != "none" else "",

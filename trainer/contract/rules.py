@@ -19,7 +19,7 @@ Violations = list[tuple[str, str]]
 # shard optimizer state alone, and stage 2 moves the same bytes (reduce-scatter + all-gather =
 # all-reduce) while holding less.
 ZERO_STAGES = (0, 2, 3)
-ACTIVATION_CHECKPOINTS = ("none", "selective", "op", "full")
+ACTIVATION_CHECKPOINTS = ("none", "selective", "moe_act", "op", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -176,7 +176,15 @@ def ep_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
 
 def ac_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
     """Op-level checkpointing (trainer/parallelize.py op_sac_policy) runs where its memory is
-    priced and checked against the oracle: 1D tensor parallelism without context parallelism."""
+    priced and checked against the oracle: 1D tensor parallelism without context parallelism.
+    moe_act recomputes the routed experts' activation (trainer/moe.py GroupedExperts): a mixture
+    of experts only."""
+    if p.activation_checkpoint == "moe_act" and not model.moe:
+        return [(
+            "moe_act needs a mixture of experts",
+            "activation_checkpoint moe_act recomputes the routed experts' activation: this model has no "
+            "experts; use none, selective, op or full",
+        )]  # fmt: skip
     if p.activation_checkpoint != "op":
         return []
     out = []

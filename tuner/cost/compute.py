@@ -120,9 +120,13 @@ def elementwise_flops(case: Case) -> float:
         else h * (replicated / p.tp_col + (sharded + scores) / t)
     )
     # op-level checkpointing recomputes all of it (it keeps matmuls' and attention's outputs)
-    passes = {"none": 3.0, "selective": 3.0 + scores / (stored + scores), "op": 4.0, "full": 4.0}[
-        p.activation_checkpoint
-    ]
+    passes = {
+        "none": 3.0,
+        "selective": 3.0 + scores / (stored + scores),
+        "moe_act": 3.0,
+        "op": 4.0,
+        "full": 4.0,
+    }[p.activation_checkpoint]
     # table 2 counts 16-bit values as 2 bytes: an fp32 value is 2 of its units
     return case.tokens_mb * per_token * case.units_16bit * passes * c.elementwise_flops_per_byte
 
@@ -168,7 +172,7 @@ def flash_attention_s(case: Case, attn_fwd: float) -> float:
     more forward."""
     c = case.constants
     assert c.attention_efficiency is not None
-    forwards = 3.5 + (0.0 if case.layout.activation_checkpoint in ("none", "op") else 1.0)
+    forwards = 3.5 + (0.0 if case.layout.activation_checkpoint in ("none", "moe_act", "op") else 1.0)
     return attn_fwd * 0.5 * forwards / (case.peak_flops * c.attention_efficiency)
 
 
@@ -190,14 +194,16 @@ def compute(case: Case) -> Compute:
     # op-level checkpointing: the matmuls its policy does not keep (tuner.cost.layer.op_checkpoint)
     op_gemms = op_recomputed_flops_per_token(m, p, case.value_bytes) * tokens_mb
     if c.flash_attention and c.attention_efficiency is not None:
-        recompute = {"none": 0.0, "selective": 0.0, "op": op_gemms, "full": gemm_fwd}[p.activation_checkpoint]
+        recompute = {"none": 0.0, "selective": 0.0, "moe_act": 0.0, "op": op_gemms, "full": gemm_fwd}[
+            p.activation_checkpoint
+        ]
         layer_flops = 3 * gemm_fwd + recompute
         own_s += flash_attention_s(case, attn_fwd)
     else:
         layer_fwd = gemm_fwd + attn_fwd
         # op on CPU ranks: the CPU's SDPA kernel is not among the ops the policy keeps
         op_gemms += attn_fwd if case.device == "cpu" else 0.0
-        recompute = {"none": 0.0, "selective": attn_fwd, "op": op_gemms, "full": layer_fwd}[
+        recompute = {"none": 0.0, "selective": attn_fwd, "moe_act": 0.0, "op": op_gemms, "full": layer_fwd}[
             p.activation_checkpoint
         ]
         layer_flops = 3 * layer_fwd + recompute

@@ -158,6 +158,8 @@ def moe_step(case: Case, dense_efficiency: float) -> MoEStep:
     # in and out of the experts.
     mlp_units = 2 * m.mlp_kind.kept * (k * m.expert_ffn_size + m.moe_shared_ffn_hidden_size - m.ffn_size)
     units = mlp_units + 8 * e + 4 * k * h
+    if p.activation_checkpoint == "moe_act":  # the experts' activation twice more: for the down
+        units += 2 * 2 * m.mlp_kind.kept * k * m.expert_ffn_size  # projection's backward, its own
     own_delta = (
         tokens * units * case.units_16bit * own_passes * c.elementwise_flops_per_byte / case.memory_peak_flops
     )
@@ -253,10 +255,13 @@ def moe_activation_delta_per_token(
         return 0.0
     if p.activation_checkpoint == "op":
         return moe_op_delta_per_token(m, p, cb, imbalance, device)
+    # moe_act (trainer/moe.py recompute_without_output): the experts keep their first GEMMs'
+    # outputs (SwiGLU's gate and up, GELU's input), not the activation's intermediates and output
+    experts = m.mlp_kind.inputs if p.activation_checkpoint == "moe_act" else m.mlp_kind.kept
     tensors = m.mlp_kind.kept
     k, h, f = m.moe_top_k, m.hidden_size, m.expert_ffn_size
     row_indices = 8 * (3 if p.ep > 1 else 1)
-    experts_side = k * ((tensors * f + h) * cb + row_indices) * imbalance
+    experts_side = k * ((experts * f + h) * cb + row_indices) * imbalance
     token_side = k * (h * cb + cb + 2 * 8)
     renormalised = m.moe_norm_topk  # with either score (trainer/moe.py Router.select)
     router = 4 * m.num_experts + 8 * k + (4 * k + 4 if renormalised else 0)
@@ -350,6 +355,8 @@ def expert_rank(
     grads = (
         2 * (m.moe_top_k * m.expert_ffn_size * factor + m.moe_shared_ffn_hidden_size - m.ffn_size) * cb / p.tp
     )
+    if p.activation_checkpoint == "moe_act":  # what the activation's recompute brings back meanwhile
+        grads += (m.mlp_kind.kept - m.mlp_kind.inputs) * m.moe_top_k * m.expert_ffn_size * factor * cb / p.tp
     return ExpertRank(
         num_moe=num_moe, dense_params=num_dense * layer_params(m, p.tp) + num_moe * moe_params,
         experts=num_moe * experts, layer_params=moe_params + experts,
