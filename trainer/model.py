@@ -24,7 +24,7 @@ from torch import nn
 
 from trainer.context_parallel import CPComm
 from trainer.contract.model import ModelConfig
-from trainer.moe import MoE, local
+from trainer.moe import MoE, local, recompute_without_output
 
 INIT_STD = 0.02  # GPT-2
 
@@ -200,10 +200,17 @@ class Block(nn.Module):
             MLP(cfg, cfg.moe_shared_ffn_hidden_size) if experts and cfg.moe_shared_ffn_hidden_size else None
         )
         self.moe = MoE(cfg, layer_id, shared) if experts else None
+        # activation_checkpoint layernorm: the norms' outputs left out of the graph, recomputed
+        # (and gathered again with sequence parallelism) in the backward (recompute_without_output)
+        self.recompute_norms = False
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        mlp = self.mlp if self.mlp is not None else self.moe
+        if self.recompute_norms:
+            x = x + recompute_without_output(self.attn_norm, (x,), lambda y: self.attn(y, rope), self.attn)
+            return x + recompute_without_output(self.mlp_norm, (x,), mlp, mlp)
         x = x + self.attn(self.attn_norm(x), rope)
-        return x + (self.mlp if self.mlp is not None else self.moe)(self.mlp_norm(x))
+        return x + mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):

@@ -281,44 +281,99 @@ def _activation(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Ten
 
 class _Discarded:
     """A saved tensor left out of the graph: recomputed from its function's inputs when the
-    backward unpacks it."""
+    backward first unpacks it (and kept for the other ops that saved it, while they need it)."""
 
-    __slots__ = ("fn", "inputs")
+    __slots__ = ("fn", "inputs", "value_")
 
     def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]):
-        self.fn, self.inputs = fn, inputs
+        self.fn, self.inputs, self.value_ = fn, inputs, None
 
     def value(self) -> torch.Tensor:
-        with torch.no_grad():
-            return self.fn(*self.inputs)
+        if self.value_ is None:
+            with torch.no_grad():
+                self.value_ = self.fn(*self.inputs)
+        return self.value_
+
+
+class _Redistributed:
+    """... and laid out as its consumer saw it: a sequence-parallel norm's output all-gathered
+    again, as Megatron-LM's sequence parallelism gathers its linears' inputs in the backward."""
+
+    __slots__ = ("mesh", "placements", "recipe", "value_")
+
+    def __init__(self, recipe: _Discarded, mesh, placements):
+        self.recipe, self.mesh, self.placements, self.value_ = recipe, mesh, placements, None
+
+    def value(self) -> torch.Tensor:
+        if self.value_ is None:
+            with torch.no_grad():
+                self.value_ = self.recipe.value().redistribute(self.mesh, self.placements)
+        return self.value_
+
+
+class _Viewed:
+    """... of which an op saved a view of the same (contiguous) values in another shape."""
+
+    __slots__ = ("recipe", "shape")
+
+    def __init__(self, recipe: _Discarded | _Redistributed, shape: torch.Size):
+        self.recipe, self.shape = recipe, shape
+
+    def value(self) -> torch.Tensor:
+        return self.recipe.value().view(self.shape)
 
 
 def recompute_without_output(
     fn: Callable[..., torch.Tensor],
     inputs: tuple[torch.Tensor, ...],
     consume: Callable[[torch.Tensor], torch.Tensor],
+    consumer: nn.Module | None = None,
 ) -> torch.Tensor:
     """consume(fn(*inputs)) keeping fn's inputs but neither fn's intermediates nor its output, as
     Megatron-LM's CheckpointWithoutOutput (--recompute-modules moe_act, layernorm): fn runs under
     non-reentrant checkpointing (its backward recomputes it from the inputs it keeps), and where
     consume's ops save fn's output (the down projection saves its input) a saved-tensor hook keeps
     a recipe instead, recomputing the output when the backward needs it. SwiGLU's experts keep
-    their gate and up (2 f a routed token) instead of also SiLU's output and the product (4 f)."""
+    their gate and up (2 f a routed token) instead of also SiLU's output and the product (4 f).
+    `consumer`: the module consume calls first, whose input hooks (tensor parallelism's
+    PrepareModuleInput) may lay the output out anew (sequence parallelism's all-gather): what its
+    ops save of that is left out too, and gathered again when needed."""
     from torch.utils.checkpoint import checkpoint
 
     out = checkpoint(fn, *inputs, use_reentrant=False)
     recipe = _Discarded(fn, inputs)
-    # (weakly: autograd keeps the hooks with every tensor they saved, and they must not keep it)
-    target = weakref.ref(out)
+    # id -> (a weak reference, its recipe): autograd keeps a saved-tensor hook's functions with
+    # every tensor they saved, and they must keep none of these tensors alive
+    targets: dict[int, tuple[weakref.ref, object]] = {id(out): (weakref.ref(out), recipe)}
+
+    def capture(module: nn.Module, args: tuple) -> None:
+        laid_out = args[0] if args else None
+        if isinstance(laid_out, DTensor) and laid_out is not out:
+            targets[id(laid_out)] = (
+                weakref.ref(laid_out),
+                _Redistributed(recipe, laid_out.device_mesh, laid_out.placements),
+            )
 
     def pack(t: torch.Tensor):
-        return recipe if t is target() else t
+        entry = targets.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        base = t._base  # a linear on a (b, s, h) input saves its (b s, h) view
+        entry = targets.get(id(base)) if base is not None else None
+        if entry is not None and entry[0]() is base and t.is_contiguous() and base.is_contiguous():
+            return _Viewed(entry[1], t.shape)
+        return t
 
     def unpack(saved):
-        return saved.value() if isinstance(saved, _Discarded) else saved
+        return saved.value() if isinstance(saved, _Discarded | _Redistributed | _Viewed) else saved
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return consume(out)
+    handle = consumer.register_forward_pre_hook(capture) if consumer is not None else None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return consume(out)
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def use_grouped_mm(x: torch.Tensor) -> bool:

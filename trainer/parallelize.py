@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.context_parallel import CPComm
 from trainer.contract.parallel import ParallelConfig
+from trainer.contract.rules import ACTIVATION_CHECKPOINTS
 from trainer.model import GPT
 from trainer.moe import MoEComm, local, moe_layers
 from trainer.parallel_dims import ParallelDims
@@ -234,11 +235,12 @@ def apply_ac(model: GPT, mode: str) -> None:
             block.attn.core = checkpoint_wrapper(block.attn.core, preserve_rng_state=preserve_rng)
         elif mode == "op":
             model.layers.register_module(name, op_sac_wrap(block, preserve_rng))
-        elif mode == "moe_act":
+        elif mode in ("moe_act", "layernorm", "layernorm+moe_act"):  # Megatron's recompute modules
+            block.recompute_norms = "layernorm" in mode
             for layer in moe_layers([block]):
-                layer.experts.recompute_act = True
+                layer.experts.recompute_act = "moe_act" in mode
         else:
-            raise ValueError(f"activation_checkpoint {mode!r} is not one of none/selective/moe_act/op/full")
+            raise ValueError(f"activation_checkpoint {mode!r} is not one of {ACTIVATION_CHECKPOINTS}")
 
 
 def _op_sac_saved() -> set:

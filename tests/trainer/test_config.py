@@ -108,6 +108,14 @@ def test_layout_arithmetic() -> None:
             "activation_checkpoint op with tp_col (2) > 1",
         ),
         (
+            ParallelConfig(tp=2, activation_checkpoint="layernorm"),
+            "activation_checkpoint layernorm with tp (2) > 1 needs sequence_parallel",
+        ),
+        (
+            ParallelConfig(pp=2, activation_checkpoint="layernorm"),
+            "activation_checkpoint layernorm with pp (2) > 1",
+        ),
+        (
             ParallelConfig(activation_checkpoint="moe_act"),
             "activation_checkpoint moe_act recomputes the routed experts' activation: this model has no experts",
         ),

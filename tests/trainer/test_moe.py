@@ -333,6 +333,12 @@ CASES = [
         "moe",
         P(dp_shard=2, zero_stage=2, ep=2, activation_checkpoint="moe_act", micro_batch_size=4),
     ),
+    # ... and the norms' outputs, all-gathered again in the backward (sequence parallelism)
+    (
+        "ep2-tp2-sp-layernorm-moe-act",
+        "moe",
+        P(tp=2, sequence_parallel=True, ep=2, activation_checkpoint="layernorm+moe_act", micro_batch_size=8),
+    ),
     # per-head q/k norms replicated over tp, their gradients summed over the heads' ranks
     ("qwen3-ep2-tp2-sp", "moe-qwen3", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=8)),
     ("ds-ep2-dps2", "moe-ds", P(dp_shard=2, zero_stage=2, ep=2, micro_batch_size=4)),

@@ -76,6 +76,19 @@ LAYOUTS = [
 # (id, model, layout): the Llama family (llama-tiny: 4 query heads, 2 KV heads), global batch 8.
 FAMILY_LAYOUTS = [
     ("llama-tp2", "llama", P(tp=2, micro_batch_size=8)),  # one KV head per rank
+    # Megatron's layernorm recompute: the norms' all-gathered outputs left out, gathered again
+    (
+        "llama-tp2-dp2-sp-ac-layernorm",
+        "llama",
+        P(
+            tp=2,
+            dp_shard=2,
+            zero_stage=2,
+            sequence_parallel=True,
+            activation_checkpoint="layernorm",
+            micro_batch_size=4,
+        ),
+    ),
     ("qwen-tp2-sp", "qwen", P(tp=2, sequence_parallel=True, micro_batch_size=8)),  # bias split with its rows
     (
         "llama-tp2-sp-pp2-interleaved-v2",

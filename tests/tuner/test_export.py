@@ -1301,6 +1301,8 @@ def test_op_level_checkpointing_exports_torchtitans_policy_and_megatrons_nearest
     moe_act = dataclasses.replace(config, activation_checkpoint="moe_act")  # the same module in both
     assert "--recompute-modules moe_act" in export_layout("megatron", spec, moe_act)
     assert "has no torchtitan equivalent" in export_layout("torchtitan", spec, moe_act)
+    both = dataclasses.replace(config, activation_checkpoint="layernorm+moe_act")
+    assert "--recompute-modules layernorm moe_act" in export_layout("megatron", spec, both)
     assert (args["recompute_granularity"], args["recompute_modules"]) == (
         "selective",
         ["layernorm", "moe_act"],

@@ -366,6 +366,26 @@ def test_moe_layouts_match_the_oracle(
 
 
 @pytest.mark.oracle
+@pytest.mark.parametrize(
+    ("device", "parallel"),
+    [
+        pytest.param("cuda", ParallelConfig(tp=2, sequence_parallel=True, dp_shard=2, ep=2, zero_stage=2,
+                                            activation_checkpoint="layernorm+moe_act", micro_batch_size=2,
+                                            num_microbatches=2), id="cuda-tp2-sp-ep2-layernorm-moe-act"),
+        pytest.param("cpu", ParallelConfig(dp_shard=2, ep=2, zero_stage=2, activation_checkpoint="layernorm",
+                                           micro_batch_size=2, num_microbatches=2), id="cpu-edp1-layernorm"),
+    ],
+)  # fmt: skip
+def test_megatrons_recompute_modules_match_the_oracle(device: str, parallel: ParallelConfig) -> None:
+    """Megatron's --recompute-modules as the trainer builds them (trainer/moe.py
+    recompute_without_output): the norms' outputs (with sequence parallelism, their all-gathered
+    copies, gathered again in the backward) and the experts' activation left out of the graph
+    (bench/recompute_modules_oracle.py: every layout within its no-recompute error)."""
+    cfg = BenchmarkConfig(model=ORACLE_MOE, parallel=parallel, device=device, moe_routing="balanced")
+    assert_every_rank_matches_the_oracle(cfg, 0.02)
+
+
+@pytest.mark.oracle
 def test_op_level_checkpointing_of_a_moe_layer_matches_the_oracle() -> None:
     """Op-level checkpointing on the GPU's kernels: the router's matmul and the grouped GEMMs
     recomputed, the top-k and the combining product kept (the CPU's loop of expert matmuls:

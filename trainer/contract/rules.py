@@ -19,7 +19,7 @@ Violations = list[tuple[str, str]]
 # shard optimizer state alone, and stage 2 moves the same bytes (reduce-scatter + all-gather =
 # all-reduce) while holding less.
 ZERO_STAGES = (0, 2, 3)
-ACTIVATION_CHECKPOINTS = ("none", "selective", "moe_act", "op", "full")
+ACTIVATION_CHECKPOINTS = ("none", "selective", "moe_act", "layernorm", "layernorm+moe_act", "op", "full")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -179,12 +179,34 @@ def ac_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
     priced and checked against the oracle: 1D tensor parallelism without context parallelism.
     moe_act recomputes the routed experts' activation (trainer/moe.py GroupedExperts): a mixture
     of experts only."""
-    if p.activation_checkpoint == "moe_act" and not model.moe:
+    ac = p.activation_checkpoint
+    if "moe_act" in ac.split("+") and not model.moe:
         return [(
             "moe_act needs a mixture of experts",
-            "activation_checkpoint moe_act recomputes the routed experts' activation: this model has no "
-            "experts; use none, selective, op or full",
+            f"activation_checkpoint {ac} recomputes the routed experts' activation: this model has no "
+            "experts; use none, selective, layernorm, op or full",
         )]  # fmt: skip
+    if "layernorm" in ac.split("+"):
+        out = []
+        if p.tp > 1 and not p.sequence_parallel:
+            out.append((
+                "layernorm recompute needs sequence parallelism with tp > 1",
+                f"activation_checkpoint {ac} with tp ({p.tp}) > 1 needs sequence_parallel: without it "
+                "each linear wraps the norm's output in its own DTensor (not built)",
+            ))  # fmt: skip
+        if p.pp > 1:
+            out.append((
+                "layernorm recompute needs pp 1",
+                f"activation_checkpoint {ac} with pp ({p.pp}) > 1 holds more than without on a pipeline's "
+                "first rank (found with the memory oracle, not yet traced); use moe_act, op or full",
+            ))  # fmt: skip
+        if p.tp_col > 1 or p.cp > 1:
+            out.append((
+                "layernorm recompute needs tp_col 1 and cp 1",
+                f"activation_checkpoint {ac} with tp_col ({p.tp_col}) or cp ({p.cp}) > 1 is not built or "
+                "priced; use none, selective or full",
+            ))  # fmt: skip
+        return out
     if p.activation_checkpoint != "op":
         return []
     out = []

@@ -19,7 +19,7 @@ from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost.context import attention_keys, keys_per_query
 from tuner.cost.experts import MoEStep, moe_step
-from tuner.cost.layer import op_recomputed_flops_per_token
+from tuner.cost.layer import op_recomputed_flops_per_token, recomputed_modules
 from tuner.devicelevels import MEMORY_TRAFFIC
 
 if TYPE_CHECKING:
@@ -123,12 +123,14 @@ def elementwise_flops(case: Case) -> float:
     passes = {
         "none": 3.0,
         "selective": 3.0 + scores / (stored + scores),
-        "moe_act": 3.0,
         "op": 4.0,
         "full": 4.0,
-    }[p.activation_checkpoint]
+    }.get(p.activation_checkpoint, 3.0)  # Megatron's recompute modules: the norms below
+    work = per_token * passes
+    if "layernorm" in recomputed_modules(p):  # each norm twice more (its consumers' backward, its
+        work += 2 * 2 * 2 * h / (t if p.sequence_parallel else 1)  # own): 2 units in, 2 out
     # table 2 counts 16-bit values as 2 bytes: an fp32 value is 2 of its units
-    return case.tokens_mb * per_token * case.units_16bit * passes * c.elementwise_flops_per_byte
+    return case.tokens_mb * work * case.units_16bit * c.elementwise_flops_per_byte
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ def flash_attention_s(case: Case, attn_fwd: float) -> float:
     more forward."""
     c = case.constants
     assert c.attention_efficiency is not None
-    forwards = 3.5 + (0.0 if case.layout.activation_checkpoint in ("none", "moe_act", "op") else 1.0)
+    forwards = 3.5 + (1.0 if case.layout.activation_checkpoint in ("selective", "full") else 0.0)
     return attn_fwd * 0.5 * forwards / (case.peak_flops * c.attention_efficiency)
 
 
@@ -194,18 +196,16 @@ def compute(case: Case) -> Compute:
     # op-level checkpointing: the matmuls its policy does not keep (tuner.cost.layer.op_checkpoint)
     op_gemms = op_recomputed_flops_per_token(m, p, case.value_bytes) * tokens_mb
     if c.flash_attention and c.attention_efficiency is not None:
-        recompute = {"none": 0.0, "selective": 0.0, "moe_act": 0.0, "op": op_gemms, "full": gemm_fwd}[
-            p.activation_checkpoint
-        ]
+        recompute = {"op": op_gemms, "full": gemm_fwd}.get(p.activation_checkpoint, 0.0)
         layer_flops = 3 * gemm_fwd + recompute
         own_s += flash_attention_s(case, attn_fwd)
     else:
         layer_fwd = gemm_fwd + attn_fwd
         # op on CPU ranks: the CPU's SDPA kernel is not among the ops the policy keeps
         op_gemms += attn_fwd if case.device == "cpu" else 0.0
-        recompute = {"none": 0.0, "selective": attn_fwd, "moe_act": 0.0, "op": op_gemms, "full": layer_fwd}[
-            p.activation_checkpoint
-        ]
+        recompute = {"selective": attn_fwd, "op": op_gemms, "full": layer_fwd}.get(
+            p.activation_checkpoint, 0.0
+        )
         layer_flops = 3 * layer_fwd + recompute
     head_fwd = 2 * m.vocab_size * m.hidden_size * tokens_mb / (p.tp * p.tp_col)
     efficiency = compute_efficiency(case)

@@ -26,7 +26,7 @@ from trainer.contract.parallel import ParallelConfig
 from tuner.cost import dtypes
 from tuner.cost.collectives import Comm, Link, call_overhead_s
 from tuner.cost.context import local_tokens
-from tuner.cost.layer import Op, attention_ops, layer_params, mlp_ops, op_checkpoint
+from tuner.cost.layer import Op, attention_ops, layer_params, mlp_ops, op_checkpoint, recomputed_modules
 from tuner.cost.pipeline import stage_layers
 from tuner.spec import ClusterSpec
 
@@ -158,7 +158,7 @@ def moe_step(case: Case, dense_efficiency: float) -> MoEStep:
     # in and out of the experts.
     mlp_units = 2 * m.mlp_kind.kept * (k * m.expert_ffn_size + m.moe_shared_ffn_hidden_size - m.ffn_size)
     units = mlp_units + 8 * e + 4 * k * h
-    if p.activation_checkpoint == "moe_act":  # the experts' activation twice more: for the down
+    if "moe_act" in recomputed_modules(p):  # the experts' activation twice more: for the down
         units += 2 * 2 * m.mlp_kind.kept * k * m.expert_ffn_size  # projection's backward, its own
     own_delta = (
         tokens * units * case.units_16bit * own_passes * c.elementwise_flops_per_byte / case.memory_peak_flops
@@ -257,7 +257,7 @@ def moe_activation_delta_per_token(
         return moe_op_delta_per_token(m, p, cb, imbalance, device)
     # moe_act (trainer/moe.py recompute_without_output): the experts keep their first GEMMs'
     # outputs (SwiGLU's gate and up, GELU's input), not the activation's intermediates and output
-    experts = m.mlp_kind.inputs if p.activation_checkpoint == "moe_act" else m.mlp_kind.kept
+    experts = m.mlp_kind.inputs if "moe_act" in recomputed_modules(p) else m.mlp_kind.kept
     tensors = m.mlp_kind.kept
     k, h, f = m.moe_top_k, m.hidden_size, m.expert_ffn_size
     row_indices = 8 * (3 if p.ep > 1 else 1)
@@ -268,7 +268,9 @@ def moe_activation_delta_per_token(
     if m.moe_router_score == "sigmoid" and m.moe_aux_loss_coef > 0:
         router += 4  # the auxiliary loss's normalising sum of the scores
     if m.moe_router_fp32 and cb < 4:
-        router += 4 * h - (0 if m.moe_shared_ffn_hidden_size else cb * h)
+        # (with layernorm recompute the norm's output is not kept either way)
+        shared_keeps = m.moe_shared_ffn_hidden_size or "layernorm" in recomputed_modules(p)
+        router += 4 * h - (0 if shared_keeps else cb * h)
         router += 4 * m.num_experts * h * p.tp / local_tokens(m, p)  # the weight, not split over tp
     shared = tensors * m.moe_shared_ffn_hidden_size * cb
     return (experts_side + token_side + router + shared - tensors * m.ffn_size * cb) / p.tp
@@ -355,7 +357,7 @@ def expert_rank(
     grads = (
         2 * (m.moe_top_k * m.expert_ffn_size * factor + m.moe_shared_ffn_hidden_size - m.ffn_size) * cb / p.tp
     )
-    if p.activation_checkpoint == "moe_act":  # what the activation's recompute brings back meanwhile
+    if "moe_act" in recomputed_modules(p):  # what the activation's recompute brings back meanwhile
         grads += (m.mlp_kind.kept - m.mlp_kind.inputs) * m.moe_top_k * m.expert_ffn_size * factor * cb / p.tp
     return ExpertRank(
         num_moe=num_moe, dense_params=num_dense * layer_params(m, p.tp) + num_moe * moe_params,

@@ -70,15 +70,24 @@ def activation_bytes_per_token(
     norms = (3 + m.mlp_kind.inputs if res > cb else 2) * cb * h
     # the layer input and the residual after attention (what the norms keep of them); the norm outputs
     stream = 2 * norm_input_bytes(m, res, device) * h / shard + norms
+    stats = 2 * 4 * m.norm_kind.stats / shard  # two norms' fp32 statistics per token (NormKind.stats)
+    if "layernorm" in recomputed_modules(p):  # the norms' inputs only (their outputs: the casts
+        # autocast's linears save, which are not the outputs, stay; trainer/model.py Block)
+        stream, stats = 2 * res * h / shard + (norms if res > cb else 0.0), 0.0
     # q, k, v, attention output; the MLP's
     sharded = (attention_tensors(m) + m.mlp_kind.kept * m.ffn_size) * cb / t
     lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
-    stats = 2 * 4 * m.norm_kind.stats / shard  # two norms' fp32 statistics per token (NormKind.stats)
     sharded += qk_norm_bytes(m, cb, res, device) / t
     scores = (
         0.0 if c.flash_attention else 5 * a * keys_per_query(m, p) / t * cb / 2
     )  # Korthikanti's 5as/h x h, 16 bit
     return stream + sharded + lse + stats + scores
+
+
+def recomputed_modules(p: ParallelConfig) -> frozenset[str]:
+    """Megatron's recompute modules a layout's activation_checkpoint names ("layernorm",
+    "moe_act", "layernorm+moe_act"; trainer/model.py Block, trainer/moe.py GroupedExperts)."""
+    return frozenset(p.activation_checkpoint.split("+")) & {"layernorm", "moe_act"}
 
 
 def attention_tensors(m: ModelConfig) -> int:

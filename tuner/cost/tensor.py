@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost.collectives import Comm, Link, allreduce, call_overhead_s, wait_s
+from tuner.cost.layer import recomputed_modules
 
 if TYPE_CHECKING:
     from tuner.cost.case import Case
@@ -80,7 +81,9 @@ def tp_1d_collectives(p: ParallelConfig) -> int:
     op-level checkpointing reruns attention's all-reduce (with sequence parallelism the two
     all-gathers; it keeps the reduce-scatters) and stops before the MLP's, which nothing in the
     backward needs (checkpoint's early stop)."""
-    return 4 + {"full": 2, "op": 1}.get(p.activation_checkpoint, 0)
+    # Megatron's layernorm recompute gathers each norm's output again with sequence parallelism
+    again = 1 if "layernorm" in recomputed_modules(p) and p.sequence_parallel else 0
+    return 4 + {"full": 2, "op": 1}.get(p.activation_checkpoint, again)
 
 
 def tensor_2d(case: Case, layers: float, dw_mb: float) -> tuple[Comm, float]:

@@ -110,8 +110,9 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
                  ("--recompute-num-layers", 1)]  # fmt: skip
     elif c.activation_checkpoint == "selective":
         args.append(("--recompute-granularity", "selective"))
-    elif c.activation_checkpoint == "moe_act":  # the same module
-        args += [("--recompute-granularity", "selective"), ("--recompute-modules", "moe_act")]
+    elif c.activation_checkpoint in ("moe_act", "layernorm", "layernorm+moe_act"):  # the same modules
+        modules = c.activation_checkpoint.replace("+", " ")
+        args += [("--recompute-granularity", "selective"), ("--recompute-modules", modules)]
     elif c.activation_checkpoint == "op":  # the nearest modules: norms, the experts' activation
         modules = ("layernorm", "moe_act") if m.moe else ("layernorm",)
         args += [("--recompute-granularity", "selective"), ("--recompute-modules", " ".join(modules))]

@@ -74,7 +74,7 @@ _AC_MODULE = "torchtitan.distributed.activation_checkpoint"
 # (torchtitan's SelectiveAC is op-level: ours "op" is its policy, trainer/parallelize.py)
 TORCHTITAN_AC = {"none": ("", "None"), "full": (_AC_MODULE, "FullAC.Config()"),
                  "selective": (_AC_MODULE, "SelectiveAC.Config()"), "op": (_AC_MODULE, "SelectiveAC.Config()"),
-                 "moe_act": ("", "None")}  # fmt: skip
+                 "moe_act": ("", "None"), "layernorm": ("", "None"), "layernorm+moe_act": ("", "None")}  # fmt: skip
 TORCHTITAN_CONFIG_FN = "tuned_layout"
 # What the export's base config (torchtitan's llama3_debugmodel) reads, relative to the working
 # directory: files of a torchtitan source checkout that the package does not ship (tests/tuner/test_export.py
@@ -251,11 +251,11 @@ def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
             "SelectiveAC saves matmul outputs (every second one) instead: similar, not the same memory "
             "(activation_checkpoint op is torchtitan's policy)."
         )
-    if c.activation_checkpoint == "moe_act":
+    if c.activation_checkpoint in ("moe_act", "layernorm", "layernorm+moe_act"):
         notes.append(
-            "moe_act (the experts' activation recomputed, Megatron's --recompute-modules moe_act) has no "
-            "torchtitan equivalent: exported without checkpointing, which holds 2 ffn-wide tensors more per "
-            "routed token than measured (or use SelectiveAC: activation_checkpoint op)."
+            f"{c.activation_checkpoint} (Megatron's --recompute-modules: the norms' outputs, the experts' "
+            "activation) has no torchtitan equivalent: exported without checkpointing, which holds more "
+            "than measured (or use SelectiveAC: activation_checkpoint op)."
         )
     if spec.training.precision == "fp16":
         notes.append("fp16 study: torchtitan's mixed precision is bfloat16 (the trainer measured bf16 too).")
