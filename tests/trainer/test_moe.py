@@ -152,11 +152,9 @@ def test_gelu_experts_with_no_tokens_for_some() -> None:
     assert torch.allclose(out, F.gelu(x @ experts.w1[1], approximate="tanh") @ experts.w2[1], atol=1e-5)
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
-def test_the_grouped_gemm_path_equals_the_loop(mlp: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GroupedExperts._grouped (what GPUs with torch._grouped_mm run, and what the oracle's "cuda"
-    mode simulates) against the per-expert loop on real bf16 CPU tensors: output and every gradient,
-    an expert without tokens and groups that need padding to GROUPED_MM_ALIGN rows among them."""
+def _bf16_experts(mlp: str) -> tuple[GroupedExperts, torch.Tensor, list[int]]:
+    """4 bf16 experts, an input of 64 routed rows: an expert without tokens and groups that need
+    padding to GROUPED_MM_ALIGN rows among them."""
     cfg = dataclasses.replace(MOE, mlp=mlp)
     torch.manual_seed(0)
     experts = GroupedExperts(cfg, 4).to(torch.bfloat16)
@@ -164,6 +162,15 @@ def test_the_grouped_gemm_path_equals_the_loop(mlp: str, monkeypatch: pytest.Mon
         torch.nn.init.normal_(p, std=0.1)
     counts = [5, 0, 37, 22]
     x = torch.randn(sum(counts), cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    return experts, x, counts
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_the_grouped_gemm_path_equals_the_loop(mlp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GroupedExperts._grouped (what GPUs with torch._grouped_mm run, and what the oracle's "cuda"
+    mode simulates) against the per-expert loop on real bf16 CPU tensors: output and every gradient,
+    an expert without tokens and groups that need padding to GROUPED_MM_ALIGN rows among them."""
+    experts, x, counts = _bf16_experts(mlp)
     results = []
     for grouped in (True, False):
         monkeypatch.setattr(moe, "use_grouped_mm", lambda x, grouped=grouped: grouped)
@@ -186,14 +193,8 @@ def test_moe_act_recomputes_the_activation_and_keeps_no_output(
     outputs (nor SiLU's) is alive: the down projection's graph keeps a recipe, not the tensor."""
     import weakref
 
-    cfg = dataclasses.replace(MOE, mlp=mlp)
     monkeypatch.setattr(moe, "use_grouped_mm", lambda x: grouped)
-    torch.manual_seed(0)
-    experts = GroupedExperts(cfg, 4).to(torch.bfloat16)
-    for p in experts.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    counts = [5, 0, 37, 22]
-    x = torch.randn(sum(counts), cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    experts, x, counts = _bf16_experts(mlp)
     outputs, activation = [], moe._activation
     monkeypatch.setattr(moe, "_activation", lambda *a: outputs.append(weakref.ref(r := activation(*a))) or r)
     results = []
