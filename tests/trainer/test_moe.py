@@ -328,13 +328,8 @@ CASES = [
         "moe",
         P(dp_shard=2, zero_stage=2, ep=2, activation_checkpoint="op", micro_batch_size=4),
     ),
-    # Megatron's moe_act: the experts' activation recomputed, its output left out of the graph
-    (
-        "ep2-dps2-moe-act",
-        "moe",
-        P(dp_shard=2, zero_stage=2, ep=2, activation_checkpoint="moe_act", micro_batch_size=4),
-    ),
-    # ... and the norms' outputs, all-gathered again in the backward (sequence parallelism)
+    # Megatron's moe_act and layernorm: the experts' activation and the norms' outputs left out
+    # of the graph, recomputed (the norms' all-gathered again: sequence parallelism)
     (
         "ep2-tp2-sp-layernorm-moe-act",
         "moe",

@@ -305,9 +305,6 @@ ORACLE_MOE_LAYOUTS = [
                                 micro_batch_size=1, num_microbatches=4), id="pp2-full"),
     pytest.param(ParallelConfig(pp=2, dp_replicate=2, ep=2, micro_batch_size=1, num_microbatches=4),
                  id="pp2-replicated"),
-    # Megatron's moe_act: the experts keep their gate and up, not SiLU's output and the product
-    pytest.param(ParallelConfig(dp_shard=2, ep=2, zero_stage=2, activation_checkpoint="moe_act",
-                                micro_batch_size=2, num_microbatches=2), id="edp1-moe-act"),
 ]  # fmt: skip
 
 
@@ -366,22 +363,16 @@ def test_moe_layouts_match_the_oracle(
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize(
-    ("device", "parallel"),
-    [
-        pytest.param("cuda", ParallelConfig(tp=2, sequence_parallel=True, dp_shard=2, ep=2, zero_stage=2,
-                                            activation_checkpoint="layernorm+moe_act", micro_batch_size=2,
-                                            num_microbatches=2), id="cuda-tp2-sp-ep2-layernorm-moe-act"),
-        pytest.param("cpu", ParallelConfig(dp_shard=2, ep=2, zero_stage=2, activation_checkpoint="layernorm",
-                                           micro_batch_size=2, num_microbatches=2), id="cpu-edp1-layernorm"),
-    ],
-)  # fmt: skip
-def test_megatrons_recompute_modules_match_the_oracle(device: str, parallel: ParallelConfig) -> None:
+def test_megatrons_recompute_modules_match_the_oracle() -> None:
     """Megatron's --recompute-modules as the trainer builds them (trainer/moe.py
     recompute_without_output): the norms' outputs (with sequence parallelism, their all-gathered
-    copies, gathered again in the backward) and the experts' activation left out of the graph
-    (bench/recompute_modules_oracle.py: every layout within its no-recompute error)."""
-    cfg = BenchmarkConfig(model=ORACLE_MOE, parallel=parallel, device=device, moe_routing="balanced")
+    copies, gathered again in the backward) and the experts' activation left out of the graph, on
+    the GPU's kernels (bench/recompute_modules_oracle.py: dense and MoE layouts in both modes,
+    every one within its no-recompute error)."""
+    parallel = ParallelConfig(tp=2, sequence_parallel=True, dp_shard=2, ep=2, zero_stage=2,
+                              activation_checkpoint="layernorm+moe_act", micro_batch_size=2,
+                              num_microbatches=2)  # fmt: skip
+    cfg = BenchmarkConfig(model=ORACLE_MOE, parallel=parallel, device="cuda", moe_routing="balanced")
     assert_every_rank_matches_the_oracle(cfg, 0.02)
 
 
