@@ -206,27 +206,32 @@ class OnDemandStage(PipelineStage):
 
     def _posting(self, kind: str, mb: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         """Tell an interleaved schedule's Sends which send the next batch of isends is."""
-        runner = self.schedule() if self.schedule is not None else None
-        if isinstance(runner, Interleaved1F1B) and ops:
-            runner.sends.pending = (kind, self.stage_index, mb)
+        if (sends := self._sends()) is not None and ops:
+            sends.pending = (kind, self.stage_index, mb)
         return ops
 
+    def _runner(self) -> _PipelineSchedule | None:
+        return self.schedule() if self.schedule is not None else None
+
+    def _sends(self) -> Sends | None:
+        """The interleaved schedule's sends (Interleaved1F1B), or None under any other schedule."""
+        runner = self._runner()
+        return runner.sends if isinstance(runner, Interleaved1F1B) else None
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
-        runner = self.schedule() if self.schedule is not None else None
-        if isinstance(runner, Interleaved1F1B) and not self.is_first:  # its input has arrived
-            runner.sends.received_forward(self.stage_index, fwd_chunk_id)
+        if (sends := self._sends()) is not None and not self.is_first:  # its input has arrived
+            sends.received_forward(self.stage_index, fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
-        runner = self.schedule() if self.schedule is not None else None
-        if isinstance(runner, Interleaved1F1B) and not self.is_last:  # its gradient has arrived
-            runner.sends.received_backward(self.stage_index, bwd_chunk_id)
+        if (sends := self._sends()) is not None and not self.is_last:  # its gradient has arrived
+            sends.received_backward(self.stage_index, bwd_chunk_id)
         result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         for infos in (self.args_recv_info.get(bwd_chunk_id, ()), self.grad_recv_info.get(bwd_chunk_id, ())):
             for info in infos:
                 if not info.is_root_arg and info.tensor_meta is not None:
                     info.buffer = None
-        losses = getattr(runner, "_internal_losses", None)
+        losses = getattr(self._runner(), "_internal_losses", None)
         if self.is_last and losses is not None and bwd_chunk_id < len(losses):
             losses[bwd_chunk_id] = losses[bwd_chunk_id].detach()
         return result
