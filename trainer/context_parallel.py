@@ -152,14 +152,14 @@ class CPComm:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         """Causal attention of this rank's queries (B, H, t, d), its two chunks in order, over the
-        whole sequence's keys and values (B, H, seq_len, d): chunk c sees chunks 0..c, diagonal
+        whole sequence's keys and values (B, KV heads, seq_len, d; SDPA's enable_gqa serves GQA): chunk c sees chunks 0..c, diagonal
         included, so the scores computed are the causal ones and no more."""
-        half = q.shape[2] // 2
+        half, gqa = q.shape[2] // 2, k.shape[1] != q.shape[1]
         outs = []
         for i, c in enumerate(head_tail_chunks(self.rank, self.size)):
             keys = (c + 1) * half
             mask = self.mask(half, keys, q.dtype, q.device)
             qc = q[:, :, i * half : (i + 1) * half]
             outs.append(F.scaled_dot_product_attention(qc, k[:, :, :keys], v[:, :, :keys], attn_mask=mask,
-                                                       dropout_p=dropout_p))  # fmt: skip
+                                                       dropout_p=dropout_p, enable_gqa=gqa))  # fmt: skip
         return torch.cat(outs, dim=2)

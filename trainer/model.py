@@ -110,7 +110,8 @@ class CoreAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.cp is not None:
             return self.cp.attention(q, k, v, p)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        gqa = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -154,10 +155,11 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         if self.rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.cp is not None:  # every cp rank's keys and values, KV heads only (before GQA's repeat)
+        if self.cp is not None:  # every cp rank's keys and values, KV heads only
             k, v = self.cp.gather(k), self.cp.gather(v)
-        if k.shape[1] != q.shape[1]:  # GQA: each KV head repeated for its group of query heads
-            k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
+        # GQA: SDPA's enable_gqa serves each KV head's group of query heads without repeating k
+        # and v (its kernels keep the KV heads only; before issue 37 a repeat_interleave here made
+        # SDPA keep num_heads / num_kv_heads copies, as Megatron's and flash-attn's kernels do not)
         y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)
         return self.drop(self.wo(y))
 

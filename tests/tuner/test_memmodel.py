@@ -170,28 +170,30 @@ LLAMA_8B = MODEL_PRESETS["llama3.1-8b"]  # h 4096, 32 heads / 8 KV heads, ffn 14
     ("cb", "res", "device", "per_token"),
     [
         # FSDP2 in bf16 on GPUs: each norm keeps its bf16 input (the residual stream) and its output,
-        # q, k, v and the attention output 4h, SwiGLU's four ffn-wide tensors, fp32 LSE and rstd
-        (2, 2, "gpu", 2 * 2 * 4096 + 2 * 2 * 4096 + 2 * (4 * 4096 + 4 * 14336) + 4 * 32 + 2 * 4),
+        # q and the attention output 2 x 4096, k and v their 8 KV heads (2 x 1024), SwiGLU's four
+        # ffn-wide tensors, fp32 LSE and rstd
+        (2, 2, "gpu", 2 * 2 * 4096 + 2 * 2 * 4096 + 2 * (2 * 4096 + 2 * 1024 + 4 * 14336) + 4 * 32 + 2 * 4),
         # autocast (bf16 without DP): an fp32 residual; q, k, v, gate and up cast the norm outputs apiece
-        (2, 4, "gpu", 2 * 4 * 4096 + 5 * 2 * 4096 + 2 * (4 * 4096 + 4 * 14336) + 4 * 32 + 2 * 4),
+        (2, 4, "gpu", 2 * 4 * 4096 + 5 * 2 * 4096 + 2 * (2 * 4096 + 2 * 1024 + 4 * 14336) + 4 * 32 + 2 * 4),
         # fp32 on CPU: torch's composite RMSNorm keeps the (fp32) input and the normalised input
-        (4, 4, "cpu", 2 * 8 * 4096 + 2 * 4 * 4096 + 4 * (4 * 4096 + 4 * 14336) + 4 * 32 + 2 * 4),
+        (4, 4, "cpu", 2 * 8 * 4096 + 2 * 4 * 4096 + 4 * (2 * 4096 + 2 * 1024 + 4 * 14336) + 4 * 32 + 2 * 4),
     ],
 )  # fmt: skip
 def test_a_llama_layer_keeps_what_its_block_saves(cb: int, res: int, device: str, per_token: int) -> None:
-    """docs/perfmodel.md, "Activations of the Llama block". GQA saves nothing here: k and v are
-    repeated to every query head before SDPA, which keeps the repeated ones; RoPE keeps nothing."""
+    """docs/perfmodel.md, "Activations of the Llama block". GQA keeps k and v as their KV heads
+    (SDPA's enable_gqa, no repeat): multi-head attention's 32 keep 2 x (4096 - 1024) values a token
+    more; RoPE keeps nothing."""
     p = ParallelConfig()
     assert activation_bytes_per_token(LLAMA_8B, p, cb, FLASH, res, device) == per_token
     mha = dataclasses.replace(LLAMA_8B, num_kv_heads=None)
-    assert activation_bytes_per_token(mha, p, cb, FLASH, res, device) == per_token
+    assert activation_bytes_per_token(mha, p, cb, FLASH, res, device) == per_token + 2 * (4096 - 1024) * cb
 
 
 def test_llama_tensor_and_sequence_parallelism_split_what_gpt_splits() -> None:
     """tp 8 with SP: the norms' inputs and statistics over t, their gathered outputs whole (torch's
     SequenceParallel), the attention and the MLP over t."""
     p = ParallelConfig(tp=8, sequence_parallel=True)
-    expected = 2 * 2 * 4096 / 8 + 2 * 2 * 4096 + 2 * (4 * 4096 + 4 * 14336) / 8 + 4 * 32 / 8 + 2 * 4 / 8
+    expected = 2 * 2 * 4096 / 8 + 2 * 2 * 4096 + 2 * (2 * 4096 + 2 * 1024 + 4 * 14336) / 8 + 4 * 32 / 8 + 2 * 4 / 8
     assert activation_bytes_per_token(LLAMA_8B, p, 2, FLASH, 2) == pytest.approx(expected)
 
 

@@ -463,15 +463,17 @@ def test_samplers_see_ep_as_a_knob_only_when_searched() -> None:
 def test_dense_predictions_unchanged() -> None:
     """Every 40th valid layout of every dense study in studies/, priced by the model before
     mixtures of experts existed (tests/tuner/golden/dense_predictions.json, written by the commit
-    before them): the same step, memory and throughput, to the last bit. Two deliberate changes
-    since, both of memory only (step times and throughputs are the originals): the interleaved
+    before them): the same step, memory and throughput, to the last bit. Deliberate changes since,
+    of memory only unless said (step times and throughputs are the originals): the interleaved
     layouts (174 of 317 rows), re-priced when the model began to walk torch's interleaved order
     (tuner.cost.pipeline.interleaved_order, stop 36); 19 rows whose peak was the optimizer step,
     re-priced for fused AdamW (no temporary; issue 37); one row's memory by 2e-16 (relative) when
     the interleaved walk began to leave out the steady state's middle periods (their sends added
     at once, not one by one: tuner.cost.pipeline._walk); 271 pipeline rows' memory when the
     trainer began to allocate receive buffers on demand and let interleaved sends go as they are
-    received (trainer/pipeline.py OnDemandStage, Interleaved1F1B; issue 37)."""
+    received (trainer/pipeline.py OnDemandStage, Interleaved1F1B; issue 37); 82 rows of GQA models
+    (memory and step) when attention began to serve GQA through SDPA's enable_gqa, without
+    repeating k and v (trainer/model.py CoreAttention; issue 37)."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300
     specs = {}

@@ -413,13 +413,13 @@ def test_a_tied_head_computes_as_much_as_an_untied_one() -> None:
 def test_the_llama_block_moves_its_own_elementwise_bytes() -> None:
     """Korthikanti's units (16-bit bytes x h per token): GPT's block 10 + 24/t as calibrated;
     Llama 3.1 8B's 8 (no dropout masks) + (8 + SwiGLU's four ffn-wide tensors 8 x 14336/4096 =
-    28 + what RoPE and GQA's repeat move per step, 110 and 8 bytes per value of q and k (4096 +
-    1024), as stored bytes: / (3 passes x 2.73 bytes moved per stored byte))/t."""
+    28 + what RoPE moves per step, 110 bytes per value of q and k (4096 + 1024), as stored bytes:
+    / (3 passes x 2.73 bytes moved per stored byte))/t. GQA moves nothing of its own (SDPA's
+    enable_gqa: no repeat of k and v)."""
     assert elementwise_units(MODEL_PRESETS["gpt-1.3b"]) == (10.0, 24.0)
-    moved = (110 + 8) * (4096 + 1024) / (3 * MEMORY_TRAFFIC * 4096)
-    assert moved == pytest.approx(18.04, abs=0.01)
+    moved = 110 * (4096 + 1024) / (3 * MEMORY_TRAFFIC * 4096)
+    assert moved == pytest.approx(16.82, abs=0.01)
     assert elementwise_units(LLAMA_8B) == pytest.approx((8.0, 8 + 28 + moved), rel=1e-12)
-    # multi-head attention repeats nothing
     mha = dataclasses.replace(LLAMA_8B, num_kv_heads=None)
     assert elementwise_units(mha)[1] == pytest.approx(8 + 28 + 110 * 2 / (3 * MEMORY_TRAFFIC))
     # priced as a GPT block of the same units would be

@@ -73,10 +73,10 @@ def compute_efficiency(case: Case) -> float:
 # Bytes per value of q and k that rotary positions move in a step, counted from trainer/model.py's
 # apply_rope on a bf16 input: forward 58 (two fp32 copies, the negated half, the concatenation,
 # two products and their sum, the cast back), backward 52 (the products' gradients, the halves
-# put back together, two casts and their sum). GQA's repeat of k and v to every query head moves
-# 8 bytes per value of h + kv_size (a kv-wide read and an h-wide write each way, for k and v).
+# put back together, two casts and their sum). GQA moves nothing of its own: SDPA's enable_gqa
+# reads each KV head for its group of query heads (before issue 37 a repeat of k and v to every
+# query head moved 8 bytes per value of h + kv_size).
 ROPE_BYTES_PER_VALUE = 58 + 52
-GQA_REPEAT_BYTES_PER_VALUE = 8
 
 
 def elementwise_units(m: ModelConfig) -> tuple[float, float]:
@@ -86,15 +86,12 @@ def elementwise_units(m: ModelConfig) -> tuple[float, float]:
     constants were chosen on trained with dropout) and 24 (q, k, v and the attention output 8,
     GELU's input and output 2 x 2 ffn/h = 16). Llama's: no dropout (8); RMSNorm moves what
     LayerNorm moves (one statistic less, in the same pass); SwiGLU's gate and up outputs, SiLU's
-    output and the product (4 x 2 ffn/h). RoPE and GQA's repeat store nothing of their own (RoPE's
-    other factor is the cos/sin buffer, the repeated k and v are SDPA's inputs, counted in the 8)
-    but move bytes: theirs per step, in stored bytes at MEMORY_TRAFFIC moved per stored byte over
-    3 passes (13.4 (h + kv_size)/h for RoPE; Llama 3.1 8B: 16.8, 1.2 for the repeat)."""
+    output and the product (4 x 2 ffn/h). RoPE stores nothing of its own (its other factor is the
+    cos/sin buffer) but moves bytes: its per step, in stored bytes at MEMORY_TRAFFIC moved per
+    stored byte over 3 passes (13.4 (h + kv_size)/h; Llama 3.1 8B: 16.8)."""
     h, kv = m.hidden_size, m.kv_size
     replicated = family_of(m).replicated_units  # 8, or 10 with the dropout masks (Family)
     moved = ROPE_BYTES_PER_VALUE * (h + kv) if m.positions_kind.rotary else 0.0
-    if kv < h:
-        moved += GQA_REPEAT_BYTES_PER_VALUE * (h + kv)
     mlp = 2 * m.mlp_kind.kept * m.ffn_size / h  # 2 units a kept ffn-wide tensor (MLPKind.kept)
     return replicated, 8 + moved / (3 * MEMORY_TRAFFIC * h) + mlp
 

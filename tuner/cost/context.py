@@ -16,8 +16,8 @@ What context parallelism adds, per layer and micro-batch:
   sent back to their owners (one all-to-all each, the same bytes; gloo has no reduce-scatter);
   full recompute gathers again. Nothing of it overlaps compute in the trainer: it blocks the
   layer like the experts' all-to-all (`kv_traffic`).
-- Memory: the gathered K and V of the whole sequence (repeated to every query head under GQA)
-  are what attention keeps for backward: (cp - 1) / cp of them beyond the rank's own
+- Memory: the gathered K and V of the whole sequence (their KV heads: SDPA's enable_gqa) are
+  what attention keeps for backward: (cp - 1) / cp of them beyond the rank's own
   (tuner/cost/memory.py).
 """
 
@@ -118,12 +118,12 @@ def kv_traffic(case: Case) -> Comm:
 
 def gathered_kv_bytes(m: ModelConfig, p: ParallelConfig, cb: int) -> float:
     """What attention keeps for backward beyond the rank's own K and V, per layer and micro-batch:
-    the rest of the sequence's K and V, repeated to every query head (q_size wide, over tp).
+    the rest of the sequence's K and V, their KV heads (kv_size wide, over tp; SDPA's enable_gqa).
     Selective recompute keeps them too (the checkpointed core's inputs); full recompute keeps only
     the layer input (its recompute holds them again: tuner/cost/memory.py's `recompute`)."""
     if p.cp <= 1 or p.activation_checkpoint == "full":
         return 0.0
-    return 2 * p.micro_batch_size * m.seq_len * (1 - 1 / p.cp) * m.q_size / p.tp * cb
+    return 2 * p.micro_batch_size * m.seq_len * (1 - 1 / p.cp) * m.kv_size / p.tp * cb
 
 
 def mask_bytes(m: ModelConfig, p: ParallelConfig, cb: int) -> float:

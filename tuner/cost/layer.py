@@ -49,9 +49,9 @@ def activation_bytes_per_token(
     The Llama block (docs/perfmodel.md, "Activations of the Llama block"): RMSNorm keeps what
     LayerNorm keeps on CUDA (its input and the fp32 rstd: `_fused_rms_norm`), on CPU torch's
     composite an fp32 copy of its input and the fp32 normalised input (8h a norm). Rotary
-    positions keep nothing (their products' other factor is the cos/sin buffer); GQA's k and v are
-    repeated to every query head before SDPA, which keeps the repeated ones, so q, k, v and the
-    output are 4h/t as with multi-head attention. The SwiGLU MLP keeps the gate's output (SiLU's
+    positions keep nothing (their products' other factor is the cos/sin buffer); GQA's k and v
+    reach SDPA as their KV heads (enable_gqa: no repeat), which it keeps as they are: q and the
+    output q_size wide, k and v kv_size (attention_tensors). The SwiGLU MLP keeps the gate's output (SiLU's
     input), SiLU's output, the up projection's output and their product (the down projection's
     input): 4 ffn/t where GELU keeps 2. Under autocast the gate and up projections each cast the
     second norm's output, as q, k and v cast the first's."""
@@ -91,8 +91,9 @@ def recomputed_modules(p: ParallelConfig) -> frozenset[str]:
 
 
 def attention_tensors(m: ModelConfig) -> int:
-    """Width per token of what attention keeps over tp: q, k and v (k and v repeated to every
-    query head) and the output, 4 x q_size (4h unless attention_head_dim widens it). Latent
+    """Width per token of what attention keeps over tp: q and the output, q_size each (h unless
+    attention_head_dim widens it), k and v, kv_size each (their KV heads: SDPA's enable_gqa,
+    trainer/model.py CoreAttention; 4 h with multi-head attention). Latent
     attention (DeepSeek-V2/V3): q and k of heads x (qk_nope + qk_rope), v and the output of
     heads x v_head_dim, and the latents each up-projection reads (q's and kv's, normalised)
     with the shared rotary key; the latents are kept whole on every tensor-parallel rank, here
@@ -101,7 +102,7 @@ def attention_tensors(m: ModelConfig) -> int:
         qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
         latents = 2 * (m.q_lora_rank + m.kv_lora_rank) + m.qk_rope_head_dim
         return 2 * qk + 2 * m.q_size + latents
-    return 4 * m.q_size
+    return 2 * m.q_size + 2 * m.kv_size
 
 
 def flow_bytes(m: ModelConfig, p: ParallelConfig, cb: int, res: int, tokens: int) -> float:
@@ -119,7 +120,7 @@ def flow_bytes(m: ModelConfig, p: ParallelConfig, cb: int, res: int, tokens: int
 
 def qk_norm_bytes(m: ModelConfig, cb: int, res: int, device: DeviceKind) -> int:
     """What RMSNorm on q and k keeps per token (Qwen3's per head, OLMoE's over the projection),
-    before tp: its input, q and k of their KV heads (the norm precedes GQA's repeat), and the fp32
+    before tp: its input, q and k of their KV heads, and the fp32
     rstd of each normalised row. On CUDA `_fused_rms_norm` keeps the input itself; on CPU, and
     under autocast (fp32 norm weights beside bf16 q and k, where CUDA runs the composite too),
     the composite keeps an fp32 copy of the input and the fp32 normalised input."""
@@ -245,7 +246,7 @@ def op_activation_bytes_per_token(
 ) -> float:
     """A dense block's bytes per token under op-level checkpointing: its input (the checkpoint's,
     in the residual's dtype; over tp with sequence parallelism) and what op_checkpoint keeps of
-    attention and the MLP. Norms, rotary positions, activations, GQA's repeat, all-gathers and
+    attention and the MLP. Norms, rotary positions, activations, all-gathers and
     all-reduces are recomputed."""
     shard = p.tp if p.sequence_parallel else 1
     kept, _ = op_checkpoint(attention_ops(m, p, cb, device) + mlp_ops(m, p, cb, m.ffn_size, p.tp))
