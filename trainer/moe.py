@@ -231,36 +231,57 @@ class GroupedExperts(nn.Module):
         # backward, its inputs (the first GEMMs' outputs) kept (recompute_without_output)
         self.recompute_act = False
 
-    def forward(self, x: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
-        """x: tokens sorted by expert, counts[e] of them for local expert e."""
+    def forward(
+        self, x: torch.Tensor, counts: list[int], grad_scale: float = 1.0, probs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: tokens sorted by expert, counts[e] of them for local expert e; probs: each row's
+        routing weight, applied in the activation (Megatron-LM's weighted SwiGLU: the combine is
+        then a plain sum, which keeps nothing), or None (unweighted)."""
         # In the compute dtype: the experts' own weights may be fp32 beside bf16 activations (edp 1:
         # no FSDP2 casts them) or under autocast (one GPU, no data parallelism).
         autocast = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         x = x.to(dtype)
+        probs = probs.to(dtype) if probs is not None else None
         weights = [
             GradScale.apply(local(w), grad_scale).to(dtype)
             for w in (self.w1, self.w2, self.w3)
             if w is not None
         ]
         if use_grouped_mm(x):
-            return self._grouped(x, counts, weights)
+            return self._grouped(x, counts, weights, probs)
         outs = []
-        for e, chunk in enumerate(x.split(counts)):
-            outs.append(self._mlp(chunk, *(w[e] for w in weights)))
+        chunks = probs.split(counts) if probs is not None else [None] * len(counts)
+        for e, (chunk, p) in enumerate(zip(x.split(counts), chunks, strict=True)):
+            outs.append(self._mlp(chunk, p, *(w[e] for w in weights)))
         return torch.cat(outs) if outs else x[:0]
 
-    def _mlp(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None = None):
+    def _mlp(
+        self,
+        x: torch.Tensor,
+        p: torch.Tensor | None,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         inputs = (x @ w1, x @ w3) if w3 is not None else (x @ w1,)
-        return self._act_then(inputs, lambda h: h @ w2)
+        return self._act_then(p, inputs, lambda h: h @ w2)
 
-    def _act_then(self, inputs: tuple[torch.Tensor, ...], down: Callable[[torch.Tensor], torch.Tensor]):
-        """down(activation(*inputs)): SwiGLU's silu(gate) * up or GELU, then the down projection."""
+    def _act_then(
+        self,
+        p: torch.Tensor | None,
+        inputs: tuple[torch.Tensor, ...],
+        down: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """down(p x activation(*inputs)): SwiGLU's silu(gate) * up or GELU, weighted, then the down
+        projection."""
         if self.recompute_act:
-            return recompute_without_output(_activation, inputs, down)
-        return down(_activation(*inputs))
+            return recompute_without_output(_activation, (p, *inputs), down)
+        return down(_activation(p, *inputs))
 
-    def _grouped(self, x: torch.Tensor, counts: list[int], weights: list[torch.Tensor]) -> torch.Tensor:
+    def _grouped(
+        self, x: torch.Tensor, counts: list[int], weights: list[torch.Tensor], probs: torch.Tensor | None
+    ) -> torch.Tensor:
         """One grouped GEMM per matrix over every expert: each group padded to GROUPED_MM_ALIGN rows."""
         padded = [-(-c // GROUPED_MM_ALIGN) * GROUPED_MM_ALIGN for c in counts]
         ends = list(itertools.accumulate(padded))  # on the host: counts are, no device sync
@@ -269,14 +290,57 @@ class GroupedExperts(nn.Module):
         )
         xp = x.new_zeros(ends[-1], x.shape[1])
         xp[rows] = x  # index_put keeps the indices for the backward; index_copy would keep x too
+        pp = None
+        if probs is not None:  # the padding rows weighted 0
+            pp = probs.new_zeros(ends[-1])
+            pp[rows] = probs
         offs = torch.tensor(ends, device=x.device, dtype=torch.int32)
         w1, w2, *w3 = weights
         inputs = tuple(torch._grouped_mm(xp, w, offs=offs) for w in (w1, *w3))
-        return self._act_then(inputs, lambda h: torch._grouped_mm(h, w2, offs=offs))[rows]
+        return self._act_then(pp, inputs, lambda h: torch._grouped_mm(h, w2, offs=offs))[rows]
 
 
-def _activation(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    return F.silu(gate) * up if up is not None else F.gelu(gate, approximate="tanh")
+class WeightedActivation(torch.autograd.Function):
+    """p x silu(gate) x up (SwiGLU) or p x gelu(gate) (GELU) per row, keeping for the backward only
+    its inputs (gate and up, and p), as Megatron-LM's fused weighted_bias_swiglu: autograd's ops
+    would keep SiLU's output and the product besides (4 f a row, here 2 f). The backward computes
+    the activation's pieces again, in place where it can (a few f-wide temporaries at a time, as
+    autograd's backward of the unfused ops holds)."""
+
+    @staticmethod
+    def forward(
+        ctx, p: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(p, gate, up)
+        return _weighted(p, gate, up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        p, gate, up = ctx.saved_tensors
+        weighted = grad * p.unsqueeze(-1) if p is not None else grad
+        dp = None
+        if up is None:  # GELU
+            if p is not None and ctx.needs_input_grad[0]:
+                dp = (F.gelu(gate, approximate="tanh").mul_(grad)).sum(-1)
+            return dp, torch.ops.aten.gelu_backward(weighted, gate, approximate="tanh"), None
+        # SwiGLU: d up = w g silu, d silu = w g up, d gate = d silu s (1 + gate (1 - s)), s = sigmoid(gate)
+        s = torch.sigmoid(gate)
+        silu = gate * s
+        if p is not None and ctx.needs_input_grad[0]:
+            dp = (silu * up).mul_(grad).sum(-1)
+        dup = silu.mul_(weighted)
+        dsilu = weighted.mul_(up) if weighted is not grad else grad * up
+        dgate = dsilu.mul_(s.neg().add_(1).mul_(gate).add_(1).mul_(s))
+        return dp, dgate, dup
+
+
+def _weighted(p: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+    out = F.silu(gate) * up if up is not None else F.gelu(gate, approximate="tanh")
+    return out.mul_(p.unsqueeze(-1)) if p is not None else out
+
+
+def _activation(p: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    return WeightedActivation.apply(p, gate, up)
 
 
 class _Discarded:
@@ -442,23 +506,23 @@ class MoE(nn.Module):
 
     def _route(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every token through its k experts (dispatched over ep ranks), weighted and summed.
-        One h-wide copy of the routed tokens is kept for the backward on each side: the experts'
-        input (the permuted rows; trainer-side gathers and scatters keep only their indices) and
-        their output back in token order, which a batched (1 x k) @ (k x h) product weights and
-        sums per token (a weighted index_add would keep its weighted source as well: 2 copies)."""
+        One h-wide copy of the routed tokens is kept for the backward: the experts' input (the
+        permuted rows; trainer-side gathers and scatters keep only their indices). The routing
+        weights travel with the tokens and weigh the experts' activation (GroupedExperts), so the
+        experts' outputs back in token order are summed, which keeps nothing (before issue 37 a
+        batched (1 x k) @ (k x h) product weighted them and kept them: a second h-wide copy)."""
         n, k = x.shape[0], self.cfg.moe_top_k
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # assignments sorted by expert
         token = order // k
-        routed = x[token]
+        routed, probs = x[token], weights.flatten()[order]
         counts = self._counts(flat, n * k)
         comm = self.comm
         if comm.ep_size == 1:
-            y = self.experts(routed, counts, comm.expert_grad_scale)
+            y = self.experts(routed, counts, comm.expert_grad_scale, probs)
         else:
-            y = self._expert_parallel(routed, counts)
-        by_token = y[order.argsort()].view(n, k, -1)  # assignment i k + j: token i's j-th expert
-        out = torch.bmm(weights.to(y.dtype).unsqueeze(1), by_token).squeeze(1)
+            y = self._expert_parallel(routed, probs, counts)
+        out = y[order.argsort()].view(n, k, -1).sum(1)  # assignment i k + j: token i's j-th expert
         return out.to(x.dtype)
 
     def _counts(self, flat: torch.Tensor, num_assignments: int) -> list[int]:
@@ -469,8 +533,9 @@ class MoE(nn.Module):
         counts = torch.zeros(self.cfg.num_experts, dtype=torch.int64, device=flat.device)
         return counts.index_add_(0, flat, torch.ones_like(flat)).tolist()
 
-    def _expert_parallel(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Dispatch each assignment to the rank holding its expert (all-to-all), run the local
+    def _expert_parallel(self, routed: torch.Tensor, probs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Dispatch each assignment and its routing weight to the rank holding its expert (two
+        all-to-alls, as Megatron-LM's dispatcher sends the permuted probabilities), run the local
         experts, send the results back (all-to-all). Split sizes are exchanged first."""
         from torch.distributed.nn.functional import all_to_all_single
 
@@ -493,7 +558,8 @@ class MoE(nn.Module):
         repeats = torch.tensor([c for row in received for c in row], device=routed.device)
         by_expert = torch.repeat_interleave(expert_of, repeats, output_size=sum(recv)).argsort(stable=True)
         local_counts = [sum(row[j] for row in received) for j in range(per_rank)]
-        y = self.experts(got[by_expert], local_counts, comm.expert_grad_scale)
+        got_probs = all_to_all_single(probs.new_empty(sum(recv)), probs, recv, send, comm.ep_group)
+        y = self.experts(got[by_expert], local_counts, comm.expert_grad_scale, got_probs[by_expert])
         y = y[by_expert.argsort()]
         return all_to_all_single(y.new_empty(routed.shape), y, send, recv, comm.ep_group)
 

@@ -211,6 +211,39 @@ def test_moe_act_recomputes_the_activation_and_keeps_no_output(
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_the_weighted_activation_keeps_its_inputs_and_has_autograds_gradients(mlp: str) -> None:
+    """trainer/moe.py WeightedActivation: p x silu(gate) x up (GELU: p x gelu(gate)) with the
+    gradients autograd's unfused ops give (torch.autograd.gradcheck in fp64, with and without p),
+    keeping for the backward its inputs only: no SiLU output, no product."""
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(6, 5, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
+    up = up if mlp == "swiglu" else None
+    p = torch.rand(6, dtype=torch.float64, generator=gen, requires_grad=True)
+    for weight in (p, None):
+        assert torch.autograd.gradcheck(moe.WeightedActivation.apply, (weight, gate, up))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        moe.WeightedActivation.apply(p, gate, up)
+    assert {id(t) for t in saved} == {id(t) for t in (p, gate, up) if t is not None}
+
+
+def test_the_moe_layer_keeps_no_copy_of_the_experts_output() -> None:
+    """The routing weights weigh the experts' activation, so their outputs are summed back per
+    token, which keeps nothing: the layer's saved tensors hold one h-wide row a routed assignment
+    (the experts' input), where the weighted product before issue 37 kept a second."""
+    layer = MoE(MOE, 1)
+    for w in layer.parameters():
+        torch.nn.init.normal_(w, std=0.02)
+    x = torch.randn(2, 24, MOE.hidden_size, requires_grad=True)  # 96 assignments: no weight's shape
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x).sum().backward()
+    rows = 2 * 24 * MOE.moe_top_k * MOE.hidden_size * 4  # fp32
+    h_wide = {t.untyped_storage().data_ptr() for t in saved if t.untyped_storage().nbytes() == rows}
+    assert len(h_wide) == 1
+
+
 @functools.cache
 def _single(model: str, routing: str) -> BenchmarkResult:
     return run(tiny_config(P(micro_batch_size=GLOBAL_BATCH), MODEL_PRESETS[model], moe_routing=routing))

@@ -156,10 +156,15 @@ def moe_step(case: Case, dense_efficiency: float) -> MoEStep:
     # elementwise_flops_per_byte): the experts' ffn-wide tensors replace the dense MLP's (2 units a
     # kept ffn-wide tensor: MLPKind.kept); the router's fp32 logits and scores; the permuted copies
     # in and out of the experts.
-    mlp_units = 2 * m.mlp_kind.kept * (k * m.expert_ffn_size + m.moe_shared_ffn_hidden_size - m.ffn_size)
+    # The experts' f-wide tensors: the weighted activation's inputs and output (expert_kept_tensors
+    # without moe_act).
+    routed = m.mlp_kind.inputs + 1
+    mlp_units = 2 * routed * k * m.expert_ffn_size + 2 * m.mlp_kind.kept * (
+        m.moe_shared_ffn_hidden_size - m.ffn_size
+    )
     units = mlp_units + 8 * e + 4 * k * h
     if "moe_act" in recomputed_modules(p):  # the experts' activation twice more: for the down
-        units += 2 * 2 * m.mlp_kind.kept * k * m.expert_ffn_size  # projection's backward, its own
+        units += 2 * 2 * routed * k * m.expert_ffn_size  # projection's backward, its own
     own_delta = (
         tokens * units * case.units_16bit * own_passes * c.elementwise_flops_per_byte / case.memory_peak_flops
     )
@@ -173,37 +178,52 @@ def a2a_volume_bytes(case: Case) -> float:
 
 
 def a2a_calls(p: ParallelConfig) -> int:
-    """All-to-alls per MoE layer and micro-batch: dispatch and combine in forward and backward,
-    and the forward's two again when full recompute reruns the layer (op-level checkpointing too:
-    the experts' input and output are not kept, trainer/moe.py's all-to-all is not a functional
-    collective its policy keeps)."""
+    """All-to-alls of hidden states per MoE layer and micro-batch: dispatch and combine in forward
+    and backward, and the forward's two again when full recompute reruns the layer (op-level
+    checkpointing too: the experts' input and output are not kept, trainer/moe.py's all-to-all is
+    not a functional collective its policy keeps)."""
     return 6 if p.activation_checkpoint in ("full", "op") else 4
 
 
+def probs_a2a_calls(p: ParallelConfig) -> int:
+    """All-to-alls of the routing weights (trainer/moe.py MoE._expert_parallel: they travel with the
+    tokens to weigh the experts' activation): the dispatch's in forward and backward, and again in
+    a recompute of the forward."""
+    return 3 if p.activation_checkpoint in ("full", "op") else 2
+
+
 def a2a(case: Case) -> Comm:
-    """One MoE layer's all-to-alls for one micro-batch, by tier. The ep group is ep neighbouring
-    ranks (trainer/contract/topology.py: expert_groups): inside a node when ep <= gpus_per_node. Spanning
-    nodes, the peers on the rank's node take their share at the node's link and the rest cross
-    the network, where every rank of the node sends at once: inter_node_gbps / gpus_per_node each."""
+    """One MoE layer's all-to-alls for one micro-batch, by tier: the hidden states' and the routing
+    weights' (4 bytes an assignment: latency more than bytes). The ep group is ep neighbouring
+    ranks (trainer/contract/topology.py: expert_groups): inside a node when ep <= gpus_per_node.
+    Spanning nodes, the peers on the rank's node take their share at the node's link and the rest
+    cross the network, where every rank of the node sends at once: inter_node_gbps /
+    gpus_per_node each."""
     m, p, c, cluster = case.model, case.layout, case.constants, case.cluster
     assert cluster is not None
     if p.ep <= 1:
         return Comm()
-    per_rank = routed_tokens(m, p) * m.moe_top_k * m.hidden_size * case.value_bytes
+    assignments = routed_tokens(m, p) * m.moe_top_k
     link = case.link(p.ep, 1)
-    calls = a2a_calls(p)
     overhead = call_overhead_s(p.ep, c, case.ranks_per_core)
+    calls = (
+        (a2a_calls(p), assignments * m.hidden_size * case.value_bytes),
+        (probs_a2a_calls(p), assignments * 4),
+    )
     if link.tier == "intra":
-        wire = per_rank * (p.ep - 1) / p.ep / (link.rate_gbps(c) * 1e9) + link.latency_us * 1e-6
-        return Comm(calls * (wire + overhead), 0.0)
+        rate = link.rate_gbps(c) * 1e9
+        wire = sum(n * (b * (p.ep - 1) / p.ep / rate + link.latency_us * 1e-6 + overhead) for n, b in calls)
+        return Comm(wire, 0.0)
     g = cluster.gpus_per_node
     on_node = Link(cluster.intra_node_gbps, cluster.intra_node_latency_us, "intra", link.core_gbps,
                    link.core_latency_us)  # fmt: skip
     network = Link(cluster.inter_node_gbps / g, cluster.inter_node_latency_us, "inter", link.core_gbps,
                    link.core_latency_us)  # fmt: skip
-    intra = per_rank * (g - 1) / p.ep / (on_node.rate_gbps(c) * 1e9) + on_node.latency_us * 1e-6
-    inter = per_rank * (p.ep - g) / p.ep / (network.rate_gbps(c) * 1e9) + network.latency_us * 1e-6
-    return Comm(calls * intra, calls * (inter + overhead))
+    intra = sum(n * (b * (g - 1) / p.ep / (on_node.rate_gbps(c) * 1e9) + on_node.latency_us * 1e-6)
+                for n, b in calls)  # fmt: skip
+    inter = sum(n * (b * (p.ep - g) / p.ep / (network.rate_gbps(c) * 1e9) + network.latency_us * 1e-6 + overhead)
+                for n, b in calls)  # fmt: skip
+    return Comm(intra, inter)
 
 
 # Parameters and activations -------------------------------------------------------------------
@@ -238,12 +258,17 @@ def moe_activation_delta_per_token(
       (SwiGLU 4, GELU 2), their input rows once (the grouped GEMM's padded copy, GPU kernels of
       compute capability >= 9, filled by index_put, which keeps only the indices; the CPU's and an
       A100's loop over experts keeps the gathered rows; before issue 37 index_copy kept the
-      gathered rows besides the padded copy) and int64 row indices (1, with expert parallelism 3:
-      the regrouping and its inverse);
-    - back on the token's rank: the experts' output in token order, which a batched product
-      weights and sums per token (before issue 37 a multiply and an index_add kept it before and
-      after the weight), the weight in the compute dtype and two int64 indices (the token of each
-      assignment, the inverse of the sort order);
+      gathered rows besides the padded copy), int64 row indices (1, with expert parallelism 3:
+      the regrouping and its inverse), and the routing weight in the compute dtype. The f-wide
+      tensors: SwiGLU's gate and up and the weighted activation's output (the down projection's
+      input): 3, as Megatron-LM's fused weighted SwiGLU keeps (autograd's ops kept SiLU's output
+      and the product besides: 4 until issue 37, with the weight applied after the experts);
+      GELU's input and output; under moe_act the first GEMMs' outputs only (expert_kept_tensors);
+    - back on the token's rank: three int64 indices (the token of each assignment, the inverse of
+      the sort order, and the sort order, which gathers the routing weights to travel with the
+      tokens); the experts' output in token order is summed, keeping nothing, since the
+      activation carries the weight (trainer/moe.py WeightedActivation; before, a batched product
+      weighted and summed it, keeping it and the weight);
     - the router's: fp32 scores of every expert (4 E), the chosen experts' int64 ids, their fp32
       weights and the sum that renormalises them; with moe_router_fp32 in a 16-bit step, its fp32
       copy of the input (4 h) in place of the compute-dtype input its matmul kept (which a shared
@@ -255,14 +280,13 @@ def moe_activation_delta_per_token(
         return 0.0
     if p.activation_checkpoint == "op":
         return moe_op_delta_per_token(m, p, cb, imbalance, device)
-    # moe_act (trainer/moe.py recompute_without_output): the experts keep their first GEMMs'
-    # outputs (SwiGLU's gate and up, GELU's input), not the activation's intermediates and output
-    experts = m.mlp_kind.inputs if "moe_act" in recomputed_modules(p) else m.mlp_kind.kept
+    experts = expert_kept_tensors(m, p)
     tensors = m.mlp_kind.kept
     k, h, f = m.moe_top_k, m.hidden_size, m.expert_ffn_size
     row_indices = 8 * (3 if p.ep > 1 else 1)
-    experts_side = k * ((experts * f + h) * cb + row_indices) * imbalance
-    token_side = k * (h * cb + cb + 2 * 8)
+    # ... and each row's routing weight, which the weighted activation keeps (compute dtype)
+    experts_side = k * ((experts * f + h + 1) * cb + row_indices) * imbalance
+    token_side = k * 3 * 8
     renormalised = m.moe_norm_topk  # with either score (trainer/moe.py Router.select)
     router = 4 * m.num_experts + 8 * k + (4 * k + 4 if renormalised else 0)
     if m.moe_router_score == "sigmoid" and m.moe_aux_loss_coef > 0:
@@ -276,6 +300,13 @@ def moe_activation_delta_per_token(
     return (experts_side + token_side + router + shared - tensors * m.ffn_size * cb) / p.tp
 
 
+def expert_kept_tensors(m: ModelConfig, p: ParallelConfig) -> int:
+    """f-wide tensors a routed assignment keeps in the experts (trainer/moe.py WeightedActivation):
+    the first GEMMs' outputs (SwiGLU's gate and up, GELU's input) and, unless moe_act recomputes
+    it (recompute_without_output), the weighted activation's output, the down projection's input."""
+    return m.mlp_kind.inputs + (0 if "moe_act" in recomputed_modules(p) else 1)
+
+
 def moe_ops(m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float, device: str = "gpu") -> list[Op]:
     """A MoE layer's MLP half as op-level checkpointing sees it (tuner.cost.layer.Op), in
     trainer/moe.py's order, per token of a micro-batch on this rank (a rank routes 1 / tp of them:
@@ -283,8 +314,8 @@ def moe_ops(m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float, device
     recomputed: torchtitan's forced shape), its top-k values (fp32) and ids (int64), kept, the
     shared expert's linears, the experts' GEMMs at k x the imbalance factor assignments a token (on
     GPUs torch._grouped_mm, not in the policy's list: recomputed; on CPU a loop of matmuls over the
-    rank's E / ep experts, kept in turn), and the batched product that weights and sums them (bmm:
-    kept)."""
+    rank's E / ep experts, kept in turn); the sum of their weighted outputs keeps nothing (before
+    issue 37 a bmm weighted and summed them, its output kept)."""
     h, k, f, t = m.hidden_size, m.moe_top_k, m.expert_ffn_size, p.tp
     ops = [Op("recomputed", 0.0, 2 * h * m.num_experts / t), Op("saved", k * (4 + 8) / t)]
     if m.moe_shared_ffn_hidden_size:
@@ -303,7 +334,6 @@ def moe_ops(m: ModelConfig, p: ParallelConfig, cb: int, imbalance: float, device
                 Op("mm", w * per_expert * cb, 2 * i * w * per_expert)
                 for w, i in zip(widths, ins, strict=True)
             ]
-    ops.append(Op("saved", h * cb / t))
     return ops
 
 
@@ -353,10 +383,12 @@ def expert_rank(
     experts = local_expert_params(m, p.ep)
     factor = imbalance_factor(m, p, imbalance)
     # SwiGLU's backward holds 2 ffn-wide gradients (tuner.cost.layer.flow_bytes): the experts' k
-    # copies instead
-    grads = (
-        2 * (m.moe_top_k * m.expert_ffn_size * factor + m.moe_shared_ffn_hidden_size - m.ffn_size) * cb / p.tp
-    )
+    # copies instead; and the gradient of the experts' outputs, k h-wide rows a token, held through
+    # the experts' backward (the sum that combines them keeps nothing to free meanwhile: before
+    # issue 37 the combining product's kept copy of the same size was freed at its backward)
+    k = m.moe_top_k
+    grads = 2 * (k * m.expert_ffn_size * factor + m.moe_shared_ffn_hidden_size - m.ffn_size) * cb / p.tp
+    grads += k * m.hidden_size * factor * cb / p.tp
     if "moe_act" in recomputed_modules(p):  # what the activation's recompute brings back meanwhile
         grads += (m.mlp_kind.kept - m.mlp_kind.inputs) * m.moe_top_k * m.expert_ffn_size * factor * cb / p.tp
     return ExpertRank(

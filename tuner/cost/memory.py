@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost.context import gathered_kv_bytes, mask_bytes
 from tuner.cost.data import expert_shards, weight_shards
-from tuner.cost.experts import expert_rank
+from tuner.cost.experts import expert_rank, local_expert_params
 from tuner.cost.layer import (
     activation_bytes_per_token,
     flow_bytes,
@@ -80,6 +80,7 @@ class RankBytes:
     experts: float = 0.0  # a mixture of experts' routed experts on the rank (E / ep a MoE layer)
     ed: int = 1  # how many ways FSDP2 shards them (the expert data parallelism; 1: replicated)
     chunks: tuple[float, ...] = (1.0,)  # each local stage's share of the rank's layers (interleaved)
+    loop_grads: float = 0.0  # the CPU's loop over experts: its weight gradients' whole-tensor transients
 
 
 def phase_bytes(case: Case, stage: int) -> dict[str, dict[str, float]]:
@@ -185,6 +186,11 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         boundary=boundary,
         experts=moe.experts if moe is not None else 0.0, ed=expert_shards(case),
         chunks=chunk_shares(m.num_layers, p, stage),
+        # Each expert's slice of a weight gets its gradient as a whole-weight tensor (autograd's
+        # select backward), summed into the one before: three whole (E / ep) x h x f gradients at a
+        # time, in the compute dtype, during a MoE layer's backward (GPU kernels: none).
+        loop_grads=3 * local_expert_params(m, p.ep) / m.mlp_matrices * cb
+        if moe is not None and moe.num_moe and device == "cpu" else 0.0,
     )  # fmt: skip
 
 
@@ -202,7 +208,7 @@ def forward_backward(
     # FSDP2's gathered weights are in the compute dtype, so are the gradients autograd gives them:
     # one layer's, until its post-backward folds them into the fp32 gradients. (Autocast's casts
     # hand theirs straight back to the fp32 parameters.)
-    fresh = r.unit if p.dp * p.cp > 1 and r.cb < 4 else 0.0
+    fresh = (r.unit if p.dp * p.cp > 1 and r.cb < 4 else 0.0) + r.loop_grads
     if p.virtual_stages > 1:
         return interleaved_moments(p, r, stage, accumulated, working, fresh)
     n, inflight = p.num_microbatches, in_flight(p, stage)
