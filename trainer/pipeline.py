@@ -180,7 +180,11 @@ class OnDemandStage(PipelineStage):
 
     The last stage's loss of each micro-batch stays in its schedule (`_internal_losses`) until the
     step ends; after the backward its graph holds only the stage's input, the leaf its
-    AccumulateGrad node refers to, with that input's gradient: a detached loss lets both go."""
+    AccumulateGrad node refers to, with that input's gradient: a detached loss lets both go. And
+    torch keeps the last stage's output, the logits (V / tp values a token), in its forward cache
+    until the micro-batch's backward, which starts from the loss and never reads them: dropped
+    once the loss is computed (the loss keeps its fp32 log-softmax, as Megatron-LM's keeps its
+    fp32 softmax)."""
 
     schedule: weakref.ref[_PipelineSchedule] | None = None
 
@@ -221,7 +225,10 @@ class OnDemandStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
         if (sends := self._sends()) is not None and not self.is_first:  # its input has arrived
             sends.received_forward(self.stage_index, fwd_chunk_id)
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if self.is_last:  # its backward starts from the loss: the logits need not wait for it
+            self.fwd_cache[fwd_chunk_id] = ((), self.fwd_cache[fwd_chunk_id][1])
+        return output
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
         if (sends := self._sends()) is not None and not self.is_last:  # its gradient has arrived

@@ -157,6 +157,8 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     # Transient: the fp32 copy of the bf16 logits (forward), or the log-softmax's gradient and the
     # logits' (backward; loss_parallel computes the second in place).
     loss = max(4 + (cb if cb < 4 else 0), 8 if t == 1 else 4) * logits
+    if p.pp > 1:  # ... beside the stage's output, the logits, held by the schedule until the loss is
+        loss += cb * logits  # computed (torch's forward cache kept them to the backward: `head`)
     # The final norm keeps its input and output (the head's input); RMSNorm's CPU composite more.
     final_norm = tokens * h * (1 / shard + 1) * residual
     final_norm += tokens * h * (norm_input_bytes(m, residual, device) - residual) / shard
@@ -178,9 +180,10 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         root=cb * (embed + head), unit=unit, layer=layer, layers=layers,
         # 2D: the embedding looks up its local block, its gradient is local too
         vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
-        # ... and with a pipeline the stage's output, its logits, in the stage's forward cache
+        # ... and the fp32 log-softmax (with a pipeline the stage's logits too until issue 37:
+        # torch's forward cache kept them; trainer/pipeline.py OnDemandStage drops them)
         head=(final_norm if k == 1 else tokens * (8 + norm_2d_bytes(m, residual)) * h / k)
-        + (4 + (cb if p.pp > 1 else 0)) * logits if last else 0.0,
+        + 4 * logits if last else 0.0,
         flow=flow, loss=loss,
         buffers=2 * 8 * n * tokens + rope + mask_bytes(m, p, cb),
         boundary=boundary,
