@@ -21,8 +21,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.context_parallel import CPComm
+from trainer.contract.blocks import ce_chunk_rows
 from trainer.contract.model import ModelConfig
 from trainer.moe import MoE, local, recompute_without_output
 
@@ -283,5 +285,50 @@ def init_param_(
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token loss in fp32. Works on vocab-sharded DTensor logits inside loss_parallel()."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Mean token loss in fp32. Vocab-sharded DTensor logits (tensor parallelism, inside
+    loss_parallel()) go through torch's cross_entropy; whole ones through ChunkedCrossEntropy."""
+    if isinstance(logits, DTensor):
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    return ChunkedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The mean cross entropy of (N, V) logits in fp32, a chunk of rows at a time, keeping for the
+    backward the logits as they are and each row's log-sum-exp (4 bytes), and computing the
+    gradient chunk by chunk into one tensor of the logits' dtype. torch's cross_entropy on the
+    logits' fp32 copy keeps the fp32 log-softmax (4 bytes a value) and its backward holds two more
+    fp32 tensors of the logits' size; Megatron-LM's fused cross entropy keeps its fp32 softmax.
+    Here: the logits (2 bytes a value in bf16), plus one fp32 chunk while it runs, plus the
+    gradient (2) in the backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        n, v = logits.shape
+        rows = ce_chunk_rows(v)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for s in range(0, n, rows):
+            z = logits[s : s + rows].to(torch.float32, copy=True)
+            picked = z.gather(1, targets[s : s + rows, None]).squeeze(1)
+            top = z.amax(-1, keepdim=True)
+            chunk_lse = z.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(1))
+            lse[s : s + rows] = chunk_lse
+            total += (chunk_lse - picked).sum()
+            del z
+        ctx.save_for_backward(logits, targets, lse)
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        n, v = logits.shape
+        rows = ce_chunk_rows(v)
+        out = torch.empty_like(logits)
+        scale = grad.to(torch.float32) / n
+        for s in range(0, n, rows):
+            z = logits[s : s + rows].to(torch.float32, copy=True)
+            z.sub_(lse[s : s + rows, None]).exp_()  # softmax
+            z.scatter_add_(1, targets[s : s + rows, None], torch.full_like(z[:, :1], -1.0))
+            out[s : s + rows] = z.mul_(scale)
+            del z
+        return out, None

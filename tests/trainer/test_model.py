@@ -70,3 +70,32 @@ def test_stages_compose_to_the_whole_model(name: str) -> None:
     if cfg.tie_embeddings:  # two copies, equal, not one Parameter
         first, last = stages[0].embed.tok.weight, stages[-1].head.weight
         assert first is not last and torch.equal(first, last)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_loss_is_torchs_and_keeps_the_logits_and_a_log_sum_exp(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trainer/model.py ChunkedCrossEntropy, four chunks of rows: the loss and the logits' gradient
+    of torch's cross_entropy on their fp32 copy, and for the backward only the logits themselves
+    and an fp32 log-sum-exp a row (torch's keeps an fp32 log-softmax of the logits' size)."""
+    import torch.nn.functional as F
+
+    from trainer.contract import blocks
+
+    monkeypatch.setattr(blocks, "CE_CHUNK_VALUES", 3 * 300)  # 3 rows of 300 a chunk
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 300, generator=gen).to(dtype).requires_grad_()
+    targets = torch.randint(0, 300, (2, 6), generator=gen)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = cross_entropy_loss(logits, targets)
+    (grad,) = torch.autograd.grad(loss, logits)
+    want = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    (want_grad,) = torch.autograd.grad(want, logits)
+    assert loss.dtype == torch.float32 and torch.allclose(loss, want, rtol=1e-6, atol=0)
+    assert grad.dtype == dtype and torch.allclose(
+        grad.float(), want_grad.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-7
+    )
+    kept = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage()._cdata: t for t in saved}.values())
+    assert kept == logits.numel() * logits.element_size() + 12 * 4 + 12 * 8  # + lse fp32, int64 targets

@@ -411,7 +411,8 @@ def test_plan_qwen3_30b_on_8_h100_fits() -> None:
                        "training": {"global_batch_size": 512}})  # fmt: skip
     result = plan(spec, top=5)
     assert result["num_fit"] > 0 and all(c["predicted"]["fits"] for c in result["candidates"])
-    assert all(c["config"]["zero_stage"] == 3 and c["config"]["ep"] > 1 for c in result["candidates"])
+    assert all(c["config"]["zero_stage"] == 3 for c in result["candidates"])
+    assert result["candidates"][0]["config"]["ep"] > 1
     assert all(c["experts"].startswith("experts: ep") for c in result["candidates"])
 
 
@@ -476,7 +477,9 @@ def test_dense_predictions_unchanged() -> None:
     trainer began to allocate receive buffers on demand and let interleaved sends go as they are
     received (trainer/pipeline.py OnDemandStage, Interleaved1F1B; issue 37); 82 rows of GQA models
     (memory and step) when attention began to serve GQA through SDPA's enable_gqa, without
-    repeating k and v (trainer/model.py CoreAttention; issue 37)."""
+    repeating k and v (trainer/model.py CoreAttention; issue 37); 30 rows' memory when the loss over
+    whole logits began to keep them and a log-sum-exp, not an fp32 log-softmax
+    (trainer/model.py ChunkedCrossEntropy; issue 37)."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300
     specs = {}

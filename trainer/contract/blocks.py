@@ -110,3 +110,13 @@ ATTENTION_KINDS: dict[str, AttentionPart] = {
     "mha": AttentionPart("mha", latent=False, label="multi-head attention"),
     "mla": AttentionPart("mla", latent=True, label="multi-head latent attention"),
 }
+
+
+# The loss over whole (not vocab-sharded) logits: trainer/model.py ChunkedCrossEntropy converts
+# this many fp32 values of the logits at a time (a chunk of rows), forward and backward.
+CE_CHUNK_VALUES = 1 << 24  # 64 MiB
+
+
+def ce_chunk_rows(vocab: int) -> int:
+    """Rows of the logits ChunkedCrossEntropy converts to fp32 at a time."""
+    return max(1, CE_CHUNK_VALUES // vocab)

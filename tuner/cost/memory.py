@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainer.contract.blocks import ce_chunk_rows
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost.context import gathered_kv_bytes, mask_bytes
 from tuner.cost.data import expert_shards, weight_shards
@@ -74,13 +75,14 @@ class RankBytes:
     vocab_grad: float  # the vocab-parallel embedding's gradient beyond its shard (DTensor: whole)
     head: float  # one micro-batch's on the last stage: the head's input, the fp32 log-softmax
     flow: float  # gradients flowing back inside a layer, with recompute its activations
-    loss: float  # the loss's transient: logits in bf16 and fp32, or their gradients
+    loss: float  # the loss's transient (fp32 chunks or copies of the logits, their gradient)
     buffers: float  # the batch's micro-batches (and the rotary and mask buffers), all step long
     boundary: float  # what a stage sends the next per micro-batch (and gets back as its gradient)
     experts: float = 0.0  # a mixture of experts' routed experts on the rank (E / ep a MoE layer)
     ed: int = 1  # how many ways FSDP2 shards them (the expert data parallelism; 1: replicated)
     chunks: tuple[float, ...] = (1.0,)  # each local stage's share of the rank's layers (interleaved)
     loop_grads: float = 0.0  # the CPU's loop over experts: its weight gradients' whole-tensor transients
+    output_held: float = 0.0  # the last stage's logits, which torch's schedule holds through its backward
 
 
 def phase_bytes(case: Case, stage: int) -> dict[str, dict[str, float]]:
@@ -154,11 +156,18 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
             recompute -= (layer - residual * h / (t if p.sequence_parallel else 1) * tokens) + (
                 moe.act_per_token * tokens if moe is not None and moe.num_moe else 0.0
             )
-    # Transient: the fp32 copy of the bf16 logits (forward), or the log-softmax's gradient and the
-    # logits' (backward; loss_parallel computes the second in place).
-    loss = max(4 + (cb if cb < 4 else 0), 8 if t == 1 else 4) * logits
-    if p.pp > 1:  # ... beside the stage's output, the logits, held by the schedule until the loss is
-        loss += cb * logits  # computed (torch's forward cache kept them to the backward: `head`)
+    if t == 1:  # whole logits: trainer/model.py ChunkedCrossEntropy keeps them (cb) and a fp32
+        # log-sum-exp a token (`head`); transient: one fp32 chunk of rows, and in the backward the
+        # gradient, in the logits' dtype
+        kept_logits = cb * logits + 4 * tokens
+        loss = 4 * min(ce_chunk_rows(v), tokens) * v + cb * logits
+    else:
+        # vocab-sharded (loss_parallel): the fp32 log-softmax is kept; transient: the fp32 copy of
+        # the bf16 logits (forward), or the log-softmax's gradient computed in place (backward),
+        # beside the logits, the stage's output, which a pipeline's schedule holds until the loss
+        # is computed (torch's forward cache kept them to the backward until issue 37)
+        kept_logits = 4 * logits
+        loss = (4 + (cb if cb < 4 else 0)) * logits + (cb * logits if p.pp > 1 else 0.0)
     # The final norm keeps its input and output (the head's input); RMSNorm's CPU composite more.
     final_norm = tokens * h * (1 / shard + 1) * residual
     final_norm += tokens * h * (norm_input_bytes(m, residual, device) - residual) / shard
@@ -180,10 +189,9 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         root=cb * (embed + head), unit=unit, layer=layer, layers=layers,
         # 2D: the embedding looks up its local block, its gradient is local too
         vocab_grad=4 * v * h * (1 - 1 / t) if first and k == 1 else 0.0,
-        # ... and the fp32 log-softmax (with a pipeline the stage's logits too until issue 37:
-        # torch's forward cache kept them; trainer/pipeline.py OnDemandStage drops them)
+        # ... and what the loss keeps of the logits (above)
         head=(final_norm if k == 1 else tokens * (8 + norm_2d_bytes(m, residual)) * h / k)
-        + 4 * logits if last else 0.0,
+        + kept_logits if last else 0.0,
         flow=flow, loss=loss,
         buffers=2 * 8 * n * tokens + rope + mask_bytes(m, p, cb),
         boundary=boundary,
@@ -194,6 +202,9 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         # time, in the compute dtype, during a MoE layer's backward (GPU kernels: none).
         loop_grads=3 * local_expert_params(m, p.ep) / m.mlp_matrices * cb
         if moe is not None and moe.num_moe and device == "cpu" else 0.0,
+        # torch's schedules keep a forward's output in a local variable until the next forward:
+        # through the micro-batch's backward, after the loss has let its logits go
+        output_held=cb * logits if last and p.pp > 1 else 0.0,
     )  # fmt: skip
 
 
@@ -223,7 +234,11 @@ def forward_backward(
     grads = 0.0 if first_backward else accumulated
     held = r.layers + r.head
     moments = [  # (working copies, gradients, activations)
-        (working, grads + fresh, held * (inflight - 1) + r.layers + flow),  # in a layer's backward
+        (
+            working,
+            grads + fresh,
+            held * (inflight - 1) + r.layers + flow + r.output_held,
+        ),  # in a layer's backward
     ]
     if r.head:  # the loss, every layer's activations still there
         moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held * inflight + r.loss))

@@ -102,11 +102,13 @@ def interleaved_moments(
         others = held - acts[j]
         # ... with its received gradient (trainer/pipeline.py OnDemandStage) while it runs
         grad_in = boundary if to_next[j] else 0.0
-        b, c = grads + fresh, others + layers * r.chunks[j] + flow + grad_in
+        # (and the logits, which torch's schedule holds to the next forward)
+        logits = r.output_held if last_rank and j == home else 0.0
+        b, c = grads + fresh, others + layers * r.chunks[j] + flow + grad_in + logits
         if working + b + c > best_sum:
             best, best_sum = (working, b, c), working + b + c
         if zero3:  # a backward that does not sync leaves its layers gathered (see above)
-            c = others + r.layer + flow + grad_in
+            c = others + r.layer + flow + grad_in + logits
             if r.whole + b + c > best_sum:
                 best, best_sum = (r.whole, b, c), r.whole + b + c
         # its output's send let go, its input gradient's held
