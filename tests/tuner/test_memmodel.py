@@ -344,8 +344,9 @@ MOMENT_LAYOUTS = [
     pytest.param(SMALL_GPT, ParallelConfig(pp=4, dp_replicate=2, micro_batch_size=1, num_microbatches=4), 0,
                  id="1f1b-pp4-n-equals-pp"),
     # GPipe's second loss: the first backward's gradients and the later micro-batches' logits at
-    # once (-7.3 %; Llama 3.1 8B tp1 pp2 GPipe on 64 GPUs: -10.3 %, a 128256-token vocabulary)
-    pytest.param(dataclasses.replace(SMALL_LLAMA, num_layers=16, seq_len=64, vocab_size=8192),
+    # once (-7.3 % at 16 layers; Llama 3.1 8B tp1 pp2 GPipe on 64 GPUs: -10.3 %, a 128256-token
+    # vocabulary). 8 layers since issue 37 (make test's budget): the logits weigh more there
+    pytest.param(dataclasses.replace(SMALL_LLAMA, num_layers=8, seq_len=64, vocab_size=8192),
                  ParallelConfig(pp=2, dp_shard=2, zero_stage=3, micro_batch_size=1, num_microbatches=4,
                                 pp_schedule="gpipe", activation_checkpoint="full"), 1, id="gpipe-second-loss"),
 ]  # fmt: skip
