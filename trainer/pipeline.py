@@ -183,8 +183,9 @@ class OnDemandStage(PipelineStage):
     AccumulateGrad node refers to, with that input's gradient: a detached loss lets both go. And
     torch keeps the last stage's output, the logits (V / tp values a token), in its forward cache
     until the micro-batch's backward, which starts from the loss and never reads them: dropped
-    once the loss is computed (the loss keeps its fp32 log-softmax, as Megatron-LM's keeps its
-    fp32 softmax)."""
+    once the loss is computed. (At tp 1 the chunked loss keeps the logits to its backward anyway,
+    trainer/model.py ChunkedCrossEntropy; vocab-sharded logits' loss keeps its fp32 log-softmax,
+    not them, and there the drop frees them.)"""
 
     schedule: weakref.ref[_PipelineSchedule] | None = None
 
