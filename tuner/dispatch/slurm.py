@@ -38,6 +38,15 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "CONFIGURIN
 INFRA = {"NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "LAUNCH_FAILED", "REVOKED"}
 OOM_PATTERNS = re.compile(r"out of memory|OutOfMemoryError|oom[-_ ]kill|OUT_OF_MEMORY", re.IGNORECASE)
 LOST_AFTER_S = 300.0  # a job neither sacct nor squeue knows for this long is lost
+# A node Slurm no longer hears from ("idle*", "DOWN", "NOT_RESPONDING") or has failed.
+NODE_TROUBLE = re.compile(r"\*|DOWN|FAIL|NOT_RESPONDING|NO_RESPOND", re.IGNORECASE)
+# What ranks and srun say when the network between them goes (gloo, NCCL, c10d's store, srun).
+NETWORK_ERRORS = re.compile(
+    r"Connection (reset|closed|refused)|Broken pipe|No route to host|Network is unreachable|Socket Timeout"
+    r"|DistNetworkError|network error|Communication connection failure|Node failure|Socket timed out",
+    re.IGNORECASE,
+)
+NODE_CHECK_EVERY_S = 2.0  # how often a held crash asks Slurm about its nodes
 SUBMIT_TIMEOUT_S = 60.0  # sbatch waits for the controller; past this the submission failed
 
 
@@ -47,6 +56,9 @@ class _Watch:
     since: float
     state: str = "PENDING"
     exit_code: str = ""
+    ended: float | None = None  # when a crash was first seen, while its nodes are being watched
+    nodes: tuple[str, int] | None = None  # (sacct's NodeList, its node count), once asked
+    checked: float = 0.0  # the last look at those nodes
 
 
 @dataclass
@@ -59,6 +71,10 @@ class SlurmDispatcher:
     env: dict[str, str] = field(default_factory=dict)  # exported in every job
     min_interval_s: float = 1.0
     max_interval_s: float = 30.0
+    # How long a multi-node crash waits for Slurm to notice a lost node before it stands as the
+    # layout's crash; None: 3 x the cluster's SlurmdTimeout (slurmctld flags a node it cannot ping
+    # within about one), at most 300 s.
+    node_loss_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         self.watched: dict[str, _Watch] = {}
@@ -109,7 +125,12 @@ class SlurmDispatcher:
                 return self._end(slurm_id, JobReport("UNKNOWN", Outcome.failed(
                     FailureKind.INFRA, f"Slurm job {slurm_id} is unknown to sacct and squeue")))  # fmt: skip
             return JobReport(w.state)
-        return self._end(slurm_id, JobReport(w.state, self._outcome(slurm_id, w)))
+        outcome = self._outcome(slurm_id, w)
+        if outcome.failure is FailureKind.CRASH:
+            outcome = self._node_lost(slurm_id, w, outcome)
+            if outcome is None:  # Slurm may not have noticed a lost node yet
+                return JobReport(w.state)
+        return self._end(slurm_id, JobReport(w.state, outcome))
 
     def cancel(self, job: JobHandle) -> None:
         self.cancelled.add(job.id)
@@ -145,6 +166,36 @@ class SlurmDispatcher:
         self.quiet = 0 if changed else self.quiet + 1
         self.interval = self.backoff.delay(self.quiet + 1)
         self.next_poll = time.monotonic() + self.interval
+
+    def _node_lost(self, slurm_id: str, w: _Watch, crash: Outcome) -> Outcome | None:
+        """A multi-node job that crashed without its trainer's verdict, or with a network error,
+        may have lost a node: its ranks (or srun) can see a cut link before slurmctld does, and
+        the job then ends FAILED, not NODE_FAIL. Such a crash is held until Slurm flags one of the
+        job's nodes (then it is INFRA: retried elsewhere, not told to the sampler) or
+        `node_loss_wait_s` passes (then it stands). None while held."""
+        if w.nodes is None:
+            w.nodes = sacct_nodes(slurm_id)
+        nodelist, count = w.nodes
+        if count <= 1 or not (crash.result == {} or NETWORK_ERRORS.search(crash.message)):
+            return crash
+        now = time.monotonic()
+        if w.ended is None:
+            w.ended = now
+        elif now - w.checked < NODE_CHECK_EVERY_S and now - w.ended < self._node_loss_wait():
+            return None
+        w.checked = now
+        troubled = {n: st for n, st in node_states(nodelist).items() if NODE_TROUBLE.search(st)}
+        if troubled:
+            which = ", ".join(f"{n} ({st})" for n, st in sorted(troubled.items()))
+            return Outcome.failed(FailureKind.INFRA, f"Slurm job {slurm_id} ended {w.state} and lost "
+                                  f"{which}: not the layout's fault\n{crash.message}", crash.result)  # fmt: skip
+        return None if now - w.ended < self._node_loss_wait() else crash
+
+    def _node_loss_wait(self) -> float:
+        if self.node_loss_wait_s is None:
+            found = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", _query(["scontrol", "show", "config"]), re.M)
+            self.node_loss_wait_s = min(3.0 * int(found.group(1)), 300.0) if found else 300.0
+        return self.node_loss_wait_s
 
     def _known(self, slurm_id: str) -> bool:
         return bool(squeue_states([slurm_id]) or sacct_states([slurm_id]))
@@ -210,6 +261,29 @@ def sacct_states(ids: Sequence[str]) -> dict[str, tuple[str, str]]:
         parts = line.split("|")
         if len(parts) >= 3 and parts[0] in ids:
             out[parts[0]] = (parts[1].split()[0], parts[2])  # "CANCELLED by 0" -> CANCELLED
+    return out
+
+
+def sacct_nodes(slurm_id: str) -> tuple[str, int]:
+    """The job's allocated nodes as sacct records them: (hostlist, count); ("", 0) if unknown."""
+    text = _query(["sacct", "--allocations", "--noheader", "--parsable2", "--format=NodeList,NNodes",
+                   f"--jobs={slurm_id}"])  # fmt: skip
+    for line in text.splitlines():
+        nodelist, _, count = line.strip().partition("|")
+        if count.isdigit():
+            return nodelist, int(count)
+    return "", 0
+
+
+def node_states(nodelist: str) -> dict[str, str]:
+    """{node: sinfo's state} ("idle", "idle*" for one not responding, "down*", ...)."""
+    out: dict[str, str] = {}
+    for line in _query(
+        ["sinfo", "--noheader", "--Node", f"--nodes={nodelist}", "--format=%N|%T"]
+    ).splitlines():
+        node, _, state = line.strip().partition("|")
+        if node and state:
+            out[node] = state
     return out
 
 
