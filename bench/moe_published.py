@@ -15,9 +15,11 @@ Published (H100 SXM 80 GB, 8 per node with NVLink 4, InfiniBand 8 x 400 Gb/s; se
   Qwen3-235B-A22B on 256 H100 in BF16 with the plain all-to-all dispatcher (ours too, no DeepEP):
   TP 2, EP 8, PP 32 x VP 3, DP 4, micro-batch 1, global batch 2048, recompute of norms and
   activations: 24.2 s per step = 1,354 tokens/s/GPU (200 TFLOP/s per GPU as they count).
-Like with like: the model prices bf16 eager kernels with balanced routing (imbalance 1, as their
-force-balanced runs); FP8 rows are shown with that caveat; token-drop rows (capacity factor 1) do
-less expert work than dropless. Layouts our trainer cannot express are mapped to the nearest one and
+Like with like: the model prices bf16 eager kernels, each row at its routing: force-balanced rows
+with balanced routing (imbalance 1), token-drop rows at capacity factor 1
+(training.moe_capacity_factor: no expert computes past its mean share; until issue 37 they were
+priced dropless at the default imbalance 1.3, and so was every row), the model zoo's dropless
+learned routing at the default imbalance 1.3; FP8 rows are shown with that caveat. Layouts our trainer cannot express are mapped to the nearest one and
 said so: Megatron's uneven pipeline layouts (94 layers over 96 virtual stages) and its
 per-module recompute ("norm, act"; priced as our moe_act, the experts' activation: the norms'
 recompute is not built).
@@ -44,6 +46,11 @@ class Run:
     published: float  # tokens/s per GPU
     stack: str  # what the published figure ran with
     mapped: str = ""  # how their layout differs from the one priced
+    training: tuple[tuple[str, object], ...] = ()  # the study's training fields for its routing
+
+
+DROP = (("moe_capacity_factor", 1.0),)  # token-drop rows: Megatron-Bridge's apply_moe_token_drop
+BALANCED = (("moe_routing", "balanced"),)  # force-balanced, dropless rows
 
 
 def _megatron(
@@ -62,19 +69,22 @@ def _megatron(
 BRIDGE = "Megatron-Bridge perf summary, DGX-H100"
 ZOO = "Megatron MoE model zoo, Qwen3"
 RUNS = (
-    Run(BRIDGE + " 25.09", "qwen3-30b-a3b", 16, 512, _megatron(16, 512, 2, 1, 2, 24, 8), 10494, "token-drop"),
+    Run(BRIDGE + " 25.09", "qwen3-30b-a3b", 16, 512, _megatron(16, 512, 2, 1, 2, 24, 8), 10494, "token-drop",
+        training=DROP),
     Run(BRIDGE + " 25.11", "qwen3-30b-a3b", 16, 512, _megatron(16, 512, 2, 1, 2, 24, 8), 5275,
-        "FP8-CS, dropless, force-balanced"),
+        "FP8-CS, dropless, force-balanced", training=BALANCED),
     Run(BRIDGE + " 25.09", "qwen3-235b-a22b", 256, 2048, _megatron(256, 2048, 1, 2, 8, 4, 32), 1204,
-        "token-drop", "94 layers over 32 virtual stages: uneven in Megatron, ours needs 2-3 layers a stage"),
+        "token-drop", "94 layers over 32 virtual stages: uneven in Megatron, ours needs 2-3 layers a stage",
+        training=DROP),
     Run(BRIDGE + " 25.11", "qwen3-235b-a22b", 256, 2048, _megatron(256, 2048, 1, 2, 8, 4, 32), 1575,
-        "FP8-CS, dropless, force-balanced"),
+        "FP8-CS, dropless, force-balanced", training=BALANCED),
     Run(ZOO, "qwen3-235b-a22b", 256, 2048, _megatron(256, 2048, 1, 2, 32, 1, 8, "moe_act"), 1354,
         "BF16, all-to-all dispatcher, recompute norm+act",
         "PP 32 x VP 3 (uneven) priced as PP 32 x VP 1; recompute of the MoE activation (moe_act), "
         "not of the norms (not built)"),
     Run(BRIDGE + " 25.09", "deepseek-v3", 1024, 8192, _megatron(1024, 8192, 1, 2, 8, 4, 64), 1297,
-        "FP8, dropless, force-balanced, MTP layer", "61 layers over 32 virtual stages (uneven in Megatron)"),
+        "FP8, dropless, force-balanced, MTP layer", "61 layers over 32 virtual stages (uneven in Megatron)",
+        training=BALANCED),
 )  # fmt: skip
 
 
@@ -82,7 +92,7 @@ def study(run: Run) -> StudySpec:
     return parse_spec({
         "name": f"published-{run.preset}", "model": run.preset, "num_gpus": run.gpus,
         "cluster": {"preset": "h100-80gb", "num_nodes": run.gpus // 8},
-        "training": {"global_batch_size": run.global_batch, "precision": "bf16"},
+        "training": {"global_batch_size": run.global_batch, "precision": "bf16", **dict(run.training)},
         "space": {"tp": [1, 2, 4, 8], "pp": [1, 2, 4, 8, 16], "micro_batch_size": [1, 2, 4],
                   "zero_stage": [0, 2, 3], "activation_checkpoint": ["none", "selective", "moe_act", "layernorm", "layernorm+moe_act", "op", "full"],
                   "ep": [1, 2, 4, 8, 16, 32, 64]},

@@ -63,6 +63,7 @@ MOE_ARGS = ["num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_sh
             "moe_router_load_balancing_type",
             "moe_aux_loss_coeff", "moe_router_force_load_balancing", "moe_grouped_gemm",
             "moe_token_dispatcher_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
+            "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
             "qk_layernorm", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
             "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "cp_comm_type"]  # fmt: skip
 # Activation recomputation, as TransformerConfig holds it after its own checks (recompute_modules'

@@ -198,8 +198,11 @@ class Trainer:
         # With cp each rank's auxiliary loss is its share of its sequences' (trainer/moe.py); the
         # gradients' mean over dp x cp would divide the sum of the shares by cp: scaled back by cp.
         aux_scale = (1.0 if p.pp > 1 else 1.0 / p.num_microbatches) * p.cp
-        configure_moe(self.modules, balanced=cfg.moe_routing == "balanced", aux_scale=aux_scale)
-        self.moe_step: dict[int, torch.Tensor] = {}  # layer id -> (imbalance, aux loss) of the last step
+        configure_moe(self.modules, balanced=cfg.moe_routing == "balanced", aux_scale=aux_scale,
+                      capacity_factor=cfg.moe_capacity_factor)  # fmt: skip
+        self.moe_step: dict[
+            int, torch.Tensor
+        ] = {}  # layer id -> (imbalance, aux loss, dropped) of the last step
         self.params = [q for m in self.modules for q in m.parameters()]
         # Fused (one kernel over each group, in place, on CPU and CUDA): no per-parameter
         # temporary at the step, 16 bytes a parameter as the frameworks hold it (torchtitan's
@@ -429,7 +432,7 @@ def moe_result(cfg: BenchmarkConfig, steps: list[dict[int, torch.Tensor]], devic
     model = cfg.model
     if not model.moe:
         return {}
-    values = torch.zeros(len(steps), model.num_layers, 2, dtype=torch.float64, device=device)
+    values = torch.zeros(len(steps), model.num_layers, 3, dtype=torch.float64, device=device)
     for i, step in enumerate(steps):
         for layer, v in step.items():
             values[i, layer] = v.to(values)
@@ -442,6 +445,9 @@ def moe_result(cfg: BenchmarkConfig, steps: list[dict[int, torch.Tensor]], devic
     }
     if model.moe_aux_loss_coef > 0:
         out["aux_loss"] = values[:, list(layers), 1].sum(1).tolist()
+    if cfg.moe_capacity_factor is not None:  # token drop: the share of each layer's assignments dropped
+        out["capacity_factor"] = cfg.moe_capacity_factor
+        out["dropped"] = {str(layer): values[:, layer, 2].tolist() for layer in layers}
     return out
 
 

@@ -23,6 +23,7 @@ Plain modules like trainer/model.py: expert parallelism is applied from outside
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -464,10 +465,12 @@ class MoE(nn.Module):
         self.shared = shared
         self.comm = MoEComm()
         self.balanced = False  # BenchmarkConfig.moe_routing == "balanced"
+        self.capacity_factor: float | None = None  # BenchmarkConfig.moe_capacity_factor (None: dropless)
         self.aux_scale = 1.0  # the auxiliary loss's share of the step's loss (1 / micro-batches)
         # This step's tokens per expert (this rank's) and auxiliary loss (summed over micro-batches).
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("aux_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)  # assignments over capacity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, t, h): a plain tensor, or under tensor + sequence parallelism a DTensor of this
@@ -512,18 +515,45 @@ class MoE(nn.Module):
         experts' outputs back in token order are summed, which keeps nothing (before issue 37 a
         batched (1 x k) @ (k x h) product weighted them and kept them: a second h-wide copy)."""
         n, k = x.shape[0], self.cfg.moe_top_k
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # assignments sorted by expert
+        flat, w = experts.flatten(), weights.flatten()
+        if self.capacity_factor is None:
+            order = flat.argsort(stable=True)  # assignments sorted by expert
+            counts = self._counts(flat, n * k)
+        else:
+            order, counts = self._within_capacity(flat, w)
         token = order // k
-        routed, probs = x[token], weights.flatten()[order]
-        counts = self._counts(flat, n * k)
+        routed, probs = x[token], w[order]
         comm = self.comm
         if comm.ep_size == 1:
             y = self.experts(routed, counts, comm.expert_grad_scale, probs)
         else:
             y = self._expert_parallel(routed, probs, counts)
-        out = y[order.argsort()].view(n, k, -1).sum(1)  # assignment i k + j: token i's j-th expert
+        if self.capacity_factor is None:
+            out = y[order.argsort()].view(n, k, -1).sum(1)  # assignment i k + j: token i's j-th expert
+        else:  # a dropped assignment's row stays zero (index_put keeps only the indices)
+            out = y.new_zeros(n * k, y.shape[1]).index_put((order,), y).view(n, k, -1).sum(1)
         return out.to(x.dtype)
+
+    def _within_capacity(self, flat: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Token drop (BenchmarkConfig.moe_capacity_factor, Megatron-LM's "probs" policy): each
+        expert keeps at most ceil(factor x assignments / experts) of this rank's assignments, those
+        of the highest routing weight. Returns the kept assignments sorted by expert (by weight
+        within one) and the kept count per expert; counts the dropped ones (the step's result)."""
+        total, e = flat.numel(), self.cfg.num_experts
+        capacity = math.ceil(self.capacity_factor * total / e)
+        demand = self._counts(flat, total)
+        counts = [min(d, capacity) for d in demand]
+        by_weight = w.detach().argsort(descending=True, stable=True)
+        by_expert = by_weight[flat[by_weight].argsort(stable=True)]  # by expert, heaviest first
+        # the first counts[i] of expert i's run of demand[i]: position j of the kept is j plus the
+        # dropped ones of the experts before it
+        skipped = [0, *itertools.accumulate(d - c for d, c in zip(demand[:-1], counts[:-1], strict=True))]
+        kept = sum(counts)
+        shift = torch.repeat_interleave(torch.tensor(skipped, device=flat.device),
+                                        torch.tensor(counts, device=flat.device), output_size=kept)  # fmt: skip
+        if not in_backward():
+            self.dropped += total - kept
+        return by_expert[torch.arange(kept, device=flat.device) + shift], counts
 
     def _counts(self, flat: torch.Tensor, num_assignments: int) -> list[int]:
         """Assignments per expert. Balanced routing's are known without looking at the data
@@ -566,16 +596,20 @@ class MoE(nn.Module):
     def reset_stats(self) -> None:
         self.tokens_per_expert.zero_()
         self.aux_loss.zero_()
+        self.dropped.zero_()
 
 
 def moe_layers(modules: list[nn.Module]) -> list[MoE]:
     return [m for module in modules for m in module.modules() if isinstance(m, MoE)]
 
 
-def configure(modules: list[nn.Module], *, balanced: bool, aux_scale: float) -> None:
-    """The trial's routing mode and the auxiliary loss's share of a step's loss on every layer."""
+def configure(
+    modules: list[nn.Module], *, balanced: bool, aux_scale: float, capacity_factor: float | None = None
+) -> None:
+    """The trial's routing mode, the auxiliary loss's share of a step's loss and the experts'
+    capacity factor (None: dropless) on every layer."""
     for m in moe_layers(modules):
-        m.balanced, m.aux_scale = balanced, aux_scale
+        m.balanced, m.aux_scale, m.capacity_factor = balanced, aux_scale, capacity_factor
 
 
 @torch.no_grad()
@@ -583,21 +617,25 @@ def finish_step(modules: list[nn.Module], num_microbatches: int, dp: int) -> dic
     """After the optimizer step: sum every layer's token counts over the stage's ranks (the global
     batch), move the expert bias towards balance (DeepSeek-V3: b_i += gamma sign(mean load -
     load_i)), and return per layer id (imbalance = max / mean tokens per expert, auxiliary loss
-    averaged over the global batch's micro-batches). Tensors: the memory oracle's are fake."""
+    averaged over the global batch's micro-batches, the share of assignments dropped over
+    capacity). Tensors: the memory oracle's are fake."""
     layers = moe_layers(modules)
     if not layers:
         return {}
+    n = len(layers)
     packed = torch.cat([torch.stack([m.tokens_per_expert for m in layers]).flatten(),
-                        torch.stack([m.aux_loss for m in layers])])  # fmt: skip
+                        torch.stack([m.aux_loss for m in layers]), torch.stack([m.dropped for m in layers])])  # fmt: skip
     group = layers[0].comm.stage_group
     if group is not None:
         dist.all_reduce(packed, group=group)
-    counts = packed[: -len(layers)].view(len(layers), -1)
-    aux = packed[-len(layers) :] / (num_microbatches * dp)
+    counts = packed[: -2 * n].view(n, -1)
+    aux = packed[-2 * n : -n] / (num_microbatches * dp)
+    dropped = packed[-n:]
     out = {}
     for i, (m, c) in enumerate(zip(layers, counts, strict=True)):
         if m.router.expert_bias is not None:
             m.router.expert_bias += m.cfg.moe_bias_update_rate * torch.sign(c.mean() - c)
         m.reset_stats()
-        out[m.layer_id] = torch.stack([c.amax() / c.mean(), aux[i]])
+        # tokens per expert are the router's choices, dropped or not: the dropped share of them
+        out[m.layer_id] = torch.stack([c.amax() / c.mean(), aux[i], dropped[i] / c.sum()])
     return out

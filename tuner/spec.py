@@ -244,6 +244,10 @@ class TrainingSpec(_Strict):
     # tokens over the mean (tuner/cost/experts.py: imbalance_factor). Neither matters to a dense model.
     moe_routing: Literal["learned", "balanced"] = "learned"
     moe_imbalance: float = 1.3
+    # Token drop (BenchmarkConfig.moe_capacity_factor, Megatron-LM's --moe-expert-capacity-factor):
+    # each expert takes at most this factor x its mean share of a rank's assignments, the rest are
+    # dropped; priced as an imbalance of at most the factor. None: dropless.
+    moe_capacity_factor: float | None = None
 
     @field_validator("moe_imbalance")
     @classmethod
@@ -252,6 +256,16 @@ class TrainingSpec(_Strict):
             raise ValueError(
                 f"training.moe_imbalance is the busiest expert's tokens over the mean, so it must be >= 1 "
                 f"(1: perfectly balanced), got {v}"
+            )
+        return v
+
+    @field_validator("moe_capacity_factor")
+    @classmethod
+    def _capacity_positive(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(
+                f"training.moe_capacity_factor is each expert's capacity over its mean share of the tokens, so it "
+                f"must be > 0 (Megatron's recipes use 1.0; omit it for dropless routing), got {v}"
             )
         return v
 
@@ -505,8 +519,12 @@ class StudySpec(_Strict):
     @property
     def moe_imbalance(self) -> float:
         """The imbalance the pricing assumes: 1 under forced-balance routing, else
-        training.moe_imbalance."""
-        return 1.0 if self.training.moe_routing == "balanced" else self.training.moe_imbalance
+        training.moe_imbalance; with token drop at most training.moe_capacity_factor
+        (tuner/cost/experts.py priced_imbalance)."""
+        from tuner.cost.experts import priced_imbalance
+
+        routed = 1.0 if self.training.moe_routing == "balanced" else self.training.moe_imbalance
+        return priced_imbalance(routed, self.training.moe_capacity_factor)
 
 
 def benchmark_config(
@@ -528,7 +546,7 @@ def benchmark_config(
         model=padded_model(spec.as_model_config(), config.tp), parallel=config, warmup_steps=t.warmup_steps, measure_steps=t.measure_steps,
         min_measure_steps=t.min_measure_steps, stable_rel_ci=t.stable_rel_ci, abandon_below_tokens_per_s=floor,
         seed=spec.seed, device=device, dtype=dtype, max_memory_bytes=int(spec.cluster.device_memory_bytes),
-        moe_routing=spec.training.moe_routing,
+        moe_routing=spec.training.moe_routing, moe_capacity_factor=spec.training.moe_capacity_factor,
     )  # fmt: skip
 
 

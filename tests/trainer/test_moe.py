@@ -142,6 +142,40 @@ def test_experts_fallback_equals_a_dense_reference() -> None:
     assert layer.tokens_per_expert.sum() == 15 * MOE.moe_top_k
 
 
+def test_token_drop_keeps_each_experts_heaviest_assignments_up_to_its_capacity() -> None:
+    """moe_capacity_factor (Megatron-LM's --moe-expert-capacity-factor, "probs" policy): each
+    expert keeps ceil(factor x assignments / experts) of them, the heaviest; a dropped one adds
+    nothing to its token. Against every token computed by hand, and a factor no expert reaches
+    drops nothing and equals the dropless layer."""
+    torch.manual_seed(0)
+    layer = MoE(MOE, layer_id=0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(3, 5, MOE.hidden_size, requires_grad=True)
+    dropless = layer(x)
+    layer.capacity_factor = 0.5
+    out = layer(x)
+    scores = layer.router.scores(layer.router.gate(x).view(15, -1))
+    experts, weights = layer.router.select(scores, balanced=False)
+    capacity = math.ceil(0.5 * 15 * MOE.moe_top_k / MOE.num_experts)
+    e, want, kept = layer.experts, torch.zeros(15, MOE.hidden_size), 0
+    for i in range(MOE.num_experts):
+        mine = sorted(((weights[t, j].item(), t, j) for t in range(15) for j in range(MOE.moe_top_k)
+                       if experts[t, j] == i), reverse=True)[:capacity]  # fmt: skip
+        for w, t, _ in mine:
+            token = x.view(15, -1)[t]
+            want[t] += w * ((F.silu(token @ e.w1[i]) * (token @ e.w3[i])) @ e.w2[i])
+        kept += len(mine)
+    assert 0 < kept < 15 * MOE.moe_top_k  # some dropped, some kept
+    assert torch.allclose(out.view(15, -1), want, atol=1e-6)
+    assert layer.dropped == 15 * MOE.moe_top_k - kept
+    out.sum().backward()  # the kept weights' gradients reach the router; the dropped add nothing
+    assert layer.router.gate.weight.grad.abs().sum() > 0 and torch.isfinite(x.grad).all()
+    layer.capacity_factor, layer.dropped = float(MOE.num_experts), torch.zeros(())
+    # (the same rows, in another order within each expert: equal up to the GEMMs' rounding)
+    assert torch.allclose(layer(x), dropless, rtol=0, atol=1e-6) and layer.dropped == 0
+
+
 def test_gelu_experts_with_no_tokens_for_some() -> None:
     cfg = dataclasses.replace(MOE, mlp="gelu", norm="layernorm", positions="learned")
     experts = GroupedExperts(cfg, 3)
@@ -266,6 +300,25 @@ def test_a_trial_records_routing_imbalance_and_aux_loss() -> None:
     assert BenchmarkResult.from_json(learned.to_json()) == learned
 
 
+def test_a_trial_with_token_drop_records_the_share_dropped() -> None:
+    """Balanced routing gives each expert exactly its share, so a factor of 0.5 drops half of every
+    layer's assignments; learned routing drops what its busiest experts take over capacity."""
+    layout, ds = P(micro_batch_size=GLOBAL_BATCH), MODEL_PRESETS["moe-tiny-ds"]
+    for routing in ("balanced", "learned"):
+        cfg = tiny_config(layout, ds, moe_routing=routing, moe_capacity_factor=0.5)
+        assert cfg.to_dict()["moe_capacity_factor"] == 0.5
+        result = run(cfg)
+        assert result.status == "ok", result.error
+        assert result.moe["capacity_factor"] == 0.5 and set(result.moe["dropped"]) == {"1", "2", "3"}
+        shares = [v for layer in result.moe["dropped"].values() for v in layer]
+        assert len(shares) == 3 * len(result.losses)
+        if routing == "balanced":
+            assert shares == [0.5] * len(shares)
+        else:
+            assert all(0.5 <= v < 1 for v in shares), shares  # at least what balance would drop
+    assert "moe_capacity_factor" not in tiny_config(layout, ds).to_dict()  # dropless: as before
+
+
 def test_recompute_does_not_count_twice() -> None:
     """Full activation checkpointing runs each MoE layer's forward again in backward: its tokens
     and auxiliary loss are recorded once (the parity tests cannot see a doubled count: the bias
@@ -387,6 +440,18 @@ def test_expert_parallel_parity(name: str, model: str, layout: ParallelConfig, t
     assert_parity(name, result, reference_of(model))
     assert result.moe["routing"] == "learned"
     assert all(math.isfinite(v) and v >= 1 for layer in result.moe["imbalance"].values() for v in layer)
+
+
+@pytest.mark.distributed
+@pytest.mark.usefixtures("forked_ranks")
+def test_token_drop_over_expert_parallel_ranks(tmp_path: Path) -> None:
+    """Each rank drops over its own assignments' capacity before the all-to-all (as Megatron-LM
+    does): the kept counts travel as the split sizes; balanced routing at 0.5 drops half."""
+    layout = P(dp_shard=2, zero_stage=2, ep=2, micro_batch_size=4)
+    cfg = tiny_config(layout, MODELS["moe"], moe_routing="balanced", moe_capacity_factor=0.5)
+    result = run_local(cfg, tmp_path, timeout_s=300)
+    assert_valid_result(result, cfg)
+    assert {v for layer in result.moe["dropped"].values() for v in layer} == {0.5}
 
 
 # Balanced routing (the oracle's fake tensors have no data to route by), on 2 ranks each. With

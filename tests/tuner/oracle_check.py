@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from trainer.contract.result import BenchmarkConfig
 from tuner.cost.case import Case
+from tuner.cost.experts import priced_imbalance
 from tuner.cost.memory import phase_bytes
 from tuner.perfconstants import ModelConstants
 
@@ -17,7 +18,9 @@ def assert_every_rank_matches_the_oracle(cfg: BenchmarkConfig, tolerance: float)
     report = memcheck(cfg)
     c = ModelConstants(memory_scale=1.0, workspace_bytes=0.0)
     precision, kind = ("bf16", "gpu") if cfg.device == "cuda" else ("fp32", "cpu")
-    case = Case(cfg.model, cfg.parallel, precision, c, device=kind)
+    # balanced routing (the oracle's), capped by a token-drop capacity factor as a study prices it
+    imbalance = priced_imbalance(1.0, cfg.moe_capacity_factor)
+    case = Case(cfg.model, cfg.parallel, precision, c, device=kind, moe_imbalance=imbalance)
     for rank in report.ranks:
         phases = phase_bytes(case, rank.coords["pp"])
         predicted = max(sum(parts.values()) for parts in phases.values())

@@ -229,6 +229,10 @@ MORE_MOE = {
 # The same study measured with balanced routing (training.moe_routing; BenchmarkConfig.moe_routing).
 MOE_BALANCED = _spec("moe-tiny-ds", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0,
                                      "cores_per_node": 4}, 4, 8, "fp32", {"moe_routing": "balanced"})  # fmt: skip
+# ... and with token drop at capacity factor 1 (training.moe_capacity_factor): Megatron's
+# --moe-expert-capacity-factor; torchtitan has none.
+MOE_TOKEN_DROP = _spec("moe-tiny-ds", {"preset": "cpu-local", "gpus_per_node": 4, "device_memory_gb": 4.0,
+                                       "cores_per_node": 4}, 4, 8, "fp32", {"moe_capacity_factor": 1.0})  # fmt: skip
 # Context parallelism beyond the golden case: with a pipeline and without sharding (zero_stage 0, which torchtitan
 # shards over cp all the same), ep 4 over dp_shard 2 x cp 2 (torchtitan borrows it from dp_shard x cp x tp), and
 # ZeRO-3 over the cp ranks alone.
@@ -525,6 +529,24 @@ def test_torchtitan_forces_balanced_routing_where_the_study_measured_it(torchtit
     )
 
 
+def test_token_drop_exports_to_megatron_and_is_refused_by_torchtitan() -> None:
+    """training.moe_capacity_factor -> --moe-expert-capacity-factor with the trainer's drop policy
+    (the lowest routing weights, unpadded); torchtitan's experts route dropless, so it refuses."""
+    config = MORE_MOE["moe_tiny_ds"][1]
+    text = export_layout("megatron", MOE_TOKEN_DROP, config)
+    flags = _megatron_args(text)[1]
+    assert (flags["--moe-expert-capacity-factor"], flags["--moe-token-drop-policy"]) == ("1", "probs")
+    assert "token drop at capacity factor 1" in text
+    assert (
+        "--moe-expert-capacity-factor"
+        not in _megatron_args(export_layout("megatron", MORE_MOE["moe_tiny_ds"][0], config))[1]
+    )
+    with pytest.raises(
+        ValueError, match=r"moe_capacity_factor 1: torchtitan's mixture of experts routes dropless"
+    ):
+        export_layout("torchtitan", MOE_TOKEN_DROP, config)
+
+
 def test_torchtitan_refuses_expert_parallelism_over_replicas(torchtitan_parsed: dict) -> None:
     """torchtitan folds ep into dp_shard x cp x tp (its sparse mesh): with dp_replicate 2 x dp_shard 2
     and ep 4 its own mesh build fails, so the export refuses the layout; Megatron's expert grid
@@ -680,6 +702,7 @@ MEGATRON_CASES = {
     **MORE_MOE,
     **CP_CASES,
     "qwen3_dense": QWEN3_DENSE,
+    "moe_token_drop": (MOE_TOKEN_DROP, MORE_MOE["moe_tiny_ds"][1]),
 }
 
 
@@ -788,6 +811,9 @@ def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path, meg
             args["num_query_groups"] = args["num_attention_heads"]
         expected = _megatron_expected(spec.as_model_config())
         assert {k: args[k] for k in expected} == expected, case
+        drop = spec.training.moe_capacity_factor  # token drop as the trainer drops: by weight, unpadded
+        assert (args["moe_expert_capacity_factor"], args["moe_token_drop_policy"],
+                args["moe_pad_expert_input_to_capacity"]) == (drop, "probs", False), case  # fmt: skip
         assert (args["max_position_embeddings"], args["rotary_percent"], args["rotary_interleaved"]) == (
             spec.seq_len, 1.0, False)  # fmt: skip
         assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"],

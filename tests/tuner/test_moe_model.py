@@ -28,7 +28,7 @@ from tuner.plan import plan
 from tuner.pricing import Pricing
 from tuner.samplers.external import _knob_names
 from tuner.space import RULE_CROSS_NODE_EP, SearchSpace, ep_values
-from tuner.spec import ClusterSpec, SpaceSpec, load_spec, parse_spec
+from tuner.spec import ClusterSpec, SpaceSpec, benchmark_config, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden" / "dense_predictions.json"
@@ -127,6 +127,17 @@ def test_training_moe_fields_validate_with_the_field_named() -> None:
     assert learned.training.moe_routing == "learned" and learned.moe_imbalance == 1.3
     balanced = parse_spec({**base, "training": {"global_batch_size": 8, "moe_routing": "balanced"}})
     assert balanced.moe_imbalance == 1.0 and Pricing.for_study(balanced).moe_imbalance == 1.0
+    with pytest.raises(ValueError, match=r"training.moe_capacity_factor .* must be > 0"):
+        parse_spec({**base, "training": {"global_batch_size": 8, "moe_capacity_factor": 0}})
+    # token drop: no expert computes past its capacity, and below 1 none computes its mean share
+    for training, priced in (({"moe_capacity_factor": 1.0}, 1.0), ({"moe_capacity_factor": 2.0}, 1.3),
+                             ({"moe_capacity_factor": 0.5, "moe_routing": "balanced"}, 0.5)):  # fmt: skip
+        spec = parse_spec({**base, "training": {"global_batch_size": 8, **training}})
+        assert spec.moe_imbalance == priced, training
+        assert (
+            benchmark_config(spec, ParallelConfig(ep=8)).moe_capacity_factor
+            == training["moe_capacity_factor"]
+        )
 
 
 # The performance model -----------------------------------------------------------------------
@@ -171,6 +182,8 @@ def test_imbalance_factor_is_one_when_balanced_and_reaches_I_at_one_expert_a_ran
     assert experts.imbalance_factor(SMALL, ParallelConfig(ep=16), 1.5) == pytest.approx(1.5)
     factors = [experts.imbalance_factor(SMALL, ParallelConfig(ep=ep), 1.5) for ep in (1, 2, 4, 8, 16)]
     assert factors == sorted(factors) and len(set(factors)) == 5
+    # below 1 (token drop at a capacity factor under 1) every expert, every rank computes that share
+    assert {experts.imbalance_factor(SMALL, ParallelConfig(ep=ep), 0.5) for ep in (1, 4, 16)} == {0.5}
     # and the pricing slows the experts by it: same layout, learned against balanced routing
     p = ParallelConfig(dp_replicate=8, ep=8, num_microbatches=8)
     assert (
@@ -363,6 +376,17 @@ def test_moe_layouts_match_the_oracle(parallel: ParallelConfig, device: str) -> 
     loop_grads; this case failed at -5 to -8 % before, pp2-full on CPU.)"""
     cfg = BenchmarkConfig(model=ORACLE_MOE, parallel=parallel, device=device, moe_routing="balanced")
     assert_every_rank_matches_the_oracle(cfg, 0.05)
+
+
+@pytest.mark.oracle
+def test_token_drop_matches_the_oracle() -> None:
+    """A capacity factor of 0.5 under balanced routing drops half of every expert's assignments: the
+    routed activations the model prices at an imbalance of 0.5 (priced_imbalance) against the
+    oracle's trainer dropping them."""
+    parallel = ParallelConfig(dp_shard=2, ep=2, zero_stage=2, micro_batch_size=2, num_microbatches=2)
+    cfg = BenchmarkConfig(model=ORACLE_MOE, parallel=parallel, device="cuda", moe_routing="balanced",
+                          moe_capacity_factor=0.5)  # fmt: skip
+    assert_every_rank_matches_the_oracle(cfg, 0.02)
 
 
 @pytest.mark.oracle

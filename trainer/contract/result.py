@@ -45,6 +45,11 @@ class BenchmarkConfig:
     # expert gets the same number of tokens, whatever the scores: Megatron's
     # --moe-router-force-load-balancing, for benchmarks). The result records which one ran.
     moe_routing: Literal["learned", "balanced"] = "learned"
+    # Token drop (Megatron-LM's --moe-expert-capacity-factor, its "probs" drop policy): each expert
+    # takes at most ceil(factor x tokens x k / experts) of a rank's assignments, those of the
+    # highest routing weight; the rest are dropped (they add nothing to the token's output). None:
+    # dropless. The result records the fraction dropped (BenchmarkResult.moe["dropped"]).
+    moe_capacity_factor: float | None = None
     max_memory_bytes: int | None = None  # peak over this -> status "oom" (emulates a smaller device)
     init_timeout_s: float = 600.0  # process-group timeout until step 1 finished
     step_timeout_s: float = 120.0  # process-group timeout afterwards: a wedged collective fails fast
@@ -56,7 +61,7 @@ class BenchmarkConfig:
             raise ValueError(f"measure_steps must be >= 1, got {self.measure_steps}")
         if self.min_measure_steps < 1:
             raise ValueError(f"min_measure_steps must be >= 1, got {self.min_measure_steps}")
-        for name in ("stable_rel_ci", "abandon_below_tokens_per_s"):
+        for name in ("stable_rel_ci", "abandon_below_tokens_per_s", "moe_capacity_factor"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "fp32", "bf16"),
@@ -71,12 +76,14 @@ class BenchmarkConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The model's and the layout's keys as their to_dict writes them (new axes only when
-        used); moe_routing only for a mixture of experts."""
+        used); moe_routing only for a mixture of experts, moe_capacity_factor only when set."""
         data = dataclasses.asdict(self)
         data["model"] = self.model.to_dict()
         data["parallel"] = self.parallel.to_trial_dict()
         if not self.model.moe and self.moe_routing == "learned":
             del data["moe_routing"]
+        if self.moe_capacity_factor is None:  # dropless: the key only when it drops (older configs)
+            del data["moe_capacity_factor"]
         return data
 
     @classmethod
@@ -143,7 +150,9 @@ class BenchmarkResult:
     placement: dict[str, Any] = field(default_factory=dict)
     # A mixture of experts only: {"routing": "learned" | "balanced", "imbalance": {layer id: [max /
     # mean tokens per expert over the global batch, per step]}, "aux_loss": [the load-balancing
-    # loss added (coefficient included, summed over layers), per step]}. Absent for dense models.
+    # loss added (coefficient included, summed over layers), per step]}; with token drop also
+    # "capacity_factor" and "dropped": {layer id: [the share of its assignments dropped over
+    # capacity, per step]}. Absent for dense models.
     moe: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -45,12 +45,23 @@ DEFAULT_RIDGE_TOKENS = 295.0
 def imbalance_factor(m: ModelConfig, p: ParallelConfig, imbalance: float) -> float:
     """How much longer the busiest expert-parallel rank's experts take than the average's:
     1 + (I - 1) sqrt((ep - 1)/(E - 1)). I (max/mean tokens per expert) is the study's
-    training.moe_imbalance, 1 under forced-balance routing. One rank holding every expert (ep 1)
-    sees the mean; one expert per rank (ep = E) the max; the square root interpolates as the
-    maximum of ep/E-sized sums of per-expert loads falls (by the law of large numbers)."""
+    training.moe_imbalance, 1 under forced-balance routing, capped by a token-drop capacity
+    factor (priced_imbalance). One rank holding every expert (ep 1) sees the mean; one expert per
+    rank (ep = E) the max; the square root interpolates as the maximum of ep/E-sized sums of
+    per-expert loads falls (by the law of large numbers). I < 1 (a capacity factor below 1): every
+    expert computes I x the mean, every rank too."""
     if not m.moe or m.num_experts < 2:
         return 1.0
+    if imbalance < 1.0:
+        return imbalance
     return 1.0 + (imbalance - 1.0) * math.sqrt((p.ep - 1) / (m.num_experts - 1))
+
+
+def priced_imbalance(imbalance: float, capacity_factor: float | None) -> float:
+    """The busiest expert's computed tokens over the mean it is sent: I, or with token drop
+    (BenchmarkConfig.moe_capacity_factor) at most the capacity factor: no expert computes more
+    than its capacity, and below 1 none computes the mean."""
+    return imbalance if capacity_factor is None else min(imbalance, capacity_factor)
 
 
 def routed_tokens(m: ModelConfig, p: ParallelConfig) -> float:
@@ -83,12 +94,13 @@ def expert_gemm_efficiency(case: Case) -> float:
 def measured_imbalance(result: dict) -> float | None:
     """I measured by a trial (BenchmarkResult.moe, as stored): each MoE layer's max/mean tokens per
     expert, its median over the measured steps, averaged over the layers; None for a dense model,
-    a trial without steps or one routed balanced (its I is 1 by construction, not a measurement)."""
+    a trial without steps or one routed balanced (its I is 1 by construction, not a measurement).
+    With token drop, at most its capacity factor (priced_imbalance: what the experts computed)."""
     moe = result.get("moe") or {}
     if moe.get("routing") != "learned":
         return None
     layers = [sorted(steps)[len(steps) // 2] for steps in (moe.get("imbalance") or {}).values() if steps]
-    return sum(layers) / len(layers) if layers else None
+    return priced_imbalance(sum(layers) / len(layers), moe.get("capacity_factor")) if layers else None
 
 
 def moe_layers_on(m: ModelConfig, layers: float) -> float:

@@ -60,6 +60,13 @@ def routing(spec: StudySpec, config: ParallelConfig) -> str:
     return benchmark_config(spec, config).moe_routing
 
 
+def capacity_factor(spec: StudySpec, config: ParallelConfig) -> float | None:
+    """The experts' token-drop capacity factor the study's trials run (None: dropless;
+    BenchmarkConfig.moe_capacity_factor)."""
+    cfg = benchmark_config(spec, config)
+    return cfg.moe_capacity_factor if cfg.model.moe else None
+
+
 # --- the model, the attention and experts, and context parallelism, in words ---
 
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
-from tuner.exports.common import comments, header, launcher, routing
+from tuner.exports.common import capacity_factor, comments, header, launcher, routing
 from tuner.exports.megatron.models import (
     megatron_model_args,
     megatron_model_note,
@@ -101,7 +101,7 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
         ("--micro-batch-size", c.micro_batch_size),
         ("--global-batch-size", c.global_batch_size),
         *megatron_model_args(m),
-        *megatron_moe_args(m, c, routing(spec, config)),
+        *megatron_moe_args(m, c, routing(spec, config), capacity_factor(spec, config)),
     ]
     if spec.training.precision != "fp32":  # --use-torch-fsdp2 refuses --fp16; bf16 is what was measured
         args.append(("--bf16" if fsdp else f"--{spec.training.precision}", None))
@@ -129,7 +129,9 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
     notes += multi_node
     env, env_note = _megatron_env(spec, config)
     notes += [*([env_note] if env_note else []), *_megatron_notes(spec, config)]
-    notes += megatron_cp_notes(c) + megatron_moe_notes(m, c, routing(spec, config))
+    notes += megatron_cp_notes(c) + megatron_moe_notes(
+        m, c, routing(spec, config), capacity_factor(spec, config)
+    )
     lines = comments([*header(spec, config, f"Megatron-LM launch (flags of {MEGATRON_SOURCE})"), "", *notes])
     argv = [f"{env}{torchrun} pretrain_gpt.py"]
     argv += [f"    {flag}" if value is None else f"    {flag} {value}" for flag, value in args]

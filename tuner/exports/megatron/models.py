@@ -160,8 +160,11 @@ def moe_layer_pattern(m: ModelConfig) -> str:
     return f"([0]*{m.moe_dense_layers}+[1]*{m.num_moe_layers})"
 
 
-def megatron_moe_args(m: ModelConfig, config: ParallelConfig, routing: str) -> list[tuple[str, object]]:
-    """The experts' flags, after the model's (megatron_model_args), and the expert layout."""
+def megatron_moe_args(
+    m: ModelConfig, config: ParallelConfig, routing: str, capacity_factor: float | None = None
+) -> list[tuple[str, object]]:
+    """The experts' flags, after the model's (megatron_model_args), and the expert layout; token
+    drop at `capacity_factor` (its "probs" policy, Megatron's default, as the trainer drops)."""
     if not m.moe:  # the experts' flags: a mixture of experts only
         return []
     args: list[tuple[str, object]] = [
@@ -191,6 +194,11 @@ def megatron_moe_args(m: ModelConfig, config: ParallelConfig, routing: str) -> l
         args.append(("--moe-router-load-balancing-type", "none"))
     if routing == "balanced":
         args.append(("--moe-router-force-load-balancing", None))
+    if capacity_factor is not None:
+        args += [
+            ("--moe-expert-capacity-factor", f"{capacity_factor:g}"),
+            ("--moe-token-drop-policy", "probs"),
+        ]
     return [
         *args, ("--moe-grouped-gemm", None), ("--moe-token-dispatcher-type", "alltoall"),
         ("--expert-model-parallel-size", config.ep), ("--expert-tensor-parallel-size", 1),
@@ -208,7 +216,9 @@ def megatron_aux_loss(m: ModelConfig) -> tuple[str, float]:
     return "aux_loss", m.moe_aux_loss_coef * m.moe_top_k / m.num_moe_layers
 
 
-def megatron_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> list[str]:
+def megatron_moe_notes(
+    m: ModelConfig, config: ParallelConfig, routing: str, capacity_factor: float | None = None
+) -> list[str]:
     notes = []
     if m.attention_kind.latent:
         notes.append(
@@ -225,8 +235,11 @@ def megatron_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> 
     )
     notes.append(
         f"experts: ep {c.ep} x etp 1 over the {ranks} ranks of each stage, so expert data parallelism is "
-        f"{c.edp} ({sizes} / ep {c.ep}), as measured; dropless routing (no capacity factor)."
-    )
+        f"{c.edp} ({sizes} / ep {c.ep}), as measured; "
+        + ("dropless routing (no capacity factor)." if capacity_factor is None else
+           f"token drop at capacity factor {capacity_factor:g} of each rank's assignments, the lowest routing "
+           "weights dropped (--moe-token-drop-policy probs), unpadded, as measured.")
+    )  # fmt: skip
     if m.moe_aux_loss_coef:
         kind, coeff = megatron_aux_loss(m)
         notes.append(
@@ -239,7 +252,8 @@ def megatron_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -> 
     notes.append(
         "--moe-router-force-load-balancing: routing forced balanced, as the study measured it."
         if routing == "balanced"
-        else "routing learned (dropless), as measured: per-expert load follows the router."
+        else f"routing learned ({'dropless' if capacity_factor is None else 'with token drop'}), as measured: "
+        "per-expert load follows the router."
     )
     if c.zero_stage == 3 and c.ep > 1 and c.pp == 1:
         notes.append(

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 from trainer.contract.families import family_of
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
-from tuner.exports.common import comments, header, launcher, routing
+from tuner.exports.common import capacity_factor, comments, header, launcher, routing
 from tuner.exports.torchtitan.models import (
     torchtitan_builds,
     torchtitan_imports,
@@ -86,10 +86,16 @@ TORCHTITAN_CP_LOAD_BALANCER = "headtail"
 
 def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
     """torchtitan derives the stage count from `pipeline_parallel_layers_per_stage` (ceil(layers /
-    layers per stage)); beyond its default of 2 stages per rank some counts have no such value."""
+    layers per stage)); beyond its default of 2 stages per rank some counts have no such value. Its
+    mixture of experts has no token drop."""
     reasons = torchtitan_unsupported(spec.as_model_config(), config) + torchtitan_cp_unsupported(
         spec.as_model_config(), config
     )
+    if (factor := capacity_factor(spec, config)) is not None:
+        reasons.append(
+            f"training.moe_capacity_factor {factor:g}: torchtitan's mixture of experts routes dropless (no capacity "
+            "factor); export to Megatron-LM (--moe-expert-capacity-factor), or study it dropless"
+        )
     if config.pp == 1 or config.virtual_stages <= 2:
         return reasons
     layers, stages = spec.as_model_config().num_layers, config.num_stages
