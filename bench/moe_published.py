@@ -20,9 +20,8 @@ with balanced routing (imbalance 1), token-drop rows at capacity factor 1
 (training.moe_capacity_factor: no expert computes past its mean share; until issue 37 they were
 priced dropless at the default imbalance 1.3, and so was every row), the model zoo's dropless
 learned routing at the default imbalance 1.3; FP8 rows are shown with that caveat. Layouts our trainer cannot express are mapped to the nearest one and
-said so: Megatron's uneven pipeline layouts (94 layers over 96 virtual stages) and its
-per-module recompute ("norm, act"; priced as our moe_act, the experts' activation: the norms'
-recompute is not built).
+said so: Megatron's uneven pipeline layouts (94 layers over 96 virtual stages). Its per-module
+recompute ("norm, act") is our layernorm+moe_act (with pp > 1 since issue 37).
 """
 
 from __future__ import annotations
@@ -78,10 +77,8 @@ RUNS = (
         training=DROP),
     Run(BRIDGE + " 25.11", "qwen3-235b-a22b", 256, 2048, _megatron(256, 2048, 1, 2, 8, 4, 32), 1575,
         "FP8-CS, dropless, force-balanced", training=BALANCED),
-    Run(ZOO, "qwen3-235b-a22b", 256, 2048, _megatron(256, 2048, 1, 2, 32, 1, 8, "moe_act"), 1354,
-        "BF16, all-to-all dispatcher, recompute norm+act",
-        "PP 32 x VP 3 (uneven) priced as PP 32 x VP 1; recompute of the MoE activation (moe_act), "
-        "not of the norms (not built)"),
+    Run(ZOO, "qwen3-235b-a22b", 256, 2048, _megatron(256, 2048, 1, 2, 32, 1, 8, "layernorm+moe_act"), 1354,
+        "BF16, all-to-all dispatcher, recompute norm+act", "PP 32 x VP 3 (uneven) priced as PP 32 x VP 1"),
     Run(BRIDGE + " 25.09", "deepseek-v3", 1024, 8192, _megatron(1024, 8192, 1, 2, 8, 4, 64), 1297,
         "FP8, dropless, force-balanced, MTP layer", "61 layers over 32 virtual stages (uneven in Megatron)",
         training=BALANCED),

@@ -51,7 +51,7 @@ def main(devices: list[str]) -> None:
             for ac in values:
                 p = ParallelConfig(**{"micro_batch_size": 2, **knobs}, activation_checkpoint=ac)
                 cfg = BenchmarkConfig(model=model, parallel=p, device=device, moe_routing="balanced")
-                if p.problems(model):  # layernorm with pp > 1 (trainer/contract/rules.py ac_rules)
+                if p.problems(model):  # a refused layout says why (trainer/contract/rules.py ac_rules)
                     print(f"| {name} | {device} | {ac} | | refused: {'; '.join(p.problems(model))} | |")
                     continue
                 case = Case(model, p, precision, constants, device=kind)

@@ -427,7 +427,12 @@ def recompute_without_output(
         entry = targets.get(id(base)) if base is not None else None
         if entry is not None and entry[0]() is base and t.is_contiguous() and base.is_contiguous():
             return _Viewed(entry[1], t.shape)
-        return t
+        # Every other saved tensor as itself, detached (the same storage, no grad_fn): kept as
+        # itself, a pipeline's first rank kept a micro-batch's whole graph past the step (2.2 MB
+        # of 9.4 on a 4-layer tiny Llama at pp 2, held from autograd's C++ only; memcheck's
+        # optimizer phase), which is why layernorm recompute was refused with pp > 1 until
+        # issue 37 (docs/perfmodel.md, "Megatron's recompute modules").
+        return t.detach()
 
     def unpack(saved):
         return saved.value() if isinstance(saved, _Discarded | _Redistributed | _Viewed) else saved

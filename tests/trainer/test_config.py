@@ -112,8 +112,8 @@ def test_layout_arithmetic() -> None:
             "activation_checkpoint layernorm with tp (2) > 1 needs sequence_parallel",
         ),
         (
-            ParallelConfig(pp=2, activation_checkpoint="layernorm"),
-            "activation_checkpoint layernorm with pp (2) > 1",
+            ParallelConfig(cp=2, activation_checkpoint="layernorm"),
+            "activation_checkpoint layernorm with tp_col (1) or cp (2) > 1 is not built",
         ),
         (
             ParallelConfig(activation_checkpoint="moe_act"),

@@ -245,3 +245,22 @@ def test_a_gpu_trials_rms_norm_keeps_what_cudas_fused_kernel_keeps() -> None:
     assert [(tuple(t.shape), t.dtype) for t in saved] == [((2, 5, 16), torch.float32), ((2, 5, 1), torch.float32),
                                                           ((16,), torch.float32)]  # fmt: skip
     assert saved[0] is x and saved[2] is w
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_layernorm_recompute_leaves_no_graph_behind_a_pipeline_step(device: str) -> None:
+    """Megatron's layernorm recompute on a pipeline's first rank (trainer/moe.py
+    recompute_without_output): after the step nothing of a micro-batch is left, as without it. Its
+    saved-tensor hook kept each saved tensor as itself, and an op saving its own output held its
+    node through the tensor's grad_fn: one micro-batch's graph stayed alive past the step (2.2 MB
+    of activations at the optimizer step here, against 33 KB), so pp > 1 was refused until issue 37."""
+    model = dataclasses.replace(MODEL_PRESETS["llama-tiny"], num_layers=4, seq_len=256)
+    held = {}
+    for ac in ("none", "layernorm"):
+        p = P(pp=2, micro_batch_size=2, num_microbatches=2, activation_checkpoint=ac)
+        rank = memcheck(tiny_config(p, model, device=device), ranks=[0]).ranks[0]
+        held[ac] = [step["optimizer"]["activations"] for step in rank.steps] or [
+            rank.phases["optimizer"]["activations"]
+        ]
+    assert held["layernorm"] == held["none"], held

@@ -76,6 +76,12 @@ LAYOUTS = [
 # (id, model, layout): the Llama family (llama-tiny: 4 query heads, 2 KV heads), global batch 8.
 FAMILY_LAYOUTS = [
     ("llama-tp2", "llama", P(tp=2, micro_batch_size=8)),  # one KV head per rank
+    # ... on a pipeline (refused until issue 37: its saved-tensor hook kept a micro-batch's graph)
+    (
+        "llama-pp2-ac-layernorm",
+        "llama",
+        P(pp=2, activation_checkpoint="layernorm", micro_batch_size=4, num_microbatches=2),
+    ),
     # Megatron's layernorm recompute: the norms' all-gathered outputs left out, gathered again
     (
         "llama-tp2-dp2-sp-ac-layernorm",

@@ -194,12 +194,6 @@ def ac_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
                 f"activation_checkpoint {ac} with tp ({p.tp}) > 1 needs sequence_parallel: without it "
                 "each linear wraps the norm's output in its own DTensor (not built)",
             ))  # fmt: skip
-        if p.pp > 1:
-            out.append((
-                "layernorm recompute needs pp 1",
-                f"activation_checkpoint {ac} with pp ({p.pp}) > 1 holds more than without on a pipeline's "
-                "first rank (found with the memory oracle, not yet traced); use moe_act, op or full",
-            ))  # fmt: skip
         if p.tp_col > 1 or p.cp > 1:
             out.append((
                 "layernorm recompute needs tp_col 1 and cp 1",
