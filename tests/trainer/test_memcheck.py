@@ -251,10 +251,10 @@ def test_a_gpu_trials_rms_norm_keeps_what_cudas_fused_kernel_keeps() -> None:
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_layernorm_recompute_leaves_no_graph_behind_a_pipeline_step(device: str) -> None:
     """Megatron's layernorm recompute on a pipeline's first rank (trainer/moe.py
-    recompute_without_output): after the step nothing of a micro-batch is left, as without it. Its
-    saved-tensor hook kept each saved tensor as itself, and an op saving its own output held its
-    node through the tensor's grad_fn: one micro-batch's graph stayed alive past the step (2.2 MB
-    of activations at the optimizer step here, against 33 KB), so pp > 1 was refused until issue 37."""
+    recompute_without_output): after the step nothing of a micro-batch is left, as without it.
+    While its saved-tensor hook kept the other saved tensors as themselves (not detached), one
+    micro-batch's graph outlived the step (2.2 MB of activations at the optimizer step here,
+    against 33 KB), so pp > 1 was refused until issue 37."""
     model = dataclasses.replace(MODEL_PRESETS["llama-tiny"], num_layers=4, seq_len=256)
     held = {}
     for ac in ("none", "layernorm"):
