@@ -1,7 +1,12 @@
 """Published mixture-of-experts training runs on H100 priced by the performance model, next to
 their measured throughput, uncalibrated; and what the planner picks for the same study.
 
-    .venv/bin/python -m bench.moe_published
+    .venv/bin/python -m bench.moe_published [--terms]
+
+--terms adds a second table: each published layout's predicted step split into the model's terms
+(seconds and share), next to the published step (global batch tokens / (published tokens/s/GPU x
+GPUs)): what the difference is made of, and which of those terms a framework hides or shrinks
+that our trainer does not (named in docs/benchmarks.md).
 
 Published (H100 SXM 80 GB, 8 per node with NVLink 4, InfiniBand 8 x 400 Gb/s; sequence 4096):
 - NVIDIA's Megatron-Bridge performance summary (docs/performance-summary.md of
@@ -96,6 +101,38 @@ def study(run: Run) -> StudySpec:
     })  # fmt: skip
 
 
+# The terms shown, grouped (tuner/cost/terms.py StepTerms: intra- and inter-node parts summed).
+TERM_GROUPS = {
+    "compute": ("compute_s", "launch_floor_s", "microbatch_overhead_s"),
+    "tp": ("tp_comm_intra_s", "tp_comm_inter_s", "collective_wait_s"),
+    "pp bubble": ("pp_bubble_s",),
+    "pp p2p": ("pp_p2p_intra_s", "pp_p2p_inter_s"),
+    "dp": ("dp_comm_intra_s", "dp_comm_inter_s"),
+    "all-to-all": ("moe_a2a_intra_s", "moe_a2a_inter_s"),
+    "optimizer": ("optimizer_s",),
+}
+
+
+def terms_table() -> None:
+    """Each published layout's predicted step by term, beside its published step."""
+    print("| source | model | published step (s) | predicted step (s) | "
+          + " | ".join(TERM_GROUPS) + " |")  # fmt: skip
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in TERM_GROUPS) + " |")
+    for run in RUNS:
+        spec = study(run)
+        if run.layout.problems(spec.as_model_config()):
+            continue
+        est = Pricing.for_study(spec).estimate(run.layout)
+        terms = est.terms.as_dict()
+        step = est.step_time_s
+        published = run.global_batch * spec.seq_len / (run.published * run.gpus)
+        cells = []
+        for names in TERM_GROUPS.values():
+            seconds = sum(terms[n] for n in names)
+            cells.append(f"{seconds:.2f} ({seconds / step:.0%})")
+        print(f"| {run.source} | {run.preset} | {published:.2f} | {step:.2f} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     print(
         "| source | model | GPUs | layout priced | published tokens/s/GPU (stack) | predicted | predicted / published |"
@@ -122,4 +159,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
     main()
+    if "--terms" in sys.argv[1:]:
+        print()
+        terms_table()
