@@ -182,6 +182,7 @@ class Trainer:
             parallelize_gpt(
                 module, self.mesh, self.dims, p, param_dtype=param_dtype, compile=cfg.compile,
                 sparse_mesh=self.sparse_mesh,
+                reduce_dtype=torch.bfloat16 if cfg.grad_reduce_dtype == "bf16" else torch.float32,
             )  # fmt: skip
             if init == "fast":
                 module.to_empty(device=device)

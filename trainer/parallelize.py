@@ -46,9 +46,12 @@ def parallelize_gpt(
     param_dtype: torch.dtype,
     compile: bool = False,
     sparse_mesh: DeviceMesh | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> GPT:
     """Parallelise one model (or one pipeline stage of it) in place; returns it. A mixture of
-    experts on several ranks needs `sparse_mesh` (ParallelDims.build_sparse_mesh)."""
+    experts on several ranks needs `sparse_mesh` (ParallelDims.build_sparse_mesh). `reduce_dtype`:
+    FSDP2's and replicate's for the gradients (BenchmarkConfig.grad_reduce_dtype): what they are
+    reduced in and, without a sync (a pipeline's earlier micro-batches, no_sync), accumulated in."""
     if dims.tp_col > 1:  # 2D: row x column groups (trainer/tp2d.py)
         apply_tp_2d(model, mesh[dims.tensor_axes])
     elif dims.tp > 1:
@@ -61,7 +64,7 @@ def parallelize_gpt(
         apply_ac(model, parallel.activation_checkpoint)
     if compile:
         apply_compile(model)
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if sparse_mesh is not None:
         apply_expert_dp(model, sparse_mesh["edp"], parallel.zero_stage, mp_policy)
     if dims.weight_axes:

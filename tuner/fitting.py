@@ -26,6 +26,7 @@ class Measurement:
     step_time_s: float
     precision: str = "bf16"
     moe_imbalance: float = 1.0  # the study's (StudySpec.moe_imbalance): priced as the study prices it
+    grad_reduce_dtype: str = "fp32"  # the study's (TrainingSpec.grad_reduce_dtype)
 
 
 # Each fitted constant in an unbounded coordinate: log for scales, logit for fractions.
@@ -64,7 +65,9 @@ def calibrate(
         c = _from_free(x, base, fitted)
         res = [
             math.log(
-                estimate(r.model, r.parallel, r.cluster, r.precision, c, r.moe_imbalance).step_time_s
+                estimate(
+                    r.model, r.parallel, r.cluster, r.precision, c, r.moe_imbalance, r.grad_reduce_dtype
+                ).step_time_s
                 / r.step_time_s
             )
             for r in measurements
@@ -83,7 +86,14 @@ def fit_memory_scale(measured: list[tuple[Measurement, float]], constants: Model
     for m, peak in measured:
         unscaled = dataclasses.replace(constants, memory_scale=1.0)
         tensors = (
-            memory(m.model, m.parallel, m.precision, unscaled, moe_imbalance=m.moe_imbalance)["memory_bytes"]
+            memory(
+                m.model,
+                m.parallel,
+                m.precision,
+                unscaled,
+                moe_imbalance=m.moe_imbalance,
+                grad_reduce_dtype=m.grad_reduce_dtype,
+            )["memory_bytes"]
             - constants.workspace_bytes
         )
         if peak > constants.workspace_bytes and tensors > 0:
@@ -102,7 +112,9 @@ def rms_log_error(measurements: list[Measurement], constants: ModelConstants) ->
         return 0.0
     res = [
         math.log(
-            estimate(r.model, r.parallel, r.cluster, r.precision, constants, r.moe_imbalance).step_time_s
+            estimate(
+                r.model, r.parallel, r.cluster, r.precision, constants, r.moe_imbalance, r.grad_reduce_dtype
+            ).step_time_s
             / r.step_time_s
         )
         for r in measurements

@@ -28,7 +28,19 @@ def memory(
     c: ModelConstants,
     device: DeviceKind = "gpu",
     moe_imbalance: float = 1.0,
+    grad_reduce_dtype: str = "fp32",
 ) -> dict[str, float]:
     """Bytes on the fullest device of layout `p` of model `m` computing in `precision`, on ranks
-    of kind `device`, a mixture of experts at `moe_imbalance` (tuner.cost.memory.memory)."""
-    return memory_model.memory(Case(m, p, precision, c, device=device, moe_imbalance=moe_imbalance))
+    of kind `device`, a mixture of experts at `moe_imbalance`, gradients reduced and accumulated
+    in `grad_reduce_dtype` (tuner.cost.memory.memory)."""
+    return memory_model.memory(
+        Case(
+            m,
+            p,
+            precision,
+            c,
+            device=device,
+            moe_imbalance=moe_imbalance,
+            grad_reduce_dtype=grad_reduce_dtype,
+        )
+    )

@@ -29,8 +29,10 @@ def estimate(
     precision: str = "bf16",
     constants: ModelConstants | None = None,
     moe_imbalance: float = 1.0,
+    grad_reduce_dtype: str = "fp32",
 ) -> Estimate:
     """Memory and step time of layout `p` of model `m` on `cluster`, computing in `precision`
     (the dtype trials run in: tuner.pricing.Pricing passes StudySpec.trial_dtype). `moe_imbalance`:
-    a mixture of experts' max/mean tokens per expert (StudySpec.moe_imbalance; 1: balanced)."""
-    return estimate_case(Case.priced(m, p, cluster, precision, constants, moe_imbalance))
+    a mixture of experts' max/mean tokens per expert (StudySpec.moe_imbalance; 1: balanced);
+    `grad_reduce_dtype`: the gradients' (TrainingSpec.grad_reduce_dtype)."""
+    return estimate_case(Case.priced(m, p, cluster, precision, constants, moe_imbalance, grad_reduce_dtype))

@@ -35,6 +35,8 @@ class Pricing:
     # A mixture of experts' max/mean tokens per expert the study prices (StudySpec.moe_imbalance:
     # 1 under forced-balance routing); no effect on a dense model.
     moe_imbalance: float = 1.0
+    # The gradients' reduce and accumulation dtype (TrainingSpec.grad_reduce_dtype): fp32 or bf16.
+    grad_reduce_dtype: str = "fp32"
     _memo: dict[ParallelConfig, Estimate] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
@@ -46,18 +48,21 @@ class Pricing:
         cluster's device kind's defaults; callers pass the database's calibration)."""
         return cls(
             spec.as_model_config(), spec.cluster, spec.trial_dtype, constants or default_constants(spec.cluster),
-            spec.moe_imbalance,
+            spec.moe_imbalance, spec.training.grad_reduce_dtype,
         )  # fmt: skip
 
     def with_constants(self, constants: ModelConstants) -> Pricing:
-        return Pricing(self.model, self.hardware, self.dtype, constants, self.moe_imbalance)
+        return Pricing(
+            self.model, self.hardware, self.dtype, constants, self.moe_imbalance, self.grad_reduce_dtype
+        )
 
     def estimate(self, config: ParallelConfig) -> Estimate:
         est = self._memo.get(config)
         if est is None:
             est = self._memo[config] = estimate(
-                self.model, config, self.hardware, self.dtype, self.constants, self.moe_imbalance
-            )
+                self.model, config, self.hardware, self.dtype, self.constants, self.moe_imbalance,
+                self.grad_reduce_dtype,
+            )  # fmt: skip
         return est
 
     def rank(self, configs: Iterable[ParallelConfig]) -> Ranked:
@@ -73,4 +78,12 @@ class Pricing:
 
     def measurement(self, config: ParallelConfig, step_time_s: float) -> Measurement:
         """A measured step time of `config` as calibrate() takes it (priced the same way)."""
-        return Measurement(self.model, config, self.hardware, step_time_s, self.dtype, self.moe_imbalance)
+        return Measurement(
+            self.model,
+            config,
+            self.hardware,
+            step_time_s,
+            self.dtype,
+            self.moe_imbalance,
+            self.grad_reduce_dtype,
+        )

@@ -248,6 +248,10 @@ class TrainingSpec(_Strict):
     # each expert takes at most this factor x its mean share of a rank's assignments, the rest are
     # dropped; priced as an imbalance of at most the factor. None: dropless.
     moe_capacity_factor: float | None = None
+    # The gradients' reduce and no-sync accumulation dtype (BenchmarkConfig.grad_reduce_dtype):
+    # fp32 (Megatron-LM's bf16 default), or bf16 (its --grad-reduce-in-bf16; Megatron-Bridge's
+    # MoE recipes): half the bytes of the gradients a pipeline accumulates whole, and of the reduce.
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
 
     @field_validator("moe_imbalance")
     @classmethod
@@ -547,6 +551,7 @@ def benchmark_config(
         min_measure_steps=t.min_measure_steps, stable_rel_ci=t.stable_rel_ci, abandon_below_tokens_per_s=floor,
         seed=spec.seed, device=device, dtype=dtype, max_memory_bytes=int(spec.cluster.device_memory_bytes),
         moe_routing=spec.training.moe_routing, moe_capacity_factor=spec.training.moe_capacity_factor,
+        grad_reduce_dtype=spec.training.grad_reduce_dtype,
     )  # fmt: skip
 
 

@@ -20,7 +20,8 @@ def assert_every_rank_matches_the_oracle(cfg: BenchmarkConfig, tolerance: float)
     precision, kind = ("bf16", "gpu") if cfg.device == "cuda" else ("fp32", "cpu")
     # balanced routing (the oracle's), capped by a token-drop capacity factor as a study prices it
     imbalance = priced_imbalance(1.0, cfg.moe_capacity_factor)
-    case = Case(cfg.model, cfg.parallel, precision, c, device=kind, moe_imbalance=imbalance)
+    case = Case(cfg.model, cfg.parallel, precision, c, device=kind, moe_imbalance=imbalance,
+                grad_reduce_dtype=cfg.grad_reduce_dtype)  # fmt: skip
     for rank in report.ranks:
         phases = phase_bytes(case, rank.coords["pp"])
         predicted = max(sum(parts.values()) for parts in phases.values())

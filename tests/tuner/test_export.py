@@ -547,6 +547,21 @@ def test_token_drop_exports_to_megatron_and_is_refused_by_torchtitan() -> None:
         export_layout("torchtitan", MOE_TOKEN_DROP, config)
 
 
+def test_bf16_gradient_reduction_exports_to_megatron_and_is_refused_by_torchtitan() -> None:
+    """training.grad_reduce_dtype bf16 -> Megatron's --grad-reduce-in-bf16 (its bf16 default reduces and
+    accumulates in fp32); torchtitan 0.3.0's mixed_precision_reduce is Literal["float32"]."""
+    spec, config = MORE_LLAMA["llama70b"]
+    bf16 = spec.model_copy(
+        update={"training": spec.training.model_copy(update={"grad_reduce_dtype": "bf16"})}
+    )
+    assert "--grad-reduce-in-bf16" in _megatron_args(export_layout("megatron", bf16, config))[1]
+    assert "--grad-reduce-in-bf16" not in _megatron_args(export_layout("megatron", spec, config))[1]
+    with pytest.raises(
+        ValueError, match=r"grad_reduce_dtype bf16: torchtitan 0.3.0's training.mixed_precision_reduce"
+    ):
+        export_layout("torchtitan", bf16, config)
+
+
 def test_torchtitan_refuses_expert_parallelism_over_replicas(torchtitan_parsed: dict) -> None:
     """torchtitan folds ep into dp_shard x cp x tp (its sparse mesh): with dp_replicate 2 x dp_shard 2
     and ep 4 its own mesh build fails, so the export refuses the layout; Megatron's expert grid
@@ -703,6 +718,17 @@ MEGATRON_CASES = {
     **CP_CASES,
     "qwen3_dense": QWEN3_DENSE,
     "moe_token_drop": (MOE_TOKEN_DROP, MORE_MOE["moe_tiny_ds"][1]),
+    # bf16 gradient reduction (training.grad_reduce_dtype): --grad-reduce-in-bf16 through validate_args
+    "llama70b_bf16_grads": (
+        MORE_LLAMA["llama70b"][0].model_copy(
+            update={
+                "training": MORE_LLAMA["llama70b"][0].training.model_copy(
+                    update={"grad_reduce_dtype": "bf16"}
+                )
+            }
+        ),
+        MORE_LLAMA["llama70b"][1],
+    ),
 }
 
 

@@ -440,3 +440,50 @@ def test_an_interleaved_rank_holds_its_sends_and_its_own_stages_gradients() -> N
     last, r = phase_bytes(case, 3)["forward_backward"], rank_bytes(case, 3)
     # at its second micro-batch's loss: the fp32 gradients of the head and of its layer, whole
     assert last["grads"] == pytest.approx(4 * (r.root / r.cb + layer_params(m, 1)), rel=1e-6)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ParallelConfig(pp=2, dp_shard=2, zero_stage=2, micro_batch_size=2, num_microbatches=4),
+        ParallelConfig(dp_replicate=2, micro_batch_size=2, num_microbatches=4),
+    ],
+    ids=["pp2-dps2-z2", "dpr2-accumulating"],
+)
+def test_bf16_gradient_reduction_matches_the_oracle(parallel: ParallelConfig, device: str) -> None:
+    """grad_reduce_dtype bf16 (FSDP2's and replicate's reduce_dtype): a pipeline's and no_sync's
+    gradients accumulate whole in bf16, half the fp32 default's, and land in fp32 at the last
+    backward's reduce (tuner/cost/memory.py forward_backward's `landed` moment). The oracle's peak
+    falls, and the model follows it on every rank."""
+    from trainer.memcheck import memcheck
+
+    model = dataclasses.replace(MODEL_PRESETS["llama-small"], num_layers=4, seq_len=256)
+    peaks = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = BenchmarkConfig(model=model, parallel=parallel, device=device, grad_reduce_dtype=dtype)
+        assert_every_rank_matches_the_oracle(cfg, 0.05)
+        peaks[dtype] = memcheck(cfg).peak_bytes
+    assert peaks["bf16"] < peaks["fp32"], peaks
+
+
+def test_the_studys_gradient_dtype_reaches_the_trials_and_the_pricing() -> None:
+    """training.grad_reduce_dtype: validated at the spec (the field named), carried to the trials'
+    BenchmarkConfig and to the pricing, where a pipeline's accumulated gradients halve."""
+    from tuner.pricing import Pricing
+    from tuner.spec import benchmark_config, parse_spec
+
+    base = {"model": "llama3.1-8b", "cluster": "h100-80gb", "num_gpus": 8}
+    with pytest.raises(ValueError, match=r"training.grad_reduce_dtype"):
+        parse_spec({**base, "training": {"global_batch_size": 64, "grad_reduce_dtype": "fp16"}})
+    layout = ParallelConfig(pp=2, dp_shard=4, zero_stage=2, num_microbatches=16)
+    memory = {}
+    for dtype in ("fp32", "bf16"):
+        spec = parse_spec({**base, "training": {"global_batch_size": 64, "grad_reduce_dtype": dtype}})
+        assert benchmark_config(spec, layout).grad_reduce_dtype == dtype
+        pricing = Pricing.for_study(spec)
+        assert pricing.grad_reduce_dtype == dtype
+        memory[dtype] = pricing.estimate(layout).memory_bytes
+    params = rank_bytes(Case(MODEL_PRESETS["llama3.1-8b"], layout, "bf16", ModelConstants()), 0).params
+    assert memory["fp32"] - memory["bf16"] == pytest.approx(2 * params * ModelConstants().memory_scale, rel=0.02)

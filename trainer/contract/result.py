@@ -50,6 +50,12 @@ class BenchmarkConfig:
     # highest routing weight; the rest are dropped (they add nothing to the token's output). None:
     # dropless. The result records the fraction dropped (BenchmarkResult.moe["dropped"]).
     moe_capacity_factor: float | None = None
+    # The gradients' reduce and no-sync accumulation dtype under FSDP2 / replicate (their
+    # MixedPrecisionPolicy.reduce_dtype): "fp32" (Megatron-LM's bf16 default,
+    # accumulate_allreduce_grads_in_fp32), or "bf16" (--grad-reduce-in-bf16, Megatron-Bridge's MoE
+    # recipes' grad_reduce_in_fp32 false): half the bytes of gradients a pipeline or no_sync
+    # accumulates whole, and of the reduce. The reduced gradients land in fp32 either way.
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     max_memory_bytes: int | None = None  # peak over this -> status "oom" (emulates a smaller device)
     init_timeout_s: float = 600.0  # process-group timeout until step 1 finished
     step_timeout_s: float = 120.0  # process-group timeout afterwards: a wedged collective fails fast
@@ -65,7 +71,8 @@ class BenchmarkConfig:
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {getattr(self, name)}")
         choices = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "fp32", "bf16"),
-                   "init": ("auto", "exact", "fast"), "moe_routing": ("learned", "balanced")}  # fmt: skip
+                   "init": ("auto", "exact", "fast"), "moe_routing": ("learned", "balanced"),
+                   "grad_reduce_dtype": ("fp32", "bf16")}  # fmt: skip
         for name, valid in choices.items():
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of {list(valid)}")
@@ -84,6 +91,8 @@ class BenchmarkConfig:
             del data["moe_routing"]
         if self.moe_capacity_factor is None:  # dropless: the key only when it drops (older configs)
             del data["moe_capacity_factor"]
+        if self.grad_reduce_dtype == "fp32":  # the key only when set (older configs)
+            del data["grad_reduce_dtype"]
         return data
 
     @classmethod

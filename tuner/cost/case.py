@@ -38,6 +38,9 @@ class Case:
     # The low-precision peak: memory-bound work is written in FLOPs of it (elementwise_flops_per_byte
     # is per byte at that peak: an fp32 step moves twice the bytes, not at the fp32 peak's rate).
     memory_peak_flops: float = 0.0
+    # FSDP2's / replicate's reduce dtype for the gradients (BenchmarkConfig.grad_reduce_dtype): what a
+    # pipeline's or no_sync's gradients accumulate in, whole ("fp32" or "bf16").
+    grad_reduce_dtype: str = "fp32"
     # Derived once (in __post_init__, for the step's and the memory's hot paths): what every part
     # reads of the case.
     value_bytes: int = field(init=False, repr=False)  # a value of the compute dtype (dtypes.value_bytes)
@@ -69,7 +72,7 @@ class Case:
     @classmethod
     def priced(
         cls, model: ModelConfig, layout: ParallelConfig, cluster: ClusterSpec, precision: str = "bf16",
-        constants: ModelConstants | None = None, moe_imbalance: float = 1.0,
+        constants: ModelConstants | None = None, moe_imbalance: float = 1.0, grad_reduce_dtype: str = "fp32",
     ) -> Case:  # fmt: skip
         """The case `tuner.perfmodel.estimate` prices: the vocabulary the layout builds (Megatron's
         padding, tuner.spec.padded_model), the cluster's default constants unless given."""
@@ -77,6 +80,7 @@ class Case:
         return cls(
             padded_model(model, layout.tp), layout, precision, constants or default_constants(cluster), cluster,
             cluster.device_kind, moe_imbalance, peak_tflops, peak_tflops * 1e12, cluster.peak_tflops * 1e12,
+            grad_reduce_dtype,
         )  # fmt: skip
 
     def on_links_of(self, cluster: ClusterSpec) -> Case:

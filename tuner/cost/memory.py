@@ -83,6 +83,11 @@ class RankBytes:
     chunks: tuple[float, ...] = (1.0,)  # each local stage's share of the rank's layers (interleaved)
     loop_grads: float = 0.0  # the CPU's loop over experts: its weight gradients' whole-tensor transients
     output_held: float = 0.0  # the last stage's logits, which torch's schedule holds through its backward
+    # Bytes a parameter's gradient takes while accumulated whole without a sync: fp32, or bf16 where
+    # FSDP2 / replicate manage it with reduce_dtype bf16 (grad_reduce_dtype; the dense parameters
+    # with dp x cp > 1, a mixture of experts' always: its experts are wrapped over edp, even of 1).
+    accumulated_bytes: float = 4.0
+    expert_accumulated_bytes: float = 4.0
 
 
 def phase_bytes(case: Case, stage: int) -> dict[str, dict[str, float]]:
@@ -182,8 +187,11 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         layer = max(layer, layer + moe.act_per_token * tokens) if moe.num_moe else layer
     else:
         params_all = params
+    bf16_grads = case.grad_reduce_dtype == "bf16"
     return RankBytes(
         params=params, d=weight_shards(case), cb=cb,
+        accumulated_bytes=2.0 if bf16_grads and dp > 1 else 4.0,
+        expert_accumulated_bytes=2.0 if bf16_grads else 4.0,
         # FSDP2's copies, or autocast's weight cache (which 2D's local views of the weights bypass)
         whole=cb * params_all if dp > 1 or (low and k == 1) else 0.0,
         root=cb * (embed + head), unit=unit, layer=layer, layers=layers,
@@ -217,14 +225,24 @@ def forward_backward(
     # stages (torch's pipelining syncs only the last backward), replicated DP (the trainer's
     # no_sync), no DP; FSDP2 reduce-scatters each micro-batch otherwise.
     accumulates = p.pp > 1 or p.zero_stage == 0
-    accumulated = 4 * r.params + r.vocab_grad + 4 * r.experts if accumulates else sharded_grads
+    accumulated = (
+        r.accumulated_bytes * r.params + r.vocab_grad + r.expert_accumulated_bytes * r.experts
+        if accumulates
+        else sharded_grads
+    )
     working = r.root + 2 * r.unit if p.zero_stage == 3 else r.whole  # zero 3 prefetches the next layer
     # FSDP2's gathered weights are in the compute dtype, so are the gradients autograd gives them:
     # one layer's, until its post-backward folds them into the fp32 gradients. (Autocast's casts
     # hand theirs straight back to the fp32 parameters.)
     fresh = (r.unit if p.dp * p.cp > 1 and r.cb < 4 else 0.0) + r.loop_grads
+    # bf16 accumulation: the last backward's reduce lands the gradients in fp32 (sharded, or whole
+    # when replicated) while its last layer still holds its activations; the other layers' working
+    # copies are resharded by then (each module's post-backward), the root's stay
+    landed = (r.root + r.unit, sharded_grads + fresh, r.layer + r.flow)
+    bf16_accumulated = accumulates and min(r.accumulated_bytes, r.expert_accumulated_bytes) < 4
     if p.virtual_stages > 1:
-        return interleaved_moments(p, r, stage, accumulated, working, fresh)
+        walked = interleaved_moments(p, r, stage, accumulated, working, fresh)
+        return max(walked, landed, key=sum) if bf16_accumulated else walked
     n, inflight = p.num_microbatches, in_flight(p, stage)
     # A backward's received gradient (OnDemandStage: from its receive to the backward's end)
     flow = r.flow + (r.boundary if stage < p.pp - 1 else 0.0)
@@ -246,6 +264,8 @@ def forward_backward(
         moments.append((working, accumulated + fresh, held * (inflight - 2) + r.layers + flow))
         if r.head:  # ... and its loss, the later micro-batches' logits still there
             moments.append((r.whole, accumulated, held * (inflight - 1) + r.loss))
+    if bf16_accumulated:
+        moments.append(landed)
     if p.zero_stage == 3 and p.pp > 1:  # a backward that does not sync leaves its layers
         # gathered until their next forward: all of them at its last layer
         moments.append((r.whole, accumulated + fresh, held * (inflight - 1) + r.layer + flow))

@@ -68,12 +68,12 @@ def interleaved_moments(
     its first local stage's forwards but only some of its later ones."""
     last_rank = stage == p.pp - 1
     root_params = r.root / r.cb  # the embedding (first rank, local stage 0) or the head (last rank, last)
-    layer_grads = accumulated - 4 * root_params - r.vocab_grad
+    root_grads = r.accumulated_bytes * root_params  # fp32, or bf16 (grad_reduce_dtype)
+    layer_grads = accumulated - root_grads - r.vocab_grad
     home = len(r.chunks) - 1 if last_rank else 0
     acts = [r.layers * f + (r.head if last_rank and j == home else 0.0) for j, f in enumerate(r.chunks)]
     grads_of = [
-        layer_grads * f + ((4 * root_params + r.vocab_grad) if j == home else 0.0)
-        for j, f in enumerate(r.chunks)
+        layer_grads * f + ((root_grads + r.vocab_grad) if j == home else 0.0) for j, f in enumerate(r.chunks)
     ]
     # Sends (trainer/pipeline.py Interleaved1F1B): a local stage's output, kept for its backward
     # anyway, is let go once its backward starts; its input's gradient is held until the

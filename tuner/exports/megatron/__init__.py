@@ -105,6 +105,8 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
     ]
     if spec.training.precision != "fp32":  # --use-torch-fsdp2 refuses --fp16; bf16 is what was measured
         args.append(("--bf16" if fsdp else f"--{spec.training.precision}", None))
+        if spec.training.grad_reduce_dtype == "bf16":  # Megatron's bf16 default reduces in fp32
+            args.append(("--grad-reduce-in-bf16", None))
     if c.activation_checkpoint == "full":
         args += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                  ("--recompute-num-layers", 1)]  # fmt: skip

@@ -91,6 +91,11 @@ def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
     reasons = torchtitan_unsupported(spec.as_model_config(), config) + torchtitan_cp_unsupported(
         spec.as_model_config(), config
     )
+    if spec.training.grad_reduce_dtype == "bf16":
+        reasons.append(
+            "training.grad_reduce_dtype bf16: torchtitan 0.3.0's training.mixed_precision_reduce accepts float32 "
+            "only; export to Megatron-LM (--grad-reduce-in-bf16), or study it with fp32"
+        )
     if (factor := capacity_factor(spec, config)) is not None:
         reasons.append(
             f"training.moe_capacity_factor {factor:g}: torchtitan's mixture of experts routes dropless (no capacity "
