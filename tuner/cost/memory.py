@@ -191,7 +191,7 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     return RankBytes(
         params=params, d=weight_shards(case), cb=cb,
         accumulated_bytes=2.0 if bf16_grads and dp > 1 else 4.0,
-        expert_accumulated_bytes=2.0 if bf16_grads else 4.0,
+        expert_accumulated_bytes=2.0 if bf16_grads and moe is not None else 4.0,
         # FSDP2's copies, or autocast's weight cache (which 2D's local views of the weights bypass)
         whole=cb * params_all if dp > 1 or (low and k == 1) else 0.0,
         root=cb * (embed + head), unit=unit, layer=layer, layers=layers,
@@ -238,8 +238,8 @@ def forward_backward(
     # bf16 accumulation: the last backward's reduce lands the gradients in fp32 (sharded, or whole
     # when replicated) while its last layer still holds its activations; the other layers' working
     # copies are resharded by then (each module's post-backward), the root's stay
-    landed = (r.root + r.unit, sharded_grads + fresh, r.layer + r.flow)
     bf16_accumulated = accumulates and min(r.accumulated_bytes, r.expert_accumulated_bytes) < 4
+    landed = (r.root + r.unit, sharded_grads + fresh, r.layer + r.flow) if bf16_accumulated else None
     if p.virtual_stages > 1:
         walked = interleaved_moments(p, r, stage, accumulated, working, fresh)
         return max(walked, landed, key=sum) if bf16_accumulated else walked
