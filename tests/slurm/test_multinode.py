@@ -173,9 +173,10 @@ def test_a_node_lost_mid_trial_is_retried_on_healthy_nodes(
 ) -> None:
     """The node's slurmd killed, or its network cut: the job ends within ~30 s (SlurmdTimeout),
     not at its time limit; the trial runs again on other nodes and completes. With the link cut
-    the ranks or srun may see it first and the job end FAILED, not NODE_FAIL (a CI run did): the
-    attempt is still the infrastructure's fault (tuner/dispatch/slurm.py holds the crash until
-    Slurm flags the node)."""
+    the ranks or srun may see it first and the job end FAILED, not NODE_FAIL (a CI run did, for
+    each fault: with slurmd killed the step's other tasks lose their srun): the attempt is still
+    the infrastructure's fault (tuner/dispatch/slurm.py holds the crash until Slurm flags the
+    node)."""
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     first_attempt = store.job_name(1, 0, 1)  # the study's first trial, its first attempt
     env = {**BASE["slurm"]["env"], "TRAINER_FAULT": f"hang:0:1:{first_attempt}"}
@@ -224,8 +225,8 @@ def test_a_node_lost_mid_trial_is_retried_on_healthy_nodes(
         "ok",
         "score",
     )
-    ended = {"kill-slurmd": {"NODE_FAIL"}, "link-down": {"NODE_FAIL", "FAILED"}}[fault]
-    assert four.job_state(hit["job"]) == trial.attempt_log[0]["job_state"] in ended, trial.attempt_log[0]
+    # Slurm's word: NODE_FAIL, or FAILED where the ranks saw the loss first; the kind is ours
+    assert four.job_state(hit["job"]) == trial.attempt_log[0]["job_state"] in {"NODE_FAIL", "FAILED"}
     assert trial.attempt_log[0]["device_s"] < 4 * 90  # ended by the node's loss (~30 s), not its time limit
     assert hit["node"] not in trial.result["placement"]["hosts"]  # the retry ran on healthy nodes
 
