@@ -21,7 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from trainer.context_parallel import CPComm
 from trainer.contract.blocks import ce_chunk_rows
@@ -63,7 +64,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     wavelengths beyond the original context / low_freq_factor slow down by `factor`, those under
     original / high_freq_factor stay, the band between is interpolated (Hugging Face's
     _compute_llama3_parameters, Meta's apply_scaling)."""
-    d = cfg.head_dim
+    d = cfg.rope_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).double() / d))
     if cfg.rope_scaling_factor is None:
         return inv_freq.float()
@@ -80,7 +81,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 def rope_cos_sin(
     cfg: ModelConfig, device: torch.device | None = None, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """cos and sin of every position's angles, stacked: (2, seq_len, head_dim), fp32; of the given
+    """cos and sin of every position's angles, stacked: (2, seq_len, rope_dim), fp32; of the given
     `positions` only (context parallelism: a rank's tokens), in their order."""
     if positions is None:
         positions = torch.arange(cfg.seq_len, dtype=torch.float32, device=device)
@@ -125,10 +126,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.attention != "mha":  # not plain attention in its place (trainer_problems says it for trials)
-            raise ValueError(
-                f"attention {cfg.attention!r} is not built in the trainer (multi-head latent attention)"
-            )
+        if cfg.attention_kind.latent:  # not plain attention in its place: LatentAttention is
+            raise ValueError(f"attention {cfg.attention!r} is LatentAttention's, not Attention's")
         h, kv = cfg.hidden_size, cfg.kv_size
         self.head_dim = cfg.head_dim
         self.rope = cfg.positions == "rope"
@@ -166,6 +165,80 @@ class Attention(nn.Module):
         return self.drop(self.wo(y))
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(..., d) pairs (x0, x1, x2, x3, ...) -> halves (x0, x2, ..., x1, x3, ...): DeepSeek's rotary
+    dims are interleaved pairs (its complex rotation; transformers' rope_interleave); as halves
+    apply_rope's rotate_half turns each pair by its angle."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 section 2.1, V3): q through a rank-q_lora_rank
+    bottleneck (wq_a, its RMSNorm, wq_b; or one wq with q_lora_rank 0), k and v up-projected by
+    wkv_b from one normalised kv_lora_rank latent, which wkv_a computes beside a rotary key of
+    qk_rope_head_dim shared by every head. Each head scores [nope | rope] of q against
+    [nope | the shared rope key] (1/sqrt(nope + rope)) and returns v_head_dim values; transformers'
+    DeepseekV3Attention with rope_interleave (its default), names aside.
+
+    Tensor parallelism (trainer/parallelize.py apply_tp, torchtitan's deepseek_v3 plan): wq / wq_b
+    and wkv_b column-parallel over whole heads, wo row-parallel; the latents (wq_a, wkv_a and
+    their norms) replicated, computed whole on every rank. Their gradients are whole too: the
+    column-parallel inputs all-reduce theirs (Megatron's f), and the shared rotary key, which only
+    this rank's heads read, all-reduces its own (`tp_mesh`, set by apply_tp).
+
+    SDPA's CPU kernel needs one width for q, k and v: on CPU v is zero-padded to q's width and
+    the output cut back (without, SDPA falls back to its math path, which keeps the s x s
+    probabilities); CUDA's memory-efficient and cuDNN kernels take v as it is."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        qk = heads * (self.nope + self.rope_dim)
+        if cfg.q_lora_rank:
+            self.wq = None
+            self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, qk, bias=False)
+        else:
+            self.wq, self.wq_a, self.q_norm, self.wq_b = nn.Linear(h, qk, bias=False), None, None, None
+        self.wkv_a = nn.Linear(h, cfg.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank, eps=cfg.norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, heads * (self.nope + self.v_dim), bias=False)
+        self.core = CoreAttention(cfg.dropout)
+        self.wo = nn.Linear(cfg.q_size, h, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.cp: CPComm | None = None
+        self.tp_mesh: DeviceMesh | None = None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        x = local(x)  # sequence parallelism hands a replicated DTensor: its gradient is whole (above)
+        b, t, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+        # Under tensor parallelism q and kv are this rank's heads only: derive the count from them.
+        q = q.view(b, t, -1, self.nope + self.rope_dim).transpose(1, 2)
+        heads = q.shape[1]
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(b, t, heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        if self.tp_mesh is not None:  # the shared key's gradient: this rank's heads' share of a sum
+            k_rope = DTensor.from_local(k_rope, self.tp_mesh, [Replicate()], run_check=False)
+            k_rope = k_rope.to_local(grad_placements=[Partial()])
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        q_rope = apply_rope(deinterleave(q_rope), rope)
+        k_rope = apply_rope(deinterleave(k_rope.unsqueeze(1)), rope)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1)
+        width = q.shape[-1]
+        if x.device.type == "cpu" and self.v_dim != width:
+            v = F.pad(v, (0, width - self.v_dim))
+        if self.cp is not None:  # every cp rank's keys and values
+            k, v = self.cp.gather(k), self.cp.gather(v)
+        y = self.core(q, k, v)[..., : self.v_dim].transpose(1, 2).reshape(b, t, -1)
+        return self.drop(self.wo(y))
+
+
 def _rms_norm(x: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
     return F.rms_norm(x, norm.normalized_shape, local(norm.weight, partial_grad=True), norm.eps)
 
@@ -196,7 +269,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.attention_kind.latent else Attention(cfg)
         self.mlp_norm = make_norm(cfg)
         experts = cfg.moe and layer_id >= cfg.moe_dense_layers
         self.mlp = None if experts else MLP(cfg)

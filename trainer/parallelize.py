@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 from trainer.context_parallel import CPComm
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.rules import ACTIVATION_CHECKPOINTS
-from trainer.model import GPT
+from trainer.model import GPT, LatentAttention
 from trainer.moe import MoEComm, local, moe_layers
 from trainer.parallel_dims import ParallelDims
 from trainer.tp2d import apply_tp_2d
@@ -109,12 +109,19 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
         model.head.weight = model.embed.tok.weight
 
     for block in model.layers.values():
-        layer_plan: dict[str, object] = {
-            "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=seq),
-        }
+        latent = isinstance(block.attn, LatentAttention)
+        if latent:  # q's and kv's heads split, the latents whole on every rank
+            up = ["attn.wq"] if block.attn.wq is not None else ["attn.wq_b"]
+            layer_plan: dict[str, object] = {name: ColwiseParallel() for name in [*up, "attn.wkv_b"]}
+            layer_plan["attn.wo"] = RowwiseParallel(output_layouts=seq)
+            block.attn.tp_mesh = tp_mesh
+        else:
+            layer_plan = {
+                "attn.wq": ColwiseParallel(),
+                "attn.wk": ColwiseParallel(),
+                "attn.wv": ColwiseParallel(),
+                "attn.wo": RowwiseParallel(output_layouts=seq),
+            }
         if block.mlp is not None:
             layer_plan |= {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(output_layouts=seq)}
             if block.mlp.gate is not None:  # SwiGLU
@@ -131,7 +138,7 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> Non
         parallelize_module(block, tp_mesh, layer_plan)
         # Replicated weights used on this rank's heads (q/k norms per head) or tokens (router,
         # shared expert): their gradients are partial sums over tp (DTensor Partial, reduced).
-        parts = [block.attn.q_norm, block.attn.k_norm]
+        parts = [] if latent else [block.attn.q_norm, block.attn.k_norm]
         if block.moe is not None:
             parts += [block.moe.router, block.moe.shared]
         for part in parts:

@@ -12,6 +12,17 @@ from trainer.contract.result import BenchmarkConfig, BenchmarkResult
 
 TINY = MODEL_PRESETS["gpt-tiny"]  # 4 layers, d=64, 4 heads, seq 32, vocab 256
 LLAMA = MODEL_PRESETS["llama-tiny"]  # the same shape as Llama: 2 KV heads, SwiGLU ffn 192, RoPE, RMSNorm
+
+
+def _without_experts(cfg: ModelConfig) -> dict:
+    """A mixture of experts' fields less its experts' (the dense model of its block)."""
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(ModelConfig)
+        if not f.name.startswith(("moe_", "num_experts"))
+    }
+
+
 # The tiny models the parity tests train, by name: the Llama family with the variants that change
 # how weights split (a head tied to the embedding: small Llamas; a q/k/v bias: Qwen2).
 MODELS: dict[str, ModelConfig] = {
@@ -35,6 +46,13 @@ MODELS: dict[str, ModelConfig] = {
         moe_aux_loss="batch",
         moe_aux_loss_coef=0.01,
     ),
+    # DeepSeek-V3's block: latent attention (q through its bottleneck, k and v from one latent with
+    # a shared rotary key) on moe-ds's experts
+    "deepseek": MODEL_PRESETS["deepseek-tiny"],
+    "deepseek-q-whole": dataclasses.replace(MODEL_PRESETS["deepseek-tiny"], q_lora_rank=0),  # one wq
+    # ... and without experts: tensor parallelism without sequence parallelism (the latents' input
+    # a plain tensor, not a DTensor)
+    "mla-dense": ModelConfig(**_without_experts(MODEL_PRESETS["deepseek-tiny"])),
 }
 GLOBAL_BATCH = 8
 

@@ -7,7 +7,7 @@ import torch
 
 from tests.trainer.helpers import MODELS, TINY
 from trainer.contract.presets import MODEL_PRESETS
-from trainer.model import GPT, cross_entropy_loss
+from trainer.model import GPT, Attention, Block, LatentAttention, cross_entropy_loss
 from trainer.pipeline import local_stage_ids, split_model, stage_layer_ranges
 
 
@@ -18,11 +18,20 @@ def test_param_count_matches_config(name: str) -> None:
     assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.num_params
 
 
-def test_a_model_it_does_not_build_is_refused_not_built_otherwise() -> None:
-    """DeepSeek-V3's latent attention is priced, not built: GPT(cfg) refuses it rather than
-    building plain multi-head attention in its place (on the meta device: nothing allocated)."""
-    with torch.device("meta"), pytest.raises(ValueError, match="attention 'mla' is not built"):
-        GPT(MODEL_PRESETS["deepseek-v3"])
+def test_latent_attention_is_built_as_latent_attention() -> None:
+    """DeepSeek-V3's layers get LatentAttention (on the meta device: nothing allocated), whose
+    weights are the ones the contract counts; plain Attention refuses a latent config rather than
+    building multi-head attention in its place."""
+    cfg = MODEL_PRESETS["deepseek-v3"]
+    with torch.device("meta"):
+        block = Block(cfg, layer_id=cfg.moe_dense_layers)
+        assert isinstance(block.attn, LatentAttention)
+        assert (
+            sum(p.numel() for p in block.attn.parameters())
+            == cfg.attention_matmul_params + cfg.attention_norm_params
+        )
+        with pytest.raises(ValueError, match="LatentAttention's"):
+            Attention(cfg)
 
 
 def test_forward_and_loss() -> None:

@@ -344,12 +344,12 @@ def test_qwen3_attention_widths_and_qk_norms_build_and_train() -> None:
     ("change", "parallel", "reason"),
     [
         ({"compile": True}, P(micro_batch_size=8), "compile with a mixture of experts is not supported"),
-        ({"model": "deepseek-v3"}, P(micro_batch_size=8), "attention 'mla'"),
+        ({"model": "deepseek-tiny"}, P(tp=2, tp_col=2, micro_batch_size=8), "attention 'mla' (latent)"),
         ({"model": "proj"}, P(tp=2, sequence_parallel=True, micro_batch_size=8), "qk_norm 'proj'"),
     ],
 )
 def test_what_the_trainer_refuses(change: dict, parallel: ParallelConfig, reason: str) -> None:
-    model = {"deepseek-v3": MODEL_PRESETS["deepseek-v3"], "proj": dataclasses.replace(MOE, qk_norm="proj")}
+    model = {"deepseek-tiny": MODEL_PRESETS["deepseek-tiny"], "proj": dataclasses.replace(MOE, qk_norm="proj")}
     cfg = tiny_config(parallel, model.get(change.pop("model", None), MOE), **change)
     assert any(reason in problem for problem in trainer_problems(cfg))
     result = run(cfg)
@@ -426,6 +426,16 @@ CASES = [
     ("ds-ep2-dps2", "moe-ds", P(dp_shard=2, zero_stage=2, ep=2, micro_batch_size=4)),
     ("ds-ep2-tp2-sp", "moe-ds", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=8)),
     ("ds-ep2-pp2", "moe-ds", P(pp=2, dp_replicate=2, ep=2, micro_batch_size=2, num_microbatches=2)),
+    # latent attention: q's and kv's heads split over tp, the latents whole (their gradients and the
+    # shared rotary key's summed over the heads' ranks); over pipeline stages and FSDP2
+    ("mla-ep2-tp2-sp", "deepseek", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=8)),
+    (
+        "mla-ep2-pp2-dps2",
+        "deepseek",
+        P(pp=2, dp_shard=2, zero_stage=3, ep=2, micro_batch_size=2, num_microbatches=2),
+    ),
+    ("mla-cp2-ep2", "deepseek", P(cp=2, ep=2, micro_batch_size=8)),
+    ("mla-q-whole-tp2-sp", "deepseek-q-whole", P(tp=2, sequence_parallel=True, micro_batch_size=8)),
 ]
 
 

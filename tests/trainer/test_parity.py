@@ -121,6 +121,9 @@ FAMILY_LAYOUTS = [
         "llama",
         P(tp=2, pp=2, activation_checkpoint="op", micro_batch_size=2, num_microbatches=4),
     ),
+    # Latent attention without experts (DeepSeek's with experts: tests/trainer/test_moe.py): tp
+    # without sequence parallelism, the latents' input a plain tensor
+    ("mla-dense-tp2-dps2", "mla-dense", P(tp=2, dp_shard=2, zero_stage=3, micro_batch_size=4)),
     # A tied head: one Parameter under TP and FSDP2; across stages a copy on the first and the last,
     # their gradients summed (and counted once in the norm), also when interleaved.
     ("llama-tied-tp2-fsdp2", "llama-tied", P(tp=2, dp_shard=2, zero_stage=2, micro_batch_size=4)),

@@ -278,6 +278,12 @@ class ModelConfig:
         return self.attention_head_dim or self.hidden_size // self.num_heads
 
     @property
+    def rope_dim(self) -> int:
+        """The rotated width of a head's q and k: head_dim, or latent attention's shared rotary
+        key (qk_rope_head_dim)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
     def q_size(self) -> int:
         """The width of q and of the attention's output: num_heads x head_dim (h unless
         attention_head_dim says otherwise; latent attention: its value heads)."""

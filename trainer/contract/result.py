@@ -216,6 +216,12 @@ def layout_not_built(model: ModelConfig, p: ParallelConfig) -> Violations:
             f"{model.attention_head_dim} is not built in the trainer (2D tensor parallelism splits "
             "heads by hidden/heads); use tp_col 1",
         ))  # fmt: skip
+    elif p.tp_col > 1 and model.attention_kind.latent:
+        out.append((
+            RULE_TP_COL_HEADS,
+            f"tp_col ({p.tp_col}) > 1 with attention {model.attention!r} (latent) is not built in the trainer "
+            "(trainer/tp2d.py splits plain q, k and v heads); use tp_col 1",
+        ))  # fmt: skip
     return out
 
 
@@ -224,11 +230,6 @@ def trainer_problems(cfg: BenchmarkConfig) -> list[str]:
     these reasons), beside the layout's own rules (ParallelConfig.problems): the model's, the
     layout's (layout_not_built) and the trial's (compile)."""
     model, p, out = cfg.model, cfg.parallel, []
-    if model.attention == "mla":
-        out.append(
-            "attention 'mla' (multi-head latent attention) is not built in the trainer: the planner prices it "
-            "from its published dimensions, trials of it are refused"
-        )
     out += [message for _, message in layout_not_built(model, p)]
     if model.moe and cfg.compile:
         out.append(
