@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
 from trainer import benchmark, moe, parallelize
+from trainer import model as model_module
 from trainer.benchmark import Trainer, _dtype, memory_step, memory_tracker
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
@@ -451,12 +452,60 @@ def _cuda_kernels() -> Iterator[None]:
     def op_sac_saved() -> set:
         return saved_ops() | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
+    sdpa = F.scaled_dot_product_attention
+
+    @functools.wraps(sdpa)
+    def narrow_values_sdpa(
+        q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    ):
+        if v.shape[-1] == q.shape[-1]:
+            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)  # fmt: skip
+        assert dropout_p == 0.0, "the simulation's narrow-value attention has no dropout"
+        return NarrowValuesAttention.apply(q, k, v, attn_mask, is_causal, scale, enable_gqa, sdpa)
+
     with (
         mock.patch.object(F, "rms_norm", rms_norm),
+        mock.patch.object(F, "scaled_dot_product_attention", narrow_values_sdpa),
+        mock.patch.object(model_module, "sdpa_needs_equal_widths", lambda device: False),
         mock.patch.object(moe, "use_grouped_mm", lambda x: x.dtype == torch.bfloat16),
         mock.patch.object(parallelize, "_op_sac_saved", op_sac_saved),
     ):
         yield
+
+
+class NarrowValuesAttention(torch.autograd.Function):
+    """SDPA with values narrower than q and k (latent attention's v_head_dim < nope + rope) keeping
+    for backward what CUDA's memory-efficient kernel keeps: q, k, v, its output (laid out token-
+    major, as the kernel writes it: the caller's transpose back is a view) and the fp32 log-sum-exp
+    of each head and query. The CPU the simulation runs on computes it with v padded to q's width
+    (trainer/model.py LatentAttention does the same on a CPU trial), nothing of which is kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale, enable_gqa, sdpa) -> torch.Tensor:
+        ctx.args = (mask, is_causal, scale, enable_gqa, sdpa)
+        b, heads, t, dv = q.shape[:3] + v.shape[-1:]
+        padded = F.pad(v, (0, q.shape[-1] - dv))
+        full = sdpa(q, k, padded, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        out = q.new_empty(b, t, heads, dv).transpose(1, 2)
+        out.copy_(full[..., :dv])
+        del padded, full
+        lse = q.new_empty(b, heads, t, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, _, _ = ctx.saved_tensors
+        mask, is_causal, scale, enable_gqa, sdpa = ctx.args
+        with torch.enable_grad():
+            q_, k_, v_ = (x.detach().requires_grad_() for x in (q, k, v))
+            padded = F.pad(v_, (0, q.shape[-1] - v.shape[-1]))
+            full = sdpa(
+                q_, k_, padded, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+            )
+            dq, dk, dv = torch.autograd.grad(full[..., : v.shape[-1]], (q_, k_, v_), grad)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class FusedRMSNorm(torch.autograd.Function):

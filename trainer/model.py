@@ -165,6 +165,13 @@ class Attention(nn.Module):
         return self.drop(self.wo(y))
 
 
+def sdpa_needs_equal_widths(device: torch.device) -> bool:
+    """SDPA's CPU kernel takes q, k and v of one width only (narrower values fall back to its math
+    path); CUDA's memory-efficient and cuDNN kernels take v narrower (trainer/memcheck.py's GPU
+    simulation runs as CUDA does)."""
+    return device.type == "cpu"
+
+
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """(..., d) pairs (x0, x1, x2, x3, ...) -> halves (x0, x2, ..., x1, x3, ...): DeepSeek's rotary
     dims are interleaved pairs (its complex rotation; transformers' rope_interleave); as halves
@@ -188,7 +195,9 @@ class LatentAttention(nn.Module):
 
     SDPA's CPU kernel needs one width for q, k and v: on CPU v is zero-padded to q's width and
     the output cut back (without, SDPA falls back to its math path, which keeps the s x s
-    probabilities); CUDA's memory-efficient and cuDNN kernels take v as it is."""
+    probabilities); CUDA's memory-efficient and cuDNN kernels take v as it is, copied out of kv
+    (a view would keep all of kv, nope keys included, for the backward). What it keeps a token:
+    tuner/cost/layer.py attention_tensors and latent_bytes."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -231,8 +240,10 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1)
         width = q.shape[-1]
-        if x.device.type == "cpu" and self.v_dim != width:
+        if sdpa_needs_equal_widths(x.device) and self.v_dim != width:
             v = F.pad(v, (0, width - self.v_dim))
+        else:  # v of its own, so that SDPA keeps v_head_dim a head, not the whole kv it is a view of
+            v = v.contiguous()
         if self.cp is not None:  # every cp rank's keys and values
             k, v = self.cp.gather(k), self.cp.gather(v)
         y = self.core(q, k, v)[..., : self.v_dim].transpose(1, 2).reshape(b, t, -1)

@@ -349,7 +349,10 @@ def test_qwen3_attention_widths_and_qk_norms_build_and_train() -> None:
     ],
 )
 def test_what_the_trainer_refuses(change: dict, parallel: ParallelConfig, reason: str) -> None:
-    model = {"deepseek-tiny": MODEL_PRESETS["deepseek-tiny"], "proj": dataclasses.replace(MOE, qk_norm="proj")}
+    model = {
+        "deepseek-tiny": MODEL_PRESETS["deepseek-tiny"],
+        "proj": dataclasses.replace(MOE, qk_norm="proj"),
+    }
     cfg = tiny_config(parallel, model.get(change.pop("model", None), MOE), **change)
     assert any(reason in problem for problem in trainer_problems(cfg))
     result = run(cfg)
@@ -478,12 +481,15 @@ MEMCHECK = [
     ),
     ("moe-ds", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=2, num_microbatches=2)),
     ("moe-ds", P(pp=2, ep=1, dp_replicate=1, micro_batch_size=1, num_microbatches=4)),
+    ("deepseek", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=2, num_microbatches=2)),
 ]
 
 
 @pytest.mark.distributed
 @pytest.mark.usefixtures("forked_ranks")
-@pytest.mark.parametrize(("model", "parallel"), MEMCHECK, ids=["ep2-zero3-full", "ds-ep2-tp2-sp", "ds-pp2"])
+@pytest.mark.parametrize(
+    ("model", "parallel"), MEMCHECK, ids=["ep2-zero3-full", "ds-ep2-tp2-sp", "ds-pp2", "mla-ep2-tp2-sp"]
+)
 def test_the_oracle_equals_a_real_moe_runs_peak(model: str, parallel: ParallelConfig, tmp_path: Path) -> None:
     cfg = tiny_config(parallel, MODELS[model], warmup_steps=2, measure_steps=1, moe_routing="balanced")
     real = run_local(cfg, tmp_path, timeout_s=300)

@@ -201,6 +201,7 @@ def test_transformers_5_rope_parameters_read_as_rope_scaling() -> None:
         ("DeepSeek-V3", {"scoring_func": "tanh"}, "scoring_func 'tanh'"),
         ("DeepSeek-V3", {"kv_lora_rank": None}, "kv_lora_rank: None"),
         ("DeepSeek-V3", {"first_k_dense_replace": 61}, "first_k_dense_replace 61"),
+        ("DeepSeek-V3", {"rope_interleave": False}, "rope_interleave False"),
     ],
 )
 def test_a_config_the_model_cannot_be_is_refused_by_name(base: str, change: dict, named: str) -> None:

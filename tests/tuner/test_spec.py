@@ -48,7 +48,7 @@ def test_frontier_preset_is_the_papers_machine() -> None:
     [
         ({"space": {"tp": [5, 8]}}, "space.tp", "valid tp values: [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]"),
         ({"num_gpus": 7}, "num_gpus (7)", "multiple of gpus_per_node (8)"),
-        ({"model": "gpt-99b"}, "model", "valid: ['deepseek-v3', 'gpt-1.3b'"),
+        ({"model": "gpt-99b"}, "model", "valid: ['deepseek-tiny', 'deepseek-v3', 'gpt-1.3b'"),
         ({"cluster": "dgx-9000"}, "cluster", "valid: ['cpu-local'"),
         ({"training": {"global_batch_size": -8}}, "training.global_batch_size", "greater than 0"),
         ({"trainig": {}}, "trainig", "Extra inputs are not permitted"),

@@ -83,11 +83,14 @@ class PositionsPart:
 class AttentionPart:
     """mha: multi-head or grouped-query attention (q, k, v of head_dim per head); latent:
     DeepSeek's multi-head latent attention (q through a low-rank bottleneck, k and v up-projected
-    from one latent with a shared rotary key: ModelConfig's MLA widths)."""
+    from one latent with a shared rotary key: ModelConfig's MLA widths). inputs: linear layers
+    reading the attention's input (q, k and v; latent: q's (or its down-projection) and kv's
+    down-projection), each of which saves its own cast of it under autocast."""
 
     name: str
     latent: bool
     label: str
+    inputs: int
 
 
 NORM_KINDS: dict[str, NormPart] = {
@@ -107,8 +110,8 @@ POSITIONS_KINDS: dict[str, PositionsPart] = {
     "rope": PositionsPart("rope", learned=False, rotary=True, label="RoPE"),
 }
 ATTENTION_KINDS: dict[str, AttentionPart] = {
-    "mha": AttentionPart("mha", latent=False, label="multi-head attention"),
-    "mla": AttentionPart("mla", latent=True, label="multi-head latent attention"),
+    "mha": AttentionPart("mha", latent=False, label="multi-head attention", inputs=3),
+    "mla": AttentionPart("mla", latent=True, label="multi-head latent attention", inputs=2),
 }
 
 

@@ -67,16 +67,18 @@ def activation_bytes_per_token(
     # Under autocast (an fp32 residual: no FSDP2 mixed precision) each linear casts its input
     # itself, so q, k and v save a copy each of the first norm's output where FSDP2's bf16
     # modules share one (and SwiGLU's gate and up projections of the second's).
-    norms = (3 + m.mlp_kind.inputs if res > cb else 2) * cb * h
+    norms = (m.attention_kind.inputs + m.mlp_kind.inputs if res > cb else 2) * cb * h
     # the layer input and the residual after attention (what the norms keep of them); the norm outputs
     stream = 2 * norm_input_bytes(m, res, device) * h / shard + norms
     stats = 2 * 4 * m.norm_kind.stats / shard  # two norms' fp32 statistics per token (NormKind.stats)
     if "layernorm" in recomputed_modules(p):  # the norms' inputs only (their outputs: the casts
         # autocast's linears save, which are not the outputs, stay; trainer/model.py Block)
         stream, stats = 2 * res * h / shard + (norms if res > cb else 0.0), 0.0
-    # q, k, v, attention output; the MLP's
-    sharded = (attention_tensors(m) + m.mlp_kind.kept * m.ffn_size) * cb / t
-    lse = 0.0 if p.activation_checkpoint == "selective" else 4 * a / t
+    # q, k, v, attention output; the MLP's; latent attention's latents (whole on every tp rank)
+    selective = p.activation_checkpoint == "selective"
+    sharded = (attention_tensors(m, device, selective) + m.mlp_kind.kept * m.ffn_size) * cb / t
+    sharded += latent_bytes(m, cb, res, device)
+    lse = 0.0 if selective else 4 * a / t
     sharded += qk_norm_bytes(m, cb, res, device) / t
     scores = (
         0.0 if c.flash_attention else 5 * a * keys_per_query(m, p) / t * cb / 2
@@ -90,19 +92,39 @@ def recomputed_modules(p: ParallelConfig) -> frozenset[str]:
     return frozenset(p.activation_checkpoint.split("+")) & {"layernorm", "moe_act"}
 
 
-def attention_tensors(m: ModelConfig) -> int:
+def attention_tensors(m: ModelConfig, device: DeviceKind = "gpu", selective: bool = False) -> int:
     """Width per token of what attention keeps over tp: q and the output, q_size each (h unless
     attention_head_dim widens it), k and v, kv_size each (their KV heads: SDPA's enable_gqa,
-    trainer/model.py CoreAttention; 4 h with multi-head attention). Latent
-    attention (DeepSeek-V2/V3): q and k of heads x (qk_nope + qk_rope), v and the output of
-    heads x v_head_dim, and the latents each up-projection reads (q's and kv's, normalised)
-    with the shared rotary key; the latents are kept whole on every tensor-parallel rank, here
-    counted with the rest (over tp): a small under-count with tp > 1."""
+    trainer/model.py CoreAttention; 4 h with multi-head attention).
+
+    Latent attention (DeepSeek-V2/V3, trainer/model.py LatentAttention): q and k of heads x
+    (qk_nope + qk_rope), v (its own copy) and the output of heads x v_head_dim. On CPU, whose SDPA
+    kernel needs v as wide as q, v is padded to q's width and so is SDPA's output, which the
+    out-projection's input is then cut from (a copy): 4 q-wide tensors and one of the values'
+    width; with the attention core recomputed (selective) the padded output is not kept. The
+    latents are latent_bytes."""
     if m.attention_kind.latent:
         qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-        latents = 2 * (m.q_lora_rank + m.kv_lora_rank) + m.qk_rope_head_dim
-        return 2 * qk + 2 * m.q_size + latents
+        if device == "cpu" and m.v_head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
+            return (3 if selective else 4) * qk + m.q_size
+        return 2 * qk + 2 * m.q_size
     return 2 * m.q_size + 2 * m.kv_size
+
+
+def latent_bytes(m: ModelConfig, cb: int, res: int, device: DeviceKind = "gpu") -> float:
+    """What latent attention's latents keep per token, whole on every tensor-parallel rank: each
+    latent norm's input and output (q's, q_lora_rank wide, and kv's; the up-projections read the
+    outputs) and fp32 rstd a row. kv's norm reads a view of wkv_a's output, which holds the
+    shared rotary key beside the latent: kept whole (kv_lora_rank + qk_rope_head_dim). On CPU,
+    and under autocast, RMSNorm runs torch's composite: an fp32 copy of its input (the input
+    itself, view and all, when it is fp32) and the fp32 normalised input (as norm_input_bytes)."""
+    if not m.attention_kind.latent:
+        return 0.0
+    q, kv, r = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    stats = 4 * (1 + (q > 0))
+    if device == "cpu" or res > cb:
+        return (8 + cb) * (q + kv) + (4 * r if cb == 4 else 0) + stats
+    return cb * (2 * q + 2 * kv + r) + stats
 
 
 def flow_bytes(m: ModelConfig, p: ParallelConfig, cb: int, res: int, tokens: int) -> float:
@@ -216,12 +238,22 @@ def _linear(width: float, flops_in: float, cb: int, bias: bool = False) -> Op:
 
 def attention_ops(m: ModelConfig, p: ParallelConfig, cb: int, device: DeviceKind = "gpu") -> list[Op]:
     """The attention half of a block, in the trainer's order (trainer/model.py Attention): q, k and
-    v (column-parallel: over tp), SDPA (on GPUs its output and fp32 log-sum-exp per head, kept; the
+    v (column-parallel: over tp; latent attention's projections, the latents' whole), SDPA (on GPUs its output and fp32 log-sum-exp per head, kept; the
     CPU's kernel is not in the policy's list: recomputed, no GEMM FLOPs counted here), the
     out-projection (row-parallel: every rank's partial sum is h wide), and under sequence
     parallelism its reduce-scatter (kept, h / tp)."""
     h, t = m.hidden_size, p.tp
-    ops = [_linear(w / t, h, cb, m.qkv_bias) for w in (m.q_size, m.kv_size, m.kv_size)]
+    if m.attention_kind.latent:  # wq (or wq_a, whole, and wq_b), wkv_a (whole), wkv_b: LatentAttention
+        qk, r = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.qk_rope_head_dim
+        q = (
+            [_linear(m.q_lora_rank, h, cb), _linear(qk / t, m.q_lora_rank, cb)]
+            if m.q_lora_rank
+            else [_linear(qk / t, h, cb)]
+        )
+        kv = m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) / t
+        ops = [*q, _linear(m.kv_lora_rank + r, h, cb), _linear(kv, m.kv_lora_rank, cb)]
+    else:
+        ops = [_linear(w / t, h, cb, m.qkv_bias) for w in (m.q_size, m.kv_size, m.kv_size)]
     ops.append(Op("saved" if device == "gpu" else "recomputed", m.q_size / t * cb + 4 * m.num_heads / t))
     ops.append(_linear(h, m.q_size / t, cb))
     if p.sequence_parallel:

@@ -140,7 +140,7 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     if m.positions_kind.rotary and dp > 1 and low:
         # FSDP2's and replicate's mixed precision casts every block's floating inputs, the cos/sin
         # buffer too: each layer keeps its bf16 copy (rotary's multiplications save it).
-        layer += 2 * s_local * m.head_dim * cb
+        layer += 2 * s_local * m.rope_dim * cb
     # A received input is its receive buffer, allocated at its receive and dropped after its
     # backward (trainer/pipeline.py OnDemandStage): the first layer's input, counted there; a
     # stage's output is kept for its backward (held by its send when interleaved:
@@ -176,8 +176,8 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     # The final norm keeps its input and output (the head's input); RMSNorm's CPU composite more.
     final_norm = tokens * h * (1 / shard + 1) * residual
     final_norm += tokens * h * (norm_input_bytes(m, residual, device) - residual) / shard
-    # Rotary positions: every stage module holds the cos/sin buffer, (2, s, head_dim) in fp32.
-    rope = 2 * s_local * m.head_dim * 4 * p.virtual_stages if m.positions_kind.rotary else 0
+    # Rotary positions: every stage module holds the cos/sin buffer, (2, s, rope_dim) in fp32.
+    rope = 2 * s_local * m.rope_dim * 4 * p.virtual_stages if m.positions_kind.rotary else 0
     unit = cb * layer_params(m, t, k)
     flow = flow_bytes(m, p, cb, residual, tokens) + recompute
     if moe is not None:

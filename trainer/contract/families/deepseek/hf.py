@@ -68,7 +68,14 @@ def notes(config: dict[str, Any]) -> list[str]:
 
 def _latent_attention(config: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3's multi-head latent attention: q through a q_lora_rank bottleneck (null: none),
-    k and v from a kv_lora_rank latent and a shared rotary key. Plain RoPE (notes: YaRN)."""
+    k and v from a kv_lora_rank latent and a shared rotary key. Plain RoPE (notes: YaRN), its
+    dims as interleaved pairs (trainer/model.py LatentAttention; transformers' rope_interleave,
+    true unless the file says otherwise: a file with halves is refused)."""
+    if config.get("rope_interleave", True) is not True:
+        raise HFConfigError(
+            f"rope_interleave {config['rope_interleave']!r} is not supported: the trainer's latent attention "
+            "rotates interleaved pairs (DeepSeek's layout, transformers' default true)"
+        )
     out: dict[str, Any] = {"attention": "mla", "q_lora_rank": int(config.get("q_lora_rank") or 0)}
     for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         out[name] = int_field(config, name)
