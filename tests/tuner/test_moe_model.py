@@ -533,7 +533,9 @@ def test_dense_predictions_unchanged() -> None:
     (memory and step) when attention began to serve GQA through SDPA's enable_gqa, without
     repeating k and v (trainer/model.py CoreAttention; issue 37); 30 rows' memory when the loss over
     whole logits began to keep them and a log-sum-exp, not an fp32 log-softmax
-    (trainer/model.py ChunkedCrossEntropy; issue 37)."""
+    (trainer/model.py ChunkedCrossEntropy; issue 37); 285 rows' step (x 1.00003 to x 1.19) when
+    data parallelism's reductions began to be priced in the reduce dtype (fp32 by default: FSDP2's
+    reduce_dtype), not the compute dtype (tuner/cost/data.py reduce_value_bytes; issue 37)."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300
     specs = {}

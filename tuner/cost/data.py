@@ -60,13 +60,21 @@ def data_part(case: Case, layers: float, vocab_share: float) -> DataPart:
         moe_rest = moe_layers * moe_layer_dense_params(m, t)
         params_rank = dense_layers + moe_rest + vocab_share * m.vocab_size * h / tc
         expert_rank = moe_layers * local_expert_params(m, p.ep)
-    full_ar = ring_allreduce_s(params_rank * act_bytes, d, dp_link, c)
-    if p.zero_stage == 3:
-        halves = 2 * mb + (mb if pp == 1 else 1)
+    # Gradients are reduced in the reduce dtype (FSDP2's and replicate's reduce_dtype: fp32 unless
+    # grad_reduce_dtype bf16, as Megatron-LM reduces a bf16 model's in fp32 unless
+    # --grad-reduce-in-bf16), parameters gathered in the compute dtype (FSDP2's param_dtype).
+    reduce_bytes = reduce_value_bytes(case)
+    if p.zero_stage == 3:  # gathers for forward and backward, a reduce-scatter a micro-batch (pp: one)
+        gathers, reduces = 2 * mb, (mb if pp == 1 else 1)
     elif p.zero_stage == 2 and pp == 1:  # reduce-scatter every micro-batch, one all-gather
-        halves = mb + 1
-    else:
-        halves = 2
+        gathers, reduces = 1, mb
+    elif p.zero_stage == 0:  # an all-reduce of the gradients: both its halves in the reduce dtype
+        gathers, reduces = 0, 2
+    else:  # one reduce-scatter, one all-gather of the updated parameters
+        gathers, reduces = 1, 1
+    halves = gathers + reduces
+    full_ar = ring_allreduce_s(params_rank * act_bytes, d, dp_link, c)  # a gather half x 2
+    reduce_ar = ring_allreduce_s(params_rank * reduce_bytes, d, dp_link, c)  # a reduce half x 2
     # Collectives issued: sharded data parallelism (FSDP, ZeRO-2/3) one per layer and pass, so
     # halves x layers; replicated gradients the trainer's way (trainer/parallelize.py
     # apply_replicate: FSDP2's replicate per block and on the root, synced on the last micro-batch
@@ -82,13 +90,16 @@ def data_part(case: Case, layers: float, vocab_share: float) -> DataPart:
         n_dp_collectives = math.ceil(params_rank * act_bytes / DDP_BUCKET_BYTES)
     framework = "replicate" if p.zero_stage == 0 else "fsdp"  # FSDP2's replicate, or its sharding
     per_call = call_overhead_s(d, c, rpc) + call_overhead_s(d, c, rpc, framework)
-    dp_comm = Comm.on(dp_link.tier, full_ar / 2 * halves + n_dp_collectives * per_call)
+    wire = (full_ar * gathers + reduce_ar * reduces) / 2
+    dp_comm = Comm.on(dp_link.tier, wire + n_dp_collectives * per_call)
     if expert_rank and p.edp > 1:  # the experts' gradients over their own replicas (edp, stride ep)
         e_link = case.link(p.edp, p.ep)
-        e_ar = ring_allreduce_s(expert_rank * act_bytes, p.edp, e_link, c)
+        e_gather = ring_allreduce_s(expert_rank * act_bytes, p.edp, e_link, c)
+        e_reduce = ring_allreduce_s(expert_rank * reduce_bytes, p.edp, e_link, c)
         n_e = halves * moe_layers if p.zero_stage >= 2 else math.ceil(moe_layers)
         e_call = call_overhead_s(p.edp, c, rpc) + call_overhead_s(p.edp, c, rpc, framework)
-        dp_comm = dp_comm + Comm.on(e_link.tier, e_ar / 2 * halves + n_e * e_call)
+        e_wire = (e_gather * gathers + e_reduce * reduces) / 2
+        dp_comm = dp_comm + Comm.on(e_link.tier, e_wire + n_e * e_call)
     dp_exposed = dp_comm * (1 - c.dp_overlap)
 
     # The optimizer step (AdamW) once per step over the rank's parameters, memory-bound like the
@@ -101,6 +112,12 @@ def data_part(case: Case, layers: float, vocab_share: float) -> DataPart:
         opt_params * OPTIMIZER_BYTES_PER_PARAM * c.elementwise_flops_per_byte / case.memory_peak_flops
     )
     return DataPart(dp_comm, dp_exposed, optimizer_s)
+
+
+def reduce_value_bytes(case: Case) -> int:
+    """Bytes of a gradient value as data parallelism reduces it: fp32 unless the study reduces in
+    bf16 (BenchmarkConfig.grad_reduce_dtype), whatever the compute dtype."""
+    return 2 if case.grad_reduce_dtype == "bf16" else 4
 
 
 def model_state_bytes(
