@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from trainer.context_parallel import CPComm
 from trainer.contract.blocks import ce_chunk_rows
 from trainer.contract.model import ModelConfig
-from trainer.moe import MoE, local, recompute_without_output
+from trainer.moe import MoE, gather_again, local, recompute_without_output
 
 INIT_STD = 0.02  # GPT-2
 
@@ -291,12 +291,23 @@ class Block(nn.Module):
         # activation_checkpoint layernorm: the norms' outputs left out of the graph, recomputed
         # (and gathered again with sequence parallelism) in the backward (recompute_without_output)
         self.recompute_norms = False
+        # sequence parallelism (trainer/parallelize.py): what attention's and a dense MLP's linears
+        # save of their all-gathered input is kept as the norm's output shard and gathered again
+        # in the backward (gather_again), as Megatron-LM's sequence parallelism keeps it. A MoE
+        # takes its tokens as the shard: nothing gathered to leave out. Not under autocast, whose
+        # linears save their own casts of the gathered input (the shard would be kept besides).
+        self.gather_norms_again = False
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         mlp = self.mlp if self.mlp is not None else self.moe
         if self.recompute_norms:
             x = x + recompute_without_output(self.attn_norm, (x,), lambda y: self.attn(y, rope), self.attn)
             return x + recompute_without_output(self.mlp_norm, (x,), mlp, mlp)
+        if self.gather_norms_again and not torch.is_autocast_enabled(x.device.type):
+            x = x + gather_again(self.attn_norm, (x,), lambda y: self.attn(y, rope), self.attn)
+            if self.mlp is not None:
+                return x + gather_again(self.mlp_norm, (x,), self.mlp, self.mlp)
+            return x + mlp(self.mlp_norm(x))
         x = x + self.attn(self.attn_norm(x), rope)
         return x + mlp(self.mlp_norm(x))
 

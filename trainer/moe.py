@@ -360,13 +360,25 @@ class _Discarded:
         return self.value_
 
 
+class _Held:
+    """A saved tensor's source kept as it is (gather_again: a norm's output shard)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def value(self) -> torch.Tensor:
+        return self.tensor
+
+
 class _Redistributed:
     """... and laid out as its consumer saw it: a sequence-parallel norm's output all-gathered
     again, as Megatron-LM's sequence parallelism gathers its linears' inputs in the backward."""
 
     __slots__ = ("mesh", "placements", "recipe", "value_")
 
-    def __init__(self, recipe: _Discarded, mesh, placements):
+    def __init__(self, recipe: _Discarded | _Held, mesh, placements):
         self.recipe, self.mesh, self.placements, self.value_ = recipe, mesh, placements, None
 
     def value(self) -> torch.Tensor:
@@ -376,12 +388,24 @@ class _Redistributed:
         return self.value_
 
 
+class _Local:
+    """... as its local tensor."""
+
+    __slots__ = ("recipe",)
+
+    def __init__(self, recipe: _Redistributed):
+        self.recipe = recipe
+
+    def value(self) -> torch.Tensor:
+        return self.recipe.value().to_local()
+
+
 class _Viewed:
     """... of which an op saved a view of the same (contiguous) values in another shape."""
 
     __slots__ = ("recipe", "shape")
 
-    def __init__(self, recipe: _Discarded | _Redistributed, shape: torch.Size):
+    def __init__(self, recipe: _Discarded | _Redistributed | _Local, shape: torch.Size):
         self.recipe, self.shape = recipe, shape
 
     def value(self) -> torch.Tensor:
@@ -407,17 +431,47 @@ def recompute_without_output(
 
     out = checkpoint(fn, *inputs, use_reentrant=False)
     recipe = _Discarded(fn, inputs)
+    return _consume_leaving_out(out, recipe, consume, consumer, leave_out_output=True)
+
+
+def gather_again(
+    fn: Callable[..., torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+    consume: Callable[[torch.Tensor], torch.Tensor],
+    consumer: nn.Module,
+) -> torch.Tensor:
+    """consume(fn(*inputs)) where `consumer`'s input hook all-gathers fn's output (sequence
+    parallelism's PrepareModuleInput before attention or a dense MLP): the ops that save the
+    gathered tensor keep fn's output, the rank's shard, instead, and it is all-gathered again
+    when the backward needs it. Megatron-LM's sequence parallelism (and Transformer Engine's
+    LayerNormLinear) saves its linears' input so, where torch's linears save the gathered input:
+    tp times the bytes (Korthikanti et al. 2022 sec. 4.2.2 count the shard)."""
+    out = fn(*inputs)
+    return _consume_leaving_out(out, _Held(out), consume, consumer, leave_out_output=False)
+
+
+def _consume_leaving_out(
+    out: torch.Tensor, recipe: object, consume: Callable[[torch.Tensor], torch.Tensor],
+    consumer: nn.Module | None, leave_out_output: bool,
+) -> torch.Tensor:  # fmt: skip
+    """consume(out) with the saved-tensor hooks of recompute_without_output and gather_again: what
+    consume's ops save of `out` (leave_out_output) and of `consumer`'s laid-out input is packed as
+    a recipe for it."""
     # id -> (a weak reference, its recipe): autograd keeps a saved-tensor hook's functions with
     # every tensor they saved, and they must keep none of these tensors alive
-    targets: dict[int, tuple[weakref.ref, object]] = {id(out): (weakref.ref(out), recipe)}
+    targets: dict[int, tuple[weakref.ref, object]] = {}
+    if leave_out_output:
+        targets[id(out)] = (weakref.ref(out), recipe)
 
     def capture(module: nn.Module, args: tuple) -> None:
         laid_out = args[0] if args else None
         if isinstance(laid_out, DTensor) and laid_out is not out:
-            targets[id(laid_out)] = (
-                weakref.ref(laid_out),
-                _Redistributed(recipe, laid_out.device_mesh, laid_out.placements),
-            )
+            laid_out_again = _Redistributed(recipe, laid_out.device_mesh, laid_out.placements)
+            targets[id(laid_out)] = (weakref.ref(laid_out), laid_out_again)
+            # ... and its local tensor, which a consumer on plain tensors saves (latent attention's
+            # replicated down-projections read the gathered input's to_local())
+            local_tensor = laid_out._local_tensor
+            targets[id(local_tensor)] = (weakref.ref(local_tensor), _Local(laid_out_again))
 
     def pack(t: torch.Tensor):
         entry = targets.get(id(t))
@@ -435,7 +489,7 @@ def recompute_without_output(
         return t.detach()
 
     def unpack(saved):
-        return saved.value() if isinstance(saved, _Discarded | _Redistributed | _Viewed) else saved
+        return saved.value() if isinstance(saved, _Discarded | _Redistributed | _Local | _Viewed) else saved
 
     handle = consumer.register_forward_pre_hook(capture) if consumer is not None else None
     try:

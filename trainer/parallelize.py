@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.context_parallel import CPComm
 from trainer.contract.parallel import ParallelConfig
-from trainer.contract.rules import ACTIVATION_CHECKPOINTS
+from trainer.contract.rules import ACTIVATION_CHECKPOINTS, gathers_norms_again
 from trainer.model import GPT, LatentAttention
 from trainer.moe import MoEComm, local, moe_layers
 from trainer.parallel_dims import ParallelDims
@@ -62,6 +62,9 @@ def parallelize_gpt(
         apply_ep(model, mesh, sparse_mesh, dims)
     if parallel.activation_checkpoint != "none":
         apply_ac(model, parallel.activation_checkpoint)
+    if gathers_norms_again(parallel) and dims.tp_col == 1:
+        for block in model.layers.values():
+            block.gather_norms_again = True
     if compile:
         apply_compile(model)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

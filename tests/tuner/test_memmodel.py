@@ -65,12 +65,14 @@ def test_without_recompute_the_layer_stores_korthikanti_less_dropout_masks() -> 
     assert no_flash - _layer() == pytest.approx(scores)
 
 
-def test_sequence_parallel_keeps_the_gathered_norm_outputs() -> None:
-    """Korthikanti sec. 4.2.2: 34 sbh/t with SP. torch's SequenceParallel keeps the two
-    all-gathered norm outputs (2 x 2sbh) where Megatron-LM keeps their shards (2 x 2sbh/t)."""
+def test_sequence_parallel_keeps_the_norm_output_shards() -> None:
+    """Korthikanti sec. 4.2.2: 34 sbh/t with SP. The trainer keeps the two norm outputs' shards
+    (2 x 2sbh/t) for its linears and gathers them again in the backward, as Megatron-LM does
+    (trainer/model.py gather_again; torch's SequenceParallel alone would keep them all-gathered,
+    2 x 2sbh, as the trainer did until issue 37); under autocast the linears' own casts stay whole."""
     sp = _layer(sequence_parallel=True, activation_checkpoint="selective")
     korthikanti = 34 * SBH / 8 - 2 * SBH / 8  # less the dropout masks' 2 sbh/t
-    assert sp - 16 * 2048 / 8 == pytest.approx(korthikanti + 2 * 2 * SBH * (1 - 1 / 8))
+    assert sp - 16 * 2048 / 8 == pytest.approx(korthikanti)
 
 
 def test_selective_recompute_saves_only_the_log_sum_exp_under_sdpa() -> None:
@@ -190,11 +192,11 @@ def test_a_llama_layer_keeps_what_its_block_saves(cb: int, res: int, device: str
 
 
 def test_llama_tensor_and_sequence_parallelism_split_what_gpt_splits() -> None:
-    """tp 8 with SP: the norms' inputs and statistics over t, their gathered outputs whole (torch's
-    SequenceParallel), the attention and the MLP over t."""
+    """tp 8 with SP: the norms' inputs, outputs (their shards, gathered again in the backward) and
+    statistics over t, the attention and the MLP over t."""
     p = ParallelConfig(tp=8, sequence_parallel=True)
     expected = (
-        2 * 2 * 4096 / 8 + 2 * 2 * 4096 + 2 * (2 * 4096 + 2 * 1024 + 4 * 14336) / 8 + 4 * 32 / 8 + 2 * 4 / 8
+        2 * 2 * 4096 / 8 + 2 * 2 * 4096 / 8 + 2 * (2 * 4096 + 2 * 1024 + 4 * 14336) / 8 + 4 * 32 / 8 + 2 * 4 / 8
     )
     assert activation_bytes_per_token(LLAMA_8B, p, 2, FLASH, 2) == pytest.approx(expected)
 

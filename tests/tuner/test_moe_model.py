@@ -535,7 +535,10 @@ def test_dense_predictions_unchanged() -> None:
     whole logits began to keep them and a log-sum-exp, not an fp32 log-softmax
     (trainer/model.py ChunkedCrossEntropy; issue 37); 285 rows' step (x 1.00003 to x 1.19) when
     data parallelism's reductions began to be priced in the reduce dtype (fp32 by default: FSDP2's
-    reduce_dtype), not the compute dtype (tuner/cost/data.py reduce_value_bytes; issue 37)."""
+    reduce_dtype), not the compute dtype (tuner/cost/data.py reduce_value_bytes; issue 37); 55
+    sequence-parallel rows (memory of 50 x 0.58 to x 0.999, step of 43 x 1.01 to x 1.07) when the
+    trainer began to keep the norms' output shards and gather them again in the backward
+    (trainer/model.py gather_again; issue 37)."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300
     specs = {}

@@ -245,3 +245,12 @@ def cp_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
             "parallelism (tp_col 1)",
         ))  # fmt: skip
     return out
+
+
+def gathers_norms_again(p: ParallelConfig) -> bool:
+    """Sequence parallelism keeps the norms' output shards and all-gathers them again in the
+    backward (trainer/model.py Block.gather_norms_again, trainer/parallelize.py; Megatron-LM's way), unless the layout
+    recomputes them anyway: layernorm recompute keeps no norm output, full and op-level
+    checkpointing recompute whole blocks (tuner/cost prices the same rule)."""
+    recomputed = p.activation_checkpoint in ("full", "op") or "layernorm" in p.activation_checkpoint
+    return p.sequence_parallel and p.tp > 1 and not recomputed

@@ -312,20 +312,6 @@ def moe_activation_delta_per_token(
     return (experts_side + token_side + router + shared - tensors * m.ffn_size * cb) / p.tp
 
 
-def sharded_norm_output_bytes(m: ModelConfig, p: ParallelConfig, cb: int, residual: int) -> float:
-    """What a MoE layer keeps less than a dense one per token with sequence parallelism: its second
-    norm's output stays the rank's shard (trainer/parallelize.py: the MoE takes its tokens as
-    Shard(1); the router, the shared expert and the dispatch read them there), where a dense
-    MLP's linears keep it all-gathered (layer.activation_bytes_per_token counts it so). Not under
-    autocast (the linears keep their own casts), layernorm recompute (no output kept) or full and
-    op-level checkpointing (the layer keeps its input only)."""
-    if not (p.sequence_parallel and p.tp > 1) or residual > cb:
-        return 0.0
-    if p.activation_checkpoint in ("full", "op") or "layernorm" in recomputed_modules(p):
-        return 0.0
-    return cb * m.hidden_size * (1 - 1 / p.tp)
-
-
 def expert_kept_tensors(m: ModelConfig, p: ParallelConfig) -> int:
     """f-wide tensors a routed assignment keeps in the experts (trainer/moe.py WeightedActivation):
     the first GEMMs' outputs (SwiGLU's gate and up, GELU's input) and, unless moe_act recomputes

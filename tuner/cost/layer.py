@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
+from trainer.contract.rules import gathers_norms_again
 from tuner.cost.context import keys_per_query
 
 if TYPE_CHECKING:
@@ -28,9 +29,11 @@ def activation_bytes_per_token(
 
     Without recompute (Korthikanti table 2 has 10 + 24/t 16-bit bytes x h): the layer input, the
     residual after attention and both norm outputs, replicated (8h in 16 bit); with sequence
-    parallelism the first two are sharded (4h/t) but the norm outputs are kept all-gathered (4h):
-    torch's SequenceParallel all-gathers before the linears, which save the gathered input, where
-    Megatron-LM saves its shard and gathers again in backward. Sharded over tp: q, k, v, the
+    parallelism all four are sharded (8h/t): torch's SequenceParallel all-gathers before the
+    linears, which would save the gathered input, but the trainer keeps the norm's output shard
+    for them and gathers it again in backward, as Megatron-LM does (trainer/model.py
+    gather_again; not under autocast, whose linears save their own casts of the gathered input:
+    4h then, and not where the norms are recomputed anyway). Sharded over tp: q, k, v, the
     attention output (one tensor for SDPA and the out-projection), the MLP's 4h GeLU input and
     output: 24h/t. No dropout masks (dropout 0), no s x s scores (SDPA; `flash_attention` False
     adds Korthikanti's 5as/h), SDPA's fp32 log-sum-exp per head, the norms' fp32 mean and rstd.
@@ -68,6 +71,8 @@ def activation_bytes_per_token(
     # itself, so q, k and v save a copy each of the first norm's output where FSDP2's bf16
     # modules share one (and SwiGLU's gate and up projections of the second's).
     norms = (m.attention_kind.inputs + m.mlp_kind.inputs if res > cb else 2) * cb * h
+    if res == cb and gathers_norms_again(p):  # the norms' output shards (trainer/model.py gather_again)
+        norms /= t
     # the layer input and the residual after attention (what the norms keep of them); the norm outputs
     stream = 2 * norm_input_bytes(m, res, device) * h / shard + norms
     stats = 2 * 4 * m.norm_kind.stats / shard  # two norms' fp32 statistics per token (NormKind.stats)

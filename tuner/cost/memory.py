@@ -24,7 +24,7 @@ from trainer.contract.blocks import ce_chunk_rows
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost.context import gathered_kv_bytes, mask_bytes
 from tuner.cost.data import expert_shards, weight_shards
-from tuner.cost.experts import expert_rank, local_expert_params, sharded_norm_output_bytes
+from tuner.cost.experts import expert_rank, local_expert_params
 from tuner.cost.layer import (
     activation_bytes_per_token,
     flow_bytes,
@@ -148,7 +148,7 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     own = sending * boundary if p.virtual_stages == 1 else 0.0
     layers = layer * stage_layers(m.num_layers, p, stage) + own
     if moe is not None:
-        layers += moe.num_moe * (moe.act_per_token - sharded_norm_output_bytes(m, p, cb, residual)) * tokens
+        layers += moe.num_moe * moe.act_per_token * tokens
     logits = tokens * v / t  # per micro-batch, vocab-sharded
     recompute = 0.0
     if p.activation_checkpoint in ("full", "op"):  # recomputing a layer brings its activations back

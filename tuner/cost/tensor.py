@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainer.contract.parallel import ParallelConfig
+from trainer.contract.rules import gathers_norms_again
 from tuner.cost.collectives import Comm, Link, allreduce, call_overhead_s, wait_s
 from tuner.cost.layer import recomputed_modules
 
@@ -81,8 +82,12 @@ def tp_1d_collectives(p: ParallelConfig) -> int:
     op-level checkpointing reruns attention's all-reduce (with sequence parallelism the two
     all-gathers; it keeps the reduce-scatters) and stops before the MLP's, which nothing in the
     backward needs (checkpoint's early stop)."""
-    # Megatron's layernorm recompute gathers each norm's output again with sequence parallelism
-    again = 1 if "layernorm" in recomputed_modules(p) and p.sequence_parallel else 0
+    # Sequence parallelism gathers each norm's output again in the backward (two all-gathers, one
+    # all-reduce's bytes): the norm's kept shard (gathers_norms_again) or, with Megatron's
+    # layernorm recompute, the recomputed output; full and op-level recompute rerun the forward's
+    again = (
+        1 if p.sequence_parallel and ("layernorm" in recomputed_modules(p) or gathers_norms_again(p)) else 0
+    )
     return 4 + {"full": 2, "op": 1}.get(p.activation_checkpoint, again)
 
 
