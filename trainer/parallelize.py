@@ -72,6 +72,8 @@ def parallelize_gpt(
         apply_expert_dp(model, sparse_mesh["edp"], parallel.zero_stage, mp_policy)
     if dims.weight_axes:
         dp_mesh = mesh[dims.weight_axes]
+        if parallel.zero_stage > 0 and dims.dp_shard == 1 and dims.cp > 1 and dims.dp_replicate > 1:
+            dp_mesh = mesh["dp_replicate", "cp"]  # HSDP over cp alone: replicas x the cp shards
         if parallel.zero_stage > 0:  # FSDP2 (over dp_shard x cp, or cp alone), or HSDP with dp_replicate
             apply_fsdp(model, dp_mesh, reshard_after_forward=parallel.zero_stage == 3, mp_policy=mp_policy)
         else:

@@ -61,14 +61,16 @@ def _agrees(config: ParallelConfig, pins: dict[str, Any]) -> bool:
 
 def layout_row(config: ParallelConfig, searched: Collection[str] = ()) -> dict[str, Any]:
     """A layout's knobs as the plan shows them: every axis of the table (trainer/contract/axes.py),
-    dp whole in the place of dp_replicate and dp_shard (the plan's space shards the whole dp with
-    ZeRO > 0), and an axis written only when set (ep, cp) where the study searches it (`searched`)
+    dp whole in the place of dp_replicate and dp_shard (and HSDP's replicas beside it where the
+    study searches them: of dp, dp_replicate replicate and the rest shard), and an axis written only when set (ep, cp) where the study searches it (`searched`)
     or the layout uses it."""
     row: dict[str, Any] = {}
     for a in AXES:
         value = getattr(config, a.name)
         if a.name in ("dp_replicate", "dp_shard"):
             row.setdefault("dp", config.dp)
+            if a.name == "dp_replicate" and a.name in searched:  # HSDP's replicas, where searched
+                row["dp_replicate"] = value if config.zero_stage else 1
         elif a.written != "when_set" or a.name in searched or value != a.default:
             row[a.name] = value
     return row

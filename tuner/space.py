@@ -67,18 +67,29 @@ def _inner_combos(values: dict[str, list], chosen: dict[str, Any], i: int = 0) -
     chosen.pop(axis.name, None)
 
 
+def _named(axis, value: int) -> bool:
+    """Whether a message names this world axis: always for tp and pp, the others (tp_col, cp,
+    HSDP's dp_replicate) only when used."""
+    return (axis.written == "always" and axis.name != "dp_replicate") or value != axis.default
+
+
 def _product_text(degrees: dict[str, int]) -> str:
     """'tp (2) * tp_col (2) * pp (1) * cp (2)': the degrees that multiply to a device count, those
-    added later (tp_col, cp) only when used."""
-    return " * ".join(f"{a.name} ({degrees[a.name]})" for a in _WORLD
-                      if a.written == "always" or degrees[a.name] != a.default)  # fmt: skip
+    added later (tp_col, cp, dp_replicate) only when used."""
+    return " * ".join(f"{a.name} ({degrees[a.name]})" for a in _WORLD if _named(a, degrees[a.name]))
 
 
-def layout(tp: int = 1, pp: int = 1, dp: int = 1, **knobs) -> ParallelConfig:
-    """A ParallelConfig from the tuner's view (whole dp + zero stage): ZeRO 0 replicates, higher
-    stages shard over the whole dp degree (HSDP is not in the search space yet)."""
+def layout(tp: int = 1, pp: int = 1, dp: int = 1, dp_replicate: int = 1, **knobs) -> ParallelConfig:
+    """A ParallelConfig from the tuner's view (dp + zero stage): ZeRO 0 replicates over dp, higher
+    stages shard over it; with dp_replicate > 1 (HSDP, ZeRO > 0 only) `dp` is the shard group's
+    size and the replicas multiply it."""
     zero = knobs.get("zero_stage", 0)
-    return ParallelConfig(tp=tp, pp=pp, dp_replicate=1 if zero else dp, dp_shard=dp if zero else 1, **knobs)
+    if zero:
+        return ParallelConfig(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp, **knobs)
+    return ParallelConfig(tp=tp, pp=pp, dp_replicate=dp * dp_replicate, dp_shard=1, **knobs)
+
+
+RULE_HSDP_ZERO = "HSDP's replicas need zero_stage > 0"
 
 
 @dataclass
@@ -139,21 +150,29 @@ class SearchSpace:
                 msg = f"{_product_text(chosen)} does not divide {num_gpus} GPUs"
                 yield from itertools.repeat((RULE_GPUS, msg), len(combos))
                 continue
-            dp = num_gpus // used
+            dp = num_gpus // used  # the shard group's (with HSDP's replicas: dp x dp_replicate in all)
+            replicas = chosen.get("dp_replicate", 1)
             for knobs in combos:
                 mbs = knobs["micro_batch_size"]
-                if self.global_batch_size % (dp * mbs):
-                    msg = f"global batch {self.global_batch_size} not divisible by dp ({dp}) * micro_batch_size ({mbs})"
+                if replicas > 1 and knobs.get("zero_stage", 0) == 0:
+                    msg = (f"dp_replicate ({replicas}) > 1 with zero_stage 0: replicated data parallelism over "
+                           f"dp ({dp * replicas}) already (HSDP shards within groups: zero_stage 2 or 3)")  # fmt: skip
+                    yield (RULE_HSDP_ZERO, msg)
+                    continue
+                if self.global_batch_size % (dp * replicas * mbs):
+                    msg = (f"global batch {self.global_batch_size} not divisible by dp ({dp * replicas}) * "
+                           f"micro_batch_size ({mbs})")  # fmt: skip
                     yield (RULE_BATCH, msg)
                     continue
-                yield layout(dp=dp, num_microbatches=self.global_batch_size // (dp * mbs), **knobs)
+                nmb = self.global_batch_size // (dp * replicas * mbs)
+                yield layout(dp=dp, num_microbatches=nmb, **knobs)
 
     def violations(self, config: ParallelConfig) -> list[tuple[str, str]]:
         """(rule, message) for every rule `config` breaks in this study."""
         out = []
         if config.world_size not in self.world_sizes:
             sizes = " or ".join(map(str, self.world_sizes))
-            names = [a.name for a in _WORLD if a.written == "always" or getattr(config, a.name) != a.default]
+            names = [a.name for a in _WORLD if _named(a, getattr(config, a.name))]
             names.insert(names.index("pp") + 1, "dp")  # dp_replicate x dp_shard, after pp in the mesh's words
             out.append((RULE_GPUS, f"{'*'.join(names)} = {config.world_size} != {sizes} GPUs in the study"))
         if config.global_batch_size != self.global_batch_size:

@@ -238,6 +238,8 @@ CASES = [
     ("moe-cp2-ep2", "moe", P(cp=2, ep=2, micro_batch_size=8)),
     # replicated over the flattened dp_replicate x cp axis, all-reduced once after accumulation
     ("cp2-dpr2-accum2", "gpt", P(cp=2, dp_replicate=2, micro_batch_size=2, num_microbatches=2)),
+    # HSDP over cp alone: FSDP2 shards over the cp ranks, replicated over dp_replicate (a 2D mesh)
+    ("llama-hsdp-dpr2-cp2-zero3", "llama", P(cp=2, dp_replicate=2, zero_stage=3, micro_batch_size=4)),
     # ep folded over cp x tp: each expert's tokens come from both cp halves and both SP quarters
     ("moe-cp2-tp2-sp-ep4", "moe", P(cp=2, tp=2, sequence_parallel=True, ep=4, micro_batch_size=8)),
     # DeepSeek's router: the sequence-wise auxiliary loss counted over the cp x tp ranks of each

@@ -196,7 +196,11 @@ def test_llama_tensor_and_sequence_parallelism_split_what_gpt_splits() -> None:
     statistics over t, the attention and the MLP over t."""
     p = ParallelConfig(tp=8, sequence_parallel=True)
     expected = (
-        2 * 2 * 4096 / 8 + 2 * 2 * 4096 / 8 + 2 * (2 * 4096 + 2 * 1024 + 4 * 14336) / 8 + 4 * 32 / 8 + 2 * 4 / 8
+        2 * 2 * 4096 / 8
+        + 2 * 2 * 4096 / 8
+        + 2 * (2 * 4096 + 2 * 1024 + 4 * 14336) / 8
+        + 4 * 32 / 8
+        + 2 * 4 / 8
     )
     assert activation_bytes_per_token(LLAMA_8B, p, 2, FLASH, 2) == pytest.approx(expected)
 

@@ -61,9 +61,6 @@ BROKEN = {
     "zero_stage not offered by the trainer": lambda s, c: c.zero_stage == 1,
     "dp_shard > 1 needs zero_stage 2 or 3": lambda s, c: c.dp_shard > 1 and c.zero_stage == 0,
     "zero_stage > 0 needs dp > 1": lambda s, c: c.dp_shard == 1 and c.zero_stage > 0 and c.cp == 1,
-    "zero_stage over cp alone needs dp_replicate 1": lambda s, c: (
-        c.dp_shard == 1 and c.zero_stage > 0 and c.dp_replicate > 1
-    ),
 }
 
 pow2 = st.sampled_from([1, 2, 4, 8, 16])
@@ -87,6 +84,7 @@ def spaces(draw) -> SearchSpace:
         pp_schedule=draw(st.lists(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b"]), min_size=1)),
         virtual_stages=draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3)),
         allow_cross_node_tp=draw(st.booleans()),
+        dp_replicate=draw(st.lists(st.sampled_from([1, 2, 4]), min_size=1, max_size=2, unique=True)),
     )  # fmt: skip
     return SearchSpace(model, draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64])), draw(st.sampled_from([1, 2, 4, 8])),
                        draw(st.integers(1, 512)), space)  # fmt: skip

@@ -146,8 +146,10 @@ AXES: tuple[Axis, ...] = (
     Axis("pp", int, "int", 1, "pp", "pipeline parallelism: stages over ranks",
          multiplies_world=True, mesh_order=0, space_default=(1, 2, 4, 8, 16, 32, 64), sampler="int",
          knob_order=2, token=_pp_token, rules=rules.pp_rules),
-    Axis("dp_replicate", int, "int", 1, "dp repl.", "data parallelism, replicated weights (DDP / HSDP's outer)",
-         multiplies_world=True, mesh_order=1, token=lambda p: f"dpr{p.dp_replicate}" if p.dp_replicate > 1 else ""),
+    Axis("dp_replicate", int, "int", 1, "dp repl.",
+         "data parallelism, replicated weights (DDP / HSDP's outer): a space lists HSDP's replica counts, "
+         "each sharding over dp / dp_replicate ranks with ZeRO > 0",
+         multiplies_world=True, mesh_order=1, space_default=(1,), token=lambda p: f"dpr{p.dp_replicate}" if p.dp_replicate > 1 else ""),
     Axis("dp_shard", int, "int", 1, "dp shard", "data parallelism, sharded weights (FSDP2 / ZeRO)",
          multiplies_world=True, mesh_order=2,
          token=lambda p: f"dps{p.dp_shard}(z{p.zero_stage})" if p.dp_shard > 1 else ""),

@@ -121,13 +121,6 @@ def zero_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
             f"zero_stage {p.zero_stage} needs dp_shard > 1 or cp > 1 (FSDP2 shards over dp_shard x cp; "
             "got dp_shard 1, cp 1)",
         )]  # fmt: skip
-    if p.dp_shard == 1 and p.zero_stage != 0 and p.dp_replicate > 1:
-        return [(
-            "zero_stage over cp alone needs dp_replicate 1",
-            f"zero_stage {p.zero_stage} with dp_shard 1 shards over cp ({p.cp}) alone; with dp_replicate "
-            f"{p.dp_replicate} that would be HSDP over dp_replicate x cp, not built: set dp_shard "
-            f"{p.dp_replicate} and dp_replicate 1, or zero_stage 0",
-        )]  # fmt: skip
     return []
 
 
