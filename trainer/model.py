@@ -220,30 +220,49 @@ class LatentAttention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.cp: CPComm | None = None
         self.tp_mesh: DeviceMesh | None = None
+        # activation_checkpoint mla_up_proj (trainer/parallelize.py apply_ac): q, k and v left out
+        # of the graph and computed again from the latents in the backward
+        self.recompute_up = False
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         x = local(x)  # sequence parallelism hands a replicated DTensor: its gradient is whole (above)
         b, t, _ = x.shape
-        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
-        # Under tensor parallelism q and kv are this rank's heads only: derive the count from them.
-        q = q.view(b, t, -1, self.nope + self.rope_dim).transpose(1, 2)
-        heads = q.shape[1]
+        q_in = x if self.wq is not None else self.q_norm(self.wq_a(x))
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(b, t, heads, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        kv_in = self.kv_norm(latent)
         if self.tp_mesh is not None:  # the shared key's gradient: this rank's heads' share of a sum
             k_rope = DTensor.from_local(k_rope, self.tp_mesh, [Replicate()], run_check=False)
             k_rope = k_rope.to_local(grad_placements=[Partial()])
+        if self.recompute_up:  # Megatron's mla_up_proj: q, k and v again from the latents in backward
+            attend = lambda qkv: self._attend(*qkv, b, t)  # noqa: E731
+            return recompute_without_output(self._up, (q_in, kv_in, k_rope, rope), attend)
+        return self._attend(*self._up(q_in, kv_in, k_rope, rope), b, t)
+
+    def _up(
+        self, q_in: torch.Tensor, kv_in: torch.Tensor, k_rope: torch.Tensor, rope: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of this rank's heads (B, heads, T, width) from the normalised latents (or, with
+        no q bottleneck, the input) and the shared rotary key."""
+        q = self.wq(q_in) if self.wq is not None else self.wq_b(q_in)
+        b, t = q.shape[:2]
+        # Under tensor parallelism q and kv are this rank's heads only: derive the count from them.
+        q = q.view(b, t, -1, self.nope + self.rope_dim).transpose(1, 2)
+        heads = q.shape[1]
+        kv = self.wkv_b(kv_in).view(b, t, heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         q_rope = apply_rope(deinterleave(q_rope), rope)
         k_rope = apply_rope(deinterleave(k_rope.unsqueeze(1)), rope)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, heads, -1, -1)), dim=-1)
         width = q.shape[-1]
-        if sdpa_needs_equal_widths(x.device) and self.v_dim != width:
+        if sdpa_needs_equal_widths(q.device) and self.v_dim != width:
             v = F.pad(v, (0, width - self.v_dim))
         else:  # v of its own, so that SDPA keeps v_head_dim a head, not the whole kv it is a view of
             v = v.contiguous()
+        return q, k, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, t: int) -> torch.Tensor:
         if self.cp is not None:  # every cp rank's keys and values
             k, v = self.cp.gather(k), self.cp.gather(v)
         y = self.core(q, k, v)[..., : self.v_dim].transpose(1, 2).reshape(b, t, -1)

@@ -27,6 +27,7 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -360,6 +361,18 @@ class _Discarded:
         return self.value_
 
 
+class _Picked:
+    """... one of a function's several outputs (latent attention's q, k and v)."""
+
+    __slots__ = ("index", "recipe")
+
+    def __init__(self, recipe: _Discarded, index: int):
+        self.recipe, self.index = recipe, index
+
+    def value(self) -> torch.Tensor:
+        return self.recipe.value()[self.index]
+
+
 class _Held:
     """A saved tensor's source kept as it is (gather_again: a norm's output shard)."""
 
@@ -413,12 +426,12 @@ class _Viewed:
 
 
 def recompute_without_output(
-    fn: Callable[..., torch.Tensor],
-    inputs: tuple[torch.Tensor, ...],
-    consume: Callable[[torch.Tensor], torch.Tensor],
+    fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
+    inputs: tuple[torch.Tensor | None, ...],
+    consume: Callable[[Any], torch.Tensor],
     consumer: nn.Module | None = None,
 ) -> torch.Tensor:
-    """consume(fn(*inputs)) keeping fn's inputs but neither fn's intermediates nor its output, as
+    """consume(fn(*inputs)) keeping fn's inputs but neither fn's intermediates nor its output(s), as
     Megatron-LM's CheckpointWithoutOutput (--recompute-modules moe_act, layernorm): fn runs under
     non-reentrant checkpointing (its backward recomputes it from the inputs it keeps), and where
     consume's ops save fn's output (the down projection saves its input) a saved-tensor hook keeps
@@ -460,7 +473,10 @@ def _consume_leaving_out(
     # id -> (a weak reference, its recipe): autograd keeps a saved-tensor hook's functions with
     # every tensor they saved, and they must keep none of these tensors alive
     targets: dict[int, tuple[weakref.ref, object]] = {}
-    if leave_out_output:
+    if leave_out_output and isinstance(out, tuple):  # several outputs: each its part of the recipe
+        for i, part in enumerate(out):
+            targets[id(part)] = (weakref.ref(part), _Picked(recipe, i))
+    elif leave_out_output:
         targets[id(out)] = (weakref.ref(out), recipe)
 
     def capture(module: nn.Module, args: tuple) -> None:
@@ -489,7 +505,11 @@ def _consume_leaving_out(
         return t.detach()
 
     def unpack(saved):
-        return saved.value() if isinstance(saved, _Discarded | _Redistributed | _Local | _Viewed) else saved
+        return (
+            saved.value()
+            if isinstance(saved, _Discarded | _Redistributed | _Local | _Picked | _Viewed)
+            else saved
+        )
 
     handle = consumer.register_forward_pre_hook(capture) if consumer is not None else None
     try:

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.context_parallel import CPComm
 from trainer.contract.parallel import ParallelConfig
-from trainer.contract.rules import ACTIVATION_CHECKPOINTS, gathers_norms_again
+from trainer.contract.rules import ACTIVATION_CHECKPOINTS, RECOMPUTE_MODULES, gathers_norms_again
 from trainer.model import GPT, LatentAttention
 from trainer.moe import MoEComm, local, moe_layers
 from trainer.parallel_dims import ParallelDims
@@ -240,7 +240,9 @@ def apply_ac(model: GPT, mode: str) -> None:
     """full: recompute whole blocks in backward. selective: recompute only the attention core
     (QK^T, softmax, @V), which holds the O(s^2) activations and no collective. moe_act: the routed
     experts' activation, as Megatron-LM's --recompute-modules moe_act (trainer/moe.py
-    recompute_without_output). op: torchtitan's op-level selective checkpointing of each block
+    recompute_without_output); layernorm: the norms' outputs; mla_up_proj: latent attention's q, k
+    and v, computed again from the latents (trainer/model.py LatentAttention), and their "+"
+    combinations. op: torchtitan's op-level selective checkpointing of each block
     (op_sac_policy), as torchtitan's SelectiveAC."""
     preserve_rng = model.cfg.dropout > 0
     for name, block in list(model.layers.named_children()):
@@ -250,10 +252,13 @@ def apply_ac(model: GPT, mode: str) -> None:
             block.attn.core = checkpoint_wrapper(block.attn.core, preserve_rng_state=preserve_rng)
         elif mode == "op":
             model.layers.register_module(name, op_sac_wrap(block, preserve_rng))
-        elif mode in ("moe_act", "layernorm", "layernorm+moe_act"):  # Megatron's recompute modules
-            block.recompute_norms = "layernorm" in mode
+        elif set(mode.split("+")) <= set(RECOMPUTE_MODULES):  # Megatron's recompute modules
+            modules = mode.split("+")
+            block.recompute_norms = "layernorm" in modules
+            if isinstance(block.attn, LatentAttention):
+                block.attn.recompute_up = "mla_up_proj" in modules
             for layer in moe_layers([block]):
-                layer.experts.recompute_act = "moe_act" in mode
+                layer.experts.recompute_act = "moe_act" in modules
         else:
             raise ValueError(f"activation_checkpoint {mode!r} is not one of {ACTIVATION_CHECKPOINTS}")
 

@@ -96,7 +96,10 @@ def test_layout_arithmetic() -> None:
         (ParallelConfig(pp=2, pp_schedule="zb"), "pp_schedule 'zb' is not one of"),
         (ParallelConfig(dp_shard=2), "dp_shard (2) > 1 needs zero_stage 2 or 3"),
         (ParallelConfig(zero_stage=3), "zero_stage 3 needs dp_shard > 1 or cp > 1"),
-        (ParallelConfig(cp=2, dp_replicate=2, zero_stage=2), "HSDP over dp_replicate x cp, not built"),
+        (
+            ParallelConfig(activation_checkpoint="mla_up_proj"),
+            "recomputes latent attention's up-projections: this model's attention is 'mha'",
+        ),
         (ParallelConfig(dp_shard=2, zero_stage=1), "zero_stage 1 is not one of"),
         (ParallelConfig(activation_checkpoint="some"), "activation_checkpoint 'some'"),
         (

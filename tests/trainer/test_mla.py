@@ -82,3 +82,59 @@ def test_the_shared_rotary_keys_reduction_is_seen(tmp_path: Path) -> None:
     """Without the rotary key's all-reduce the test above fails on wkv_a (and what feeds it)."""
     worst = _worst(tmp_path, False, reduce_key=False)
     assert worst["layers.0.attn.wkv_a.weight"] > 0.1, worst
+
+
+def test_mla_up_proj_needs_latent_attention_and_cp_1() -> None:
+    """Megatron's mla_up_proj recomputes latent attention's q, k and v: refused, with the reason, for
+    plain attention and with context parallelism (whose gathered keys and values stay kept)."""
+    from trainer.contract.parallel import ParallelConfig
+    from trainer.contract.presets import MODEL_PRESETS
+
+    up = ParallelConfig(activation_checkpoint="mla_up_proj", micro_batch_size=8)
+    assert up.violations(MODELS["deepseek"]) == []
+    assert [r for r, _ in up.violations(MODEL_PRESETS["llama-tiny"])] == [
+        "mla_up_proj needs latent attention"
+    ]
+    cp = ParallelConfig(activation_checkpoint="mla_up_proj+moe_act", cp=2, micro_batch_size=8)
+    assert "mla_up_proj needs cp 1" in [r for r, _ in cp.violations(MODELS["deepseek"])]
+
+
+def test_mla_up_proj_trains_the_same_and_keeps_no_q_k_v() -> None:
+    """One process: the recomputed q, k and v give the same loss and gradients, bit for bit, and
+    the saved tensors are fewer by at least q, k and v (CPU: v padded to q's width) of every layer."""
+    import copy
+
+    from trainer.model import cross_entropy_loss
+
+    cfg = MODELS["deepseek"]
+    plain = GPT(cfg)
+    plain.init_weights(torch.Generator().manual_seed(0))
+    plain.init_buffers()
+    up = copy.deepcopy(plain)
+    for block in up.layers.values():
+        block.attn.recompute_up = True
+    idx = torch.randint(cfg.vocab_size, (4, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    saved = {}
+    for name, net in (("plain", plain), ("up", up)):
+        storages: set[int] = set()
+        nbytes = [0]
+
+        def pack(t, storages=storages, nbytes=nbytes):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in storages:
+                storages.add(t.untyped_storage().data_ptr())
+                nbytes[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = cross_entropy_loss(net(idx), idx)
+        loss.backward()
+        saved[name] = (loss.item(), nbytes[0])
+    assert saved["up"][0] == saved["plain"][0]
+    for a, b in zip(plain.parameters(), up.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    qk = cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    per_layer = 4 * cfg.seq_len * 3 * qk * 4  # q, k and padded v, fp32
+    # at least q, k and v of every layer (the recomputed part's own intermediates go too; what the
+    # checkpoint keeps of its inputs is packed by its own hooks: the memory oracle counts it all,
+    # tests/tuner/test_moe_model.py test_latent_attention_matches_the_oracle)
+    assert saved["plain"][1] - saved["up"][1] >= cfg.num_layers * per_layer

@@ -439,6 +439,24 @@ CASES = [
     ),
     ("mla-cp2-ep2", "deepseek", P(cp=2, ep=2, micro_batch_size=8)),
     ("mla-q-whole-tp2-sp", "deepseek-q-whole", P(tp=2, sequence_parallel=True, micro_batch_size=8)),
+    # Megatron's mla_up_proj: q, k and v computed again from the latents in the backward (with the
+    # norms' and the experts' activation's recompute; on CPU v padded inside the recomputed part)
+    (
+        "mla-ep2-tp2-sp-up-proj-all",
+        "deepseek",
+        P(
+            tp=2,
+            sequence_parallel=True,
+            ep=2,
+            activation_checkpoint="layernorm+mla_up_proj+moe_act",
+            micro_batch_size=8,
+        ),
+    ),
+    (
+        "mla-ep2-dps2-up-proj",
+        "deepseek",
+        P(dp_shard=2, zero_stage=2, ep=2, activation_checkpoint="mla_up_proj", micro_batch_size=4),
+    ),
 ]
 
 

@@ -166,6 +166,9 @@ def _golden(name: str, text: str) -> None:
     assert text == path.read_text(), f"{path} differs; UPDATE_GOLDEN=1 rewrites it after a deliberate change"
 
 
+MANY_VALUES = {"--recompute-modules"}  # Megatron's flags that take several values
+
+
 def _megatron_args(text: str) -> tuple[list[str], dict[str, str | None]]:
     """(the launcher words before pretrain_gpt.py, {flag: value or None}) of the exported command."""
     words = shlex.split(text.replace("\\\n", " "), comments=True)
@@ -175,6 +178,8 @@ def _megatron_args(text: str) -> tuple[list[str], dict[str, str | None]]:
         if word.startswith("--"):
             flags[word] = None
             last = word
+        elif last in MANY_VALUES and flags[last] is not None:  # nargs="+" in Megatron's parser
+            flags[last] += f" {word}"
         else:
             assert flags[last] is None, f"{last} has two values"
             flags[last] = word
@@ -718,6 +723,12 @@ MEGATRON_CASES = {
     **CP_CASES,
     "qwen3_dense": QWEN3_DENSE,
     "moe_token_drop": (MOE_TOKEN_DROP, MORE_MOE["moe_tiny_ds"][1]),
+    # latent attention's up-projections recomputed with the experts' activation (Megatron's
+    # --recompute-modules mla_up_proj moe_act) through validate_args
+    "deepseek_mla_up_proj": (
+        MORE_MOE["deepseek_v3"][0],
+        dataclasses.replace(MORE_MOE["deepseek_v3"][1], activation_checkpoint="mla_up_proj+moe_act"),
+    ),
     # bf16 gradient reduction (training.grad_reduce_dtype): --grad-reduce-in-bf16 through validate_args
     "llama70b_bf16_grads": (
         MORE_LLAMA["llama70b"][0].model_copy(

@@ -392,6 +392,8 @@ ORACLE_MLA_LAYOUTS = [
                                 num_microbatches=2), id="tp2-sp-ep2"),
     pytest.param(ParallelConfig(dp_shard=2, ep=2, zero_stage=2, activation_checkpoint="op", micro_batch_size=2,
                                 num_microbatches=2), id="op"),
+    pytest.param(ParallelConfig(tp=2, sequence_parallel=True, dp_shard=2, ep=2, zero_stage=2, micro_batch_size=2,
+                                activation_checkpoint="mla_up_proj+moe_act", num_microbatches=2), id="tp2-up-proj"),
 ]  # fmt: skip
 
 

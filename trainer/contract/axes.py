@@ -163,7 +163,8 @@ AXES: tuple[Axis, ...] = (
          sampler="categorical", knob_order=6, rules=rules.zero_rules, aliases=("zero",), short="zero"),
     Axis("activation_checkpoint", str, "ActivationCheckpoint", "none", "act. ckpt",
          "activation checkpointing: none, selective (attention core), moe_act (the experts' activation, "
-         "Megatron's --recompute-modules moe_act), layernorm (the norms' outputs; also layernorm+moe_act), op (torchtitan's op-level: matmul, attention and "
+         "Megatron's --recompute-modules moe_act), layernorm (the norms' outputs; also layernorm+moe_act), "
+         "mla_up_proj (latent attention's q, k and v from the latents; also with moe_act, layernorm), op (torchtitan's op-level: matmul, attention and "
          "reduce-scatter outputs kept, the rest recomputed) or full (every block)",
          choices=ACTIVATION_CHECKPOINTS, space_default=("none", "selective", "full"), space_order=4, sampler="categorical",
          knob_order=7, aliases=("ac",), rules=rules.ac_rules,

@@ -36,7 +36,18 @@ from trainer.contract.rules import Violations
 if TYPE_CHECKING:
     from trainer.contract.model import ModelConfig
 
-ActivationCheckpoint = Literal["none", "selective", "moe_act", "layernorm", "layernorm+moe_act", "op", "full"]
+ActivationCheckpoint = Literal[
+    "none",
+    "selective",
+    "moe_act",
+    "layernorm",
+    "layernorm+moe_act",
+    "mla_up_proj",
+    "mla_up_proj+moe_act",
+    "layernorm+mla_up_proj+moe_act",
+    "op",
+    "full",
+]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 
 

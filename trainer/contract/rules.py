@@ -19,7 +19,12 @@ Violations = list[tuple[str, str]]
 # shard optimizer state alone, and stage 2 moves the same bytes (reduce-scatter + all-gather =
 # all-reduce) while holding less.
 ZERO_STAGES = (0, 2, 3)
-ACTIVATION_CHECKPOINTS = ("none", "selective", "moe_act", "layernorm", "layernorm+moe_act", "op", "full")
+ACTIVATION_CHECKPOINTS = (
+    "none", "selective", "moe_act", "layernorm", "layernorm+moe_act", "mla_up_proj", "mla_up_proj+moe_act",
+    "layernorm+mla_up_proj+moe_act", "op", "full",
+)  # fmt: skip
+# Megatron's --recompute-modules the values above combine (trainer/model.py, trainer/moe.py)
+RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -173,6 +178,19 @@ def ac_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
     moe_act recomputes the routed experts' activation (trainer/moe.py GroupedExperts): a mixture
     of experts only."""
     ac = p.activation_checkpoint
+    if "mla_up_proj" in ac.split("+"):
+        if not model.attention_kind.latent:
+            return [(
+                "mla_up_proj needs latent attention",
+                f"activation_checkpoint {ac} recomputes latent attention's up-projections: this model's "
+                f"attention is {model.attention!r}; use none, selective, layernorm, op or full",
+            )]  # fmt: skip
+        if p.cp > 1:
+            return [(
+                "mla_up_proj needs cp 1",
+                f"activation_checkpoint {ac} with cp ({p.cp}) > 1 is not built (the gathered keys and values "
+                "would be kept anyway); use none, selective or full",
+            )]  # fmt: skip
     if "moe_act" in ac.split("+") and not model.moe:
         return [(
             "moe_act needs a mixture of experts",

@@ -19,7 +19,7 @@ from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost.context import attention_keys, keys_per_query
 from tuner.cost.experts import MoEStep, moe_step
-from tuner.cost.layer import op_recomputed_flops_per_token, recomputed_modules
+from tuner.cost.layer import op_recomputed_flops_per_token, recomputed_modules, up_projection_flops_per_token
 from tuner.devicelevels import MEMORY_TRAFFIC
 
 if TYPE_CHECKING:
@@ -192,8 +192,10 @@ def compute(case: Case) -> Compute:
     own_s = elementwise_flops(case) / case.memory_peak_flops
     # op-level checkpointing: the matmuls its policy does not keep (tuner.cost.layer.op_checkpoint)
     op_gemms = op_recomputed_flops_per_token(m, p, case.value_bytes) * tokens_mb
+    # Megatron's mla_up_proj: latent attention's up-projections run again in the backward
+    up = up_projection_flops_per_token(m, p.tp) * tokens_mb if "mla_up_proj" in recomputed_modules(p) else 0.0
     if c.flash_attention and c.attention_efficiency is not None:
-        recompute = {"op": op_gemms, "full": gemm_fwd}.get(p.activation_checkpoint, 0.0)
+        recompute = {"op": op_gemms, "full": gemm_fwd}.get(p.activation_checkpoint, up)
         layer_flops = 3 * gemm_fwd + recompute
         own_s += flash_attention_s(case, attn_fwd)
     else:
@@ -201,7 +203,7 @@ def compute(case: Case) -> Compute:
         # op on CPU ranks: the CPU's SDPA kernel is not among the ops the policy keeps
         op_gemms += attn_fwd if case.device == "cpu" else 0.0
         recompute = {"selective": attn_fwd, "op": op_gemms, "full": layer_fwd}.get(
-            p.activation_checkpoint, 0.0
+            p.activation_checkpoint, up
         )
         layer_flops = 3 * layer_fwd + recompute
     head_fwd = 2 * m.vocab_size * m.hidden_size * tokens_mb / (p.tp * p.tp_col)

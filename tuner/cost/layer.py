@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
-from trainer.contract.rules import gathers_norms_again
+from trainer.contract.rules import RECOMPUTE_MODULES, gathers_norms_again
 from tuner.cost.context import keys_per_query
 
 if TYPE_CHECKING:
@@ -81,7 +81,8 @@ def activation_bytes_per_token(
         stream, stats = 2 * res * h / shard + (norms if res > cb else 0.0), 0.0
     # q, k, v, attention output; the MLP's; latent attention's latents (whole on every tp rank)
     selective = p.activation_checkpoint == "selective"
-    sharded = (attention_tensors(m, device, selective) + m.mlp_kind.kept * m.ffn_size) * cb / t
+    up = "mla_up_proj" in recomputed_modules(p)
+    sharded = (attention_tensors(m, device, selective, up) + m.mlp_kind.kept * m.ffn_size) * cb / t
     sharded += latent_bytes(m, cb, res, device)
     lse = 0.0 if selective else 4 * a / t
     sharded += qk_norm_bytes(m, cb, res, device) / t
@@ -93,11 +94,14 @@ def activation_bytes_per_token(
 
 def recomputed_modules(p: ParallelConfig) -> frozenset[str]:
     """Megatron's recompute modules a layout's activation_checkpoint names ("layernorm",
-    "moe_act", "layernorm+moe_act"; trainer/model.py Block, trainer/moe.py GroupedExperts)."""
-    return frozenset(p.activation_checkpoint.split("+")) & {"layernorm", "moe_act"}
+    "moe_act", "mla_up_proj" and their combinations; trainer/model.py Block and LatentAttention,
+    trainer/moe.py GroupedExperts)."""
+    return frozenset(p.activation_checkpoint.split("+")) & set(RECOMPUTE_MODULES)
 
 
-def attention_tensors(m: ModelConfig, device: DeviceKind = "gpu", selective: bool = False) -> int:
+def attention_tensors(
+    m: ModelConfig, device: DeviceKind = "gpu", selective: bool = False, up_recomputed: bool = False
+) -> int:
     """Width per token of what attention keeps over tp: q and the output, q_size each (h unless
     attention_head_dim widens it), k and v, kv_size each (their KV heads: SDPA's enable_gqa,
     trainer/model.py CoreAttention; 4 h with multi-head attention).
@@ -106,14 +110,27 @@ def attention_tensors(m: ModelConfig, device: DeviceKind = "gpu", selective: boo
     (qk_nope + qk_rope), v (its own copy) and the output of heads x v_head_dim. On CPU, whose SDPA
     kernel needs v as wide as q, v is padded to q's width and so is SDPA's output, which the
     out-projection's input is then cut from (a copy): 4 q-wide tensors and one of the values'
-    width; with the attention core recomputed (selective) the padded output is not kept. The
-    latents are latent_bytes."""
+    width; with the attention core recomputed (selective) the padded output is not kept. With
+    Megatron's mla_up_proj (`up_recomputed`) q, k and v are left out, computed again from the
+    latents in the backward: the output (and on CPU the out-projection's copy) only. The latents
+    are latent_bytes."""
     if m.attention_kind.latent:
         qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-        if device == "cpu" and m.v_head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim:
+        padded = device == "cpu" and m.v_head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim
+        if up_recomputed:
+            return qk + m.q_size if padded else m.q_size
+        if padded:
             return (3 if selective else 4) * qk + m.q_size
         return 2 * qk + 2 * m.q_size
     return 2 * m.q_size + 2 * m.kv_size
+
+
+def up_projection_flops_per_token(m: ModelConfig, tp: int) -> float:
+    """Latent attention's up-projections' forward FLOPs a token on a rank (wq or wq_b, and wkv_b,
+    column-parallel): what mla_up_proj runs again in the backward."""
+    qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q_in = m.q_lora_rank or m.hidden_size
+    return 2 * (q_in * qk + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)) / tp
 
 
 def latent_bytes(m: ModelConfig, cb: int, res: int, device: DeviceKind = "gpu") -> float:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
+from tuner.cost.layer import recomputed_modules
 from tuner.exports.common import capacity_factor, comments, header, launcher, routing
 from tuner.exports.megatron.models import (
     megatron_model_args,
@@ -112,7 +113,7 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
                  ("--recompute-num-layers", 1)]  # fmt: skip
     elif c.activation_checkpoint == "selective":
         args.append(("--recompute-granularity", "selective"))
-    elif c.activation_checkpoint in ("moe_act", "layernorm", "layernorm+moe_act"):  # the same modules
+    elif recomputed_modules(c):  # the same modules (layernorm, moe_act, mla_up_proj)
         modules = c.activation_checkpoint.replace("+", " ")
         args += [("--recompute-granularity", "selective"), ("--recompute-modules", modules)]
     elif c.activation_checkpoint == "op":  # the nearest modules: norms, the experts' activation

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 from trainer.contract.families import family_of
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
+from tuner.cost.layer import recomputed_modules
 from tuner.exports.common import capacity_factor, comments, header, launcher, routing
 from tuner.exports.torchtitan.models import (
     torchtitan_builds,
@@ -262,10 +263,10 @@ def _torchtitan_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
             "SelectiveAC saves matmul outputs (every second one) instead: similar, not the same memory "
             "(activation_checkpoint op is torchtitan's policy)."
         )
-    if c.activation_checkpoint in ("moe_act", "layernorm", "layernorm+moe_act"):
+    if recomputed_modules(c):
         notes.append(
             f"{c.activation_checkpoint} (Megatron's --recompute-modules: the norms' outputs, the experts' "
-            "activation) has no torchtitan equivalent: exported without checkpointing, which holds more "
+            "activation, latent attention's up-projections) has no torchtitan equivalent: exported without checkpointing, which holds more "
             "than measured (or use SelectiveAC: activation_checkpoint op)."
         )
     if spec.training.precision == "fp16":
