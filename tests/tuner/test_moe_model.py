@@ -404,8 +404,9 @@ def test_latent_attention_matches_the_oracle(parallel: ParallelConfig, device: s
     """Latent attention as trainer/model.py builds it: q, k, v's own copy and the output (on CPU v
     and the output padded to q's width), the latents whole on every tp rank, op-level
     checkpointing's projections (tuner/cost/layer.py attention_tensors, latent_bytes,
-    attention_ops). Measured: within 0.01 % (ep2), -1.3 % / -2.2 % (tp2-sp-ep2, cuda / cpu; the same
-    layout of moe-tiny's attention is -0.5 % / -1.8 %), +0.5 % (op)."""
+    attention_ops), the down-projections' weights whole on every tp rank
+    (ModelConfig.attention_replicated_params). Measured: within 0.01 % (ep2), +0.4 % / -0.9 %
+    (tp2-sp-ep2, cuda / cpu; the same layout with plain attention: +0.4 % / -1.1 %), +0.5 % (op)."""
     cfg = BenchmarkConfig(model=ORACLE_MLA, parallel=parallel, device=device, moe_routing="balanced")
     assert_every_rank_matches_the_oracle(cfg, 0.03)
 

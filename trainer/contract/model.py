@@ -325,6 +325,15 @@ class ModelConfig:
         return 2 * h * self.q_size + 2 * h * self.kv_size
 
     @property
+    def attention_replicated_params(self) -> int:
+        """Attention's matmul weights every tensor-parallel rank holds whole (and computes with in
+        full): latent attention's down-projections, q's (h x q_lora_rank) and kv's (h x (kv_lora_rank
+        + qk_rope_head_dim)); none for multi-head attention (trainer/model.py LatentAttention)."""
+        if self.attention != "mla":
+            return 0
+        return self.hidden_size * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim)
+
+    @property
     def attention_norm_params(self) -> int:
         """Norms inside attention: q/k norms (Qwen3's per head, OLMoE's over all heads), latent
         attention's norms of its q and kv latents."""

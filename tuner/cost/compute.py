@@ -188,6 +188,8 @@ def compute(case: Case) -> Compute:
     m, p, c = case.model, case.layout, case.constants
     tokens_mb = case.tokens_mb
     gemm_fwd = gemm_fwd_flops_per_token(m) * tokens_mb / (p.tp * p.tp_col)
+    if m.attention_replicated_params:  # latent attention's down-projections: whole on every rank
+        gemm_fwd += 2 * m.attention_replicated_params * tokens_mb * (1 - 1 / (p.tp * p.tp_col))
     attn_fwd = attention_fwd_flops_per_token(m, p) * tokens_mb / p.tp
     own_s = elementwise_flops(case) / case.memory_peak_flops
     # op-level checkpointing: the matmuls its policy does not keep (tuner.cost.layer.op_checkpoint)

@@ -247,7 +247,8 @@ def moe_layer_dense_params(m: ModelConfig, tp: int) -> float:
     trainer/parallelize.py), the norms (and q/k norms, q/k/v bias as a dense layer has them)."""
     h = m.hidden_size
     shared = m.mlp_matrices * h * m.moe_shared_ffn_hidden_size
-    params = m.attention_matmul_params / tp + shared + h * m.num_experts + 2 * m.norm_params
+    whole = m.attention_replicated_params  # latent attention's down-projections, whole on every rank
+    params = (m.attention_matmul_params - whole) / tp + whole + shared + h * m.num_experts + 2 * m.norm_params
     params += m.attention_norm_params
     if m.qkv_bias:
         params += m.qkv_bias_params / tp

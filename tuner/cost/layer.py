@@ -207,10 +207,13 @@ def activation_bytes_per_token_2d(
 
 
 def layer_params(m: ModelConfig, tp: int, tp_col: int = 1) -> float:
-    """One layer's parameters on a rank: its matmul weights over tp x tp_col, the two norms'
-    weight (and LayerNorm's bias; replicated over tp, split over tp_col), q/k/v's bias (Qwen2;
-    column-parallel, over tp)."""
-    params = m.num_layer_matmul_params / (tp * tp_col) + 2 * m.norm_params / tp_col
+    """One layer's parameters on a rank: its matmul weights over tp x tp_col (latent attention's
+    down-projections whole: ModelConfig.attention_replicated_params), the two norms' weight (and
+    LayerNorm's bias; replicated over tp, split over tp_col), q/k/v's bias (Qwen2;
+    column-parallel, over tp), the norms inside attention (replicated)."""
+    whole = m.attention_replicated_params
+    params = (m.num_layer_matmul_params - whole) / (tp * tp_col) + whole + 2 * m.norm_params / tp_col
+    params += m.attention_norm_params
     if m.qkv_bias:
         params += (m.hidden_size + 2 * m.kv_size) / tp
     return params
