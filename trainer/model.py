@@ -234,8 +234,9 @@ class LatentAttention(nn.Module):
             k_rope = DTensor.from_local(k_rope, self.tp_mesh, [Replicate()], run_check=False)
             k_rope = k_rope.to_local(grad_placements=[Partial()])
         if self.recompute_up:  # Megatron's mla_up_proj: q, k and v again from the latents in backward
-            attend = lambda qkv: self._attend(*qkv, b, t)  # noqa: E731
-            return recompute_without_output(self._up, (q_in, kv_in, k_rope, rope), attend)
+            return recompute_without_output(
+                self._up, (q_in, kv_in, k_rope, rope), lambda qkv: self._attend(*qkv, b, t)
+            )
         return self._attend(*self._up(q_in, kv_in, k_rope, rope), b, t)
 
     def _up(

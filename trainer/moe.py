@@ -345,7 +345,16 @@ def _activation(p: torch.Tensor | None, gate: torch.Tensor, up: torch.Tensor | N
     return WeightedActivation.apply(p, gate, up)
 
 
-class _Discarded:
+class _Recipe:
+    """A saved tensor kept as how to get it back (`value()`) instead of as itself."""
+
+    __slots__ = ()
+
+    def value(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Discarded(_Recipe):
     """A saved tensor left out of the graph: recomputed from its function's inputs when the
     backward first unpacks it (and kept for the other ops that saved it, while they need it)."""
 
@@ -361,7 +370,7 @@ class _Discarded:
         return self.value_
 
 
-class _Picked:
+class _Picked(_Recipe):
     """... one of a function's several outputs (latent attention's q, k and v)."""
 
     __slots__ = ("index", "recipe")
@@ -373,7 +382,7 @@ class _Picked:
         return self.recipe.value()[self.index]
 
 
-class _Held:
+class _Held(_Recipe):
     """A saved tensor's source kept as it is (gather_again: a norm's output shard)."""
 
     __slots__ = ("tensor",)
@@ -385,13 +394,13 @@ class _Held:
         return self.tensor
 
 
-class _Redistributed:
+class _Redistributed(_Recipe):
     """... and laid out as its consumer saw it: a sequence-parallel norm's output all-gathered
     again, as Megatron-LM's sequence parallelism gathers its linears' inputs in the backward."""
 
     __slots__ = ("mesh", "placements", "recipe", "value_")
 
-    def __init__(self, recipe: _Discarded | _Held, mesh, placements):
+    def __init__(self, recipe: _Recipe, mesh, placements):
         self.recipe, self.mesh, self.placements, self.value_ = recipe, mesh, placements, None
 
     def value(self) -> torch.Tensor:
@@ -401,7 +410,7 @@ class _Redistributed:
         return self.value_
 
 
-class _Local:
+class _Local(_Recipe):
     """... as its local tensor."""
 
     __slots__ = ("recipe",)
@@ -413,12 +422,12 @@ class _Local:
         return self.recipe.value().to_local()
 
 
-class _Viewed:
+class _Viewed(_Recipe):
     """... of which an op saved a view of the same (contiguous) values in another shape."""
 
     __slots__ = ("recipe", "shape")
 
-    def __init__(self, recipe: _Discarded | _Redistributed | _Local, shape: torch.Size):
+    def __init__(self, recipe: _Recipe, shape: torch.Size):
         self.recipe, self.shape = recipe, shape
 
     def value(self) -> torch.Tensor:
@@ -464,7 +473,7 @@ def gather_again(
 
 
 def _consume_leaving_out(
-    out: torch.Tensor, recipe: object, consume: Callable[[torch.Tensor], torch.Tensor],
+    out: torch.Tensor, recipe: _Recipe, consume: Callable[[torch.Tensor], torch.Tensor],
     consumer: nn.Module | None, leave_out_output: bool,
 ) -> torch.Tensor:  # fmt: skip
     """consume(out) with the saved-tensor hooks of recompute_without_output and gather_again: what
@@ -472,7 +481,7 @@ def _consume_leaving_out(
     a recipe for it."""
     # id -> (a weak reference, its recipe): autograd keeps a saved-tensor hook's functions with
     # every tensor they saved, and they must keep none of these tensors alive
-    targets: dict[int, tuple[weakref.ref, object]] = {}
+    targets: dict[int, tuple[weakref.ref, _Recipe]] = {}
     if leave_out_output and isinstance(out, tuple):  # several outputs: each its part of the recipe
         for i, part in enumerate(out):
             targets[id(part)] = (weakref.ref(part), _Picked(recipe, i))
@@ -505,11 +514,7 @@ def _consume_leaving_out(
         return t.detach()
 
     def unpack(saved):
-        return (
-            saved.value()
-            if isinstance(saved, _Discarded | _Redistributed | _Local | _Picked | _Viewed)
-            else saved
-        )
+        return saved.value() if isinstance(saved, _Recipe) else saved
 
     handle = consumer.register_forward_pre_hook(capture) if consumer is not None else None
     try:

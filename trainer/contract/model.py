@@ -317,12 +317,21 @@ class ModelConfig:
         shared rotary key, kv's up projection to every head's nope key and value, out."""
         h = self.hidden_size
         if self.attention == "mla":
-            qk = self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+            qk = self.latent_qk_size
             q = self.q_lora_rank * (h + qk) if self.q_lora_rank else h * qk
-            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim)
-            kv += self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * self.latent_kv_size
             return q + kv + self.q_size * h
         return 2 * h * self.q_size + 2 * h * self.kv_size
+
+    @property
+    def latent_qk_size(self) -> int:
+        """Latent attention's q and k width: heads x (qk_nope + qk_rope)."""
+        return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+
+    @property
+    def latent_kv_size(self) -> int:
+        """What latent attention's kv up-projection writes: heads x (qk_nope + v_head_dim)."""
+        return self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
 
     @property
     def attention_replicated_params(self) -> int:

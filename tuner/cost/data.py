@@ -73,18 +73,15 @@ def data_part(case: Case, layers: float, vocab_share: float) -> DataPart:
     else:  # one reduce-scatter, one all-gather of the updated parameters
         gathers, reduces = 1, 1
     halves = gathers + reduces
-    full_ar = ring_allreduce_s(params_rank * act_bytes, d, dp_link, c)  # a gather half x 2
-    reduce_ar = ring_allreduce_s(params_rank * reduce_bytes, d, dp_link, c)  # a reduce half x 2
+    # FSDP2's HSDP: gathers and reduce-scatters within a shard group, then the shard's gradient
+    # all-reduced over the replicas (mesh [dp_replicate, dp_shard x cp]: replicas dp_shard x cp x
+    # tp ranks apart); otherwise the group is every replica
     hsdp = p.zero_stage > 0 and p.dp_replicate > 1
-    if hsdp:  # FSDP2's HSDP: gathers and reduce-scatters within a shard group, then the shard's
-        # gradient all-reduced over the replicas (mesh [dp_replicate, dp_shard x cp]: replicas
-        # dp_shard x cp x tp ranks apart)
-        shards = p.dp_shard * p.cp
-        dp_link = case.link(shards, tc)
-        rep_link = case.link(p.dp_replicate, tc * shards)
-        full_ar = ring_allreduce_s(params_rank * act_bytes, shards, dp_link, c)
-        reduce_ar = ring_allreduce_s(params_rank * reduce_bytes, shards, dp_link, c)
-        replica_ar = ring_allreduce_s(params_rank * reduce_bytes / shards, p.dp_replicate, rep_link, c)
+    group = p.dp_shard * p.cp if hsdp else d
+    if hsdp:
+        dp_link = case.link(group, tc)
+    full_ar = ring_allreduce_s(params_rank * act_bytes, group, dp_link, c)  # a gather half x 2
+    reduce_ar = ring_allreduce_s(params_rank * reduce_bytes, group, dp_link, c)  # a reduce half x 2
     # Collectives issued: sharded data parallelism (FSDP, ZeRO-2/3) one per layer and pass, so
     # halves x layers; replicated gradients the trainer's way (trainer/parallelize.py
     # apply_replicate: FSDP2's replicate per block and on the root, synced on the last micro-batch
@@ -99,18 +96,15 @@ def data_part(case: Case, layers: float, vocab_share: float) -> DataPart:
     else:
         n_dp_collectives = math.ceil(params_rank * act_bytes / DDP_BUCKET_BYTES)
     framework = "replicate" if p.zero_stage == 0 else "fsdp"  # FSDP2's replicate, or its sharding
-    per_call = call_overhead_s(d, c, rpc) + call_overhead_s(d, c, rpc, framework)
+    per_call = call_overhead_s(group, c, rpc) + call_overhead_s(group, c, rpc, framework)
     wire = (full_ar * gathers + reduce_ar * reduces) / 2
-    if hsdp:
-        shard_calls = call_overhead_s(shards, c, rpc) + call_overhead_s(shards, c, rpc, framework)
-        rep_calls = call_overhead_s(p.dp_replicate, c, rpc) + call_overhead_s(
-            p.dp_replicate, c, rpc, framework
-        )
-        dp_comm = Comm.on(dp_link.tier, wire + n_dp_collectives * shard_calls)
-        # each reduce pass: one all-reduce a layer (FSDP unit) over the replicas
-        dp_comm = dp_comm + Comm.on(rep_link.tier, reduces * (replica_ar + math.ceil(layers) * rep_calls))
-    else:
-        dp_comm = Comm.on(dp_link.tier, wire + n_dp_collectives * per_call)
+    dp_comm = Comm.on(dp_link.tier, wire + n_dp_collectives * per_call)
+    if hsdp:  # each reduce pass: one all-reduce a layer (FSDP unit) over the replicas
+        r = p.dp_replicate
+        rep_link = case.link(r, tc * group)
+        replica_ar = ring_allreduce_s(params_rank * reduce_bytes / group, r, rep_link, c)
+        rep_call = call_overhead_s(r, c, rpc) + call_overhead_s(r, c, rpc, framework)
+        dp_comm = dp_comm + Comm.on(rep_link.tier, reduces * (replica_ar + math.ceil(layers) * rep_call))
     if expert_rank and p.edp > 1:  # the experts' gradients over their own replicas (edp, stride ep)
         e_link = case.link(p.edp, p.ep)
         e_gather = ring_allreduce_s(expert_rank * act_bytes, p.edp, e_link, c)

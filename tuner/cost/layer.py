@@ -115,7 +115,7 @@ def attention_tensors(
     latents in the backward: the output (and on CPU the out-projection's copy) only. The latents
     are latent_bytes."""
     if m.attention_kind.latent:
-        qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        qk = m.latent_qk_size
         padded = device == "cpu" and m.v_head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim
         if up_recomputed:
             return qk + m.q_size if padded else m.q_size
@@ -128,9 +128,8 @@ def attention_tensors(
 def up_projection_flops_per_token(m: ModelConfig, tp: int) -> float:
     """Latent attention's up-projections' forward FLOPs a token on a rank (wq or wq_b, and wkv_b,
     column-parallel): what mla_up_proj runs again in the backward."""
-    qk = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
     q_in = m.q_lora_rank or m.hidden_size
-    return 2 * (q_in * qk + m.kv_lora_rank * m.num_heads * (m.qk_nope_head_dim + m.v_head_dim)) / tp
+    return 2 * (q_in * m.latent_qk_size + m.kv_lora_rank * m.latent_kv_size) / tp
 
 
 def latent_bytes(m: ModelConfig, cb: int, res: int, device: DeviceKind = "gpu") -> float:
@@ -269,14 +268,14 @@ def attention_ops(m: ModelConfig, p: ParallelConfig, cb: int, device: DeviceKind
     parallelism its reduce-scatter (kept, h / tp)."""
     h, t = m.hidden_size, p.tp
     if m.attention_kind.latent:  # wq (or wq_a, whole, and wq_b), wkv_a (whole), wkv_b: LatentAttention
-        qk, r = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.qk_rope_head_dim
+        qk = m.latent_qk_size / t
         q = (
-            [_linear(m.q_lora_rank, h, cb), _linear(qk / t, m.q_lora_rank, cb)]
+            [_linear(m.q_lora_rank, h, cb), _linear(qk, m.q_lora_rank, cb)]
             if m.q_lora_rank
-            else [_linear(qk / t, h, cb)]
+            else [_linear(qk, h, cb)]
         )
-        kv = m.num_heads * (m.qk_nope_head_dim + m.v_head_dim) / t
-        ops = [*q, _linear(m.kv_lora_rank + r, h, cb), _linear(kv, m.kv_lora_rank, cb)]
+        kv_a = _linear(m.kv_lora_rank + m.qk_rope_head_dim, h, cb)
+        ops = [*q, kv_a, _linear(m.latent_kv_size / t, m.kv_lora_rank, cb)]
     else:
         ops = [_linear(w / t, h, cb, m.qkv_bias) for w in (m.q_size, m.kv_size, m.kv_size)]
     ops.append(Op("saved" if device == "gpu" else "recomputed", m.q_size / t * cb + 4 * m.num_heads / t))
