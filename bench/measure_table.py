@@ -68,6 +68,9 @@ MOE_COLUMNS = [*OWN_COLUMNS, "ep", "model_config"]
 # dp x cp, the batch still micro-batch x grad_accum x dp) to those: its Llama-style model (GQA, SwiGLU,
 # RoPE) has no shared column either, so model_config says it; ep stays 1 for a dense model.
 CP_COLUMNS = [*MOE_COLUMNS, "cp"]
+# A pipeline-schedule table adds the schedule and its stages a rank (bench/validation_data.py reads
+# them where present, the framework column's "interleaved pipeline chunks" otherwise).
+SCHEDULE_COLUMNS = [*MOE_COLUMNS, "pp_schedule", "virtual_stages"]
 SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2, 4], micro_batch_size=[1, 2, 4], zero_stage=[0, 3],
                   activation_checkpoint=["none"], sequence_parallel=[False], pp_schedule=["1f1b"])  # fmt: skip
 # `--space column`: strong scaling, where 2D tensor parallelism could win. With a global batch of
@@ -89,7 +92,22 @@ MOE_SPACE = SpaceSpec(tp=[1, 2], pp=[1, 2], ep=[1, 2, 4, 8], micro_batch_size=[2
 # (and cp 2 with tp 2) cross nodes: every layer's K/V gather on the shaped links.
 CP_SPACE = SpaceSpec(tp=[1, 2], pp=[1], cp=[1, 2, 4, 8], micro_batch_size=[1], zero_stage=[0, 3],
                      activation_checkpoint=["none"], sequence_parallel=[True], pp_schedule=["1f1b"])  # fmt: skip
-SPACES = {"default": SPACE, "column": COLUMN_SPACE, "moe": MOE_SPACE, "cp": CP_SPACE}
+# `--space schedule` (a mixture of experts of 8 layers, e.g. --model moe-small --num-layers 8): the
+# pipeline schedules side by side, 1F1B, interleaved 1F1B over 2 stages a rank and the V schedules
+# (ZBV, DualPipeV: 2 stages a rank in a V, the backward split into its input and weight halves),
+# at pp 2 (dp 4) and pp 4 (dp 2) with ep 1-2, micro-batch 1 (4 or 8 micro-batches: the V schedules
+# need 2 pp).
+SCHEDULE_SPACE = SpaceSpec(tp=[1], pp=[2, 4], ep=[1, 2], micro_batch_size=[1], zero_stage=[0],
+                           activation_checkpoint=["none"], sequence_parallel=[False],
+                           pp_schedule=["1f1b", "interleaved_1f1b", "zbv", "dualpipev"], virtual_stages=[2],
+                           allow_cross_node_ep=True)  # fmt: skip
+SPACES = {
+    "default": SPACE,
+    "column": COLUMN_SPACE,
+    "moe": MOE_SPACE,
+    "cp": CP_SPACE,
+    "schedule": SCHEDULE_SPACE,
+}
 RANKS_PER_NODE = 2  # scripts/slurm-local.sh advertises 2 CPUs on each node of a multi-node cluster
 TRIAL_TIMEOUT_S = 600  # a layout across 200 Mbit/s links takes 1-2 s per step; start-up ~20 s
 INFRA_ATTEMPTS = 3  # a job lost to the cluster (not the layout) runs again, at most this often
@@ -102,6 +120,8 @@ def table_columns(model: ModelConfig, space: str) -> list[str]:
     cp (and ep and the model) for the context-parallel space."""
     if space == "cp":
         return CP_COLUMNS
+    if space == "schedule":
+        return SCHEDULE_COLUMNS
     return MOE_COLUMNS if model.moe else OWN_COLUMNS  # a mixture of experts' rows add the experts' columns
 
 
@@ -157,6 +177,7 @@ def table_row(
         "peak_memory_gb": f"{max(r.peak_memory_bytes for r in ok) / 1e9:.5f}" if ok else "",
         "notes": notes,
         "ep": layout.ep, "cp": layout.cp, "model_config": json.dumps(model.to_dict()),
+        "pp_schedule": layout.pp_schedule, "virtual_stages": layout.virtual_stages,
     }  # fmt: skip
 
 
@@ -276,9 +297,10 @@ def main() -> None:
         choices=sorted(SPACES),
         default="default",
         help="the layouts: default, column (strong scaling with 2D tensor parallelism), moe (expert "
-        "parallelism) or cp (context parallelism)",
+        "parallelism), cp (context parallelism) or schedule (pipeline schedules)",
     )
     parser.add_argument("--seq-len", type=int, help="the model's sequence length, for the preset's (e.g. cp)")
+    parser.add_argument("--num-layers", type=int, help="the model's layers, for the preset's (e.g. schedule)")
     parser.add_argument(
         "--add-missing",
         action="store_true",
@@ -298,6 +320,8 @@ def main() -> None:
     model = MODEL_PRESETS[args.model]
     if args.seq_len:
         model = dataclasses.replace(model, seq_len=args.seq_len)
+    if args.num_layers:
+        model = dataclasses.replace(model, num_layers=args.num_layers)
     gpus_per_node = RANKS_PER_NODE if args.slurm else args.ranks
     layouts = (
         SearchSpace(model, args.ranks, gpus_per_node, args.global_batch, SPACES[args.space]).enumerate().valid

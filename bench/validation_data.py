@@ -248,6 +248,8 @@ def _measurement(row: dict[str, str], dataset: str) -> Measurement:
     zero_stage = _leading_int(row["zero_stage"]) if row["zero_stage"].strip() else 0
     checkpoint, sequence_parallel = _checkpointing(row["activation_checkpoint"])
     schedule, virtual_stages = _pp_schedule(row["framework"], pp)
+    if (own := (row.get("pp_schedule") or "").strip()) and pp > 1:  # our own schedule tables' columns
+        schedule, virtual_stages = own, int(row.get("virtual_stages") or 1)
     parallel = ParallelConfig(
         tp=tp, tp_col=tp_col, pp=pp, ep=ep, cp=cp,
         dp_replicate=dp if zero_stage == 0 else 1, dp_shard=1 if zero_stage == 0 else dp,

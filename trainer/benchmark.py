@@ -168,10 +168,10 @@ class Trainer:
         if p.pp > 1:
             # Here, not at the top: torch's pipelining imports torch._dynamo (0.6 s of every
             # rank's start on this CPU), which a trial without a pipeline does not need.
-            from trainer.pipeline import TiedEmbeddings, build_schedule, local_stage_ids, split_model
+            from trainer.pipeline import TiedEmbeddings, build_schedule, split_model
 
             pp_rank = self.mesh.get_local_rank("pp")
-            stage_ids = local_stage_ids(pp_rank, p.pp, p.virtual_stages)
+            stage_ids = p.stages_of(pp_rank)
             parts = [(s, split_model(full, s, p.num_stages)) for s in stage_ids]
         else:
             parts = [(0, full)]

@@ -79,7 +79,11 @@ def stage_boundary(cfg: BenchmarkConfig) -> _TensorMeta:
 
 class _DynamicVote:
     """The pipeline's warm-up vote as a real world decides it: no stage was given static shapes,
-    so every stage infers them (0 = DYNAMIC); a fake tensor has no value to read."""
+    so every stage infers them (0 = DYNAMIC); a fake tensor has no value to read. It carries the
+    vote's tensor, which a V schedule's stage hands to the other stage on its rank to send on."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
     def item(self) -> int:
         return 0
@@ -91,8 +95,10 @@ def _pipeline_peers(boundary: _TensorMeta) -> Iterator[None]:
     grads = _derive_grad_metas((boundary,))
 
     def vote_result(stage, received_result=None):
-        original_result(stage, received_result)  # its sends and receives, as in a real world
-        return _DynamicVote()
+        if isinstance(received_result, _DynamicVote):  # from this rank's other stage (a V)
+            received_result = received_result.tensor
+        # its sends and receives, as in a real world
+        return _DynamicVote(original_result(stage, received_result))
 
     def recv_meta(stage, src_stage: int):
         if src_stage < stage.stage_index:

@@ -1,6 +1,6 @@
 """Pipeline parallelism: split a GPT into stages and drive them with a torch.distributed.pipelining
-schedule (GPipe, 1F1B, interleaved 1F1B), holding its buffers and sends no longer than Megatron-LM
-holds them (OnDemandStage, Interleaved1F1B).
+schedule (GPipe, 1F1B, interleaved 1F1B, and the V-shaped zero-bubble ZBV and DualPipeV), holding
+its buffers and sends no longer than Megatron-LM holds them (OnDemandStage, ReleasingSends).
 
 Every stage is the same GPT class with parts removed, so each keeps its own copy of the rotary
 table (a buffer, not a parameter). A head tied to the token embedding (small Llamas) becomes two
@@ -18,11 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining import schedules as schedules_module
 from torch.distributed.pipelining import stage as stage_module
@@ -45,11 +48,6 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
         ranges.append(range(start, start + n))
         start += n
     return ranges
-
-
-def local_stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """Looped placement (Narayanan et al. 2021): rank r holds stages r, r + pp, r + 2pp, ..."""
-    return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
 def split_model(model: GPT, stage_id: int, num_stages: int) -> GPT:
@@ -155,8 +153,10 @@ def build_schedule(
     for stage in stages:
         if moe_layers([stage.submod]):
             _clean_all_after_inference(stage)
-    if schedule == "interleaved_1f1b":
-        runner: _PipelineSchedule = Interleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+    if schedule in MULTI_STAGE:
+        runner: _PipelineSchedule = MULTI_STAGE[schedule](
+            stages, n_microbatches=num_microbatches, loss_fn=loss_fn
+        )
     else:
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         (stage,) = stages
@@ -219,9 +219,64 @@ class OnDemandStage(PipelineStage):
         return self.schedule() if self.schedule is not None else None
 
     def _sends(self) -> Sends | None:
-        """The interleaved schedule's sends (Interleaved1F1B), or None under any other schedule."""
+        """A multi-stage schedule's sends (ReleasingSends), or None under any other schedule."""
         runner = self._runner()
-        return runner.sends if isinstance(runner, Interleaved1F1B) else None
+        return runner.sends if isinstance(runner, ReleasingSends) else None
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):  # type: ignore[override]
+        """A split backward (ZBV, DualPipeV) finds each weight's gradient by the weight's place in
+        the graph; torch hands it the module's registered parameters, which under FSDP2 and its
+        replicate (the experts over edp) are the sharded DTensors, not the unsharded tensors the
+        forward used: the weights' gradients were lost (FSDP2) or the walk failed (a KeyError on
+        replicate's experts). Handed the tensors the graph holds instead; the weight half sets
+        their .grad, which FSDP2's post-backward (torch's REDUCE_GRAD step) reduces."""
+        if backward_type not in ("input", "weight"):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if not isinstance(self.submod, FSDPModule):  # FSDP2 / replicate inside (the experts over edp):
+            for m in self._inner_fsdp():  # as torch's stage does it for an FSDP2 root
+                m.set_is_last_backward(False)
+                m.set_reshard_after_backward(False)
+                m.set_requires_gradient_sync(False)
+            self._split_inner = True
+        names = ("stage_backward_input", "stage_backward_weight")
+        originals = {n: stage_module.__dict__[n] for n in names}
+        submod = self.submod
+        stage_module.__dict__["stage_backward_input"] = lambda out, grads, inputs, _weights: originals[
+            "stage_backward_input"
+        ](out, grads, inputs, graph_params(submod))
+        stage_module.__dict__["stage_backward_weight"] = lambda _weights, groups, *a: originals[
+            "stage_backward_weight"
+        ](graph_params(submod), groups, *a)
+        try:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        finally:
+            stage_module.__dict__.update(originals)
+
+    _split_inner = False  # a split backward left inner FSDP2 modules' gradients to reduce
+
+    def _inner_fsdp(self) -> list[FSDPModule]:
+        """The outermost FSDP2 / replicate modules under a root that is neither."""
+        found: list[FSDPModule] = []
+        for m in self.submod.modules():
+            if isinstance(m, FSDPModule) and not any(m in f.modules() for f in found):
+                found.append(m)
+        return found
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:  # type: ignore[override]
+        """torch's post-backward for an FSDP2 root, done for the inner ones a split backward kept
+        from syncing (the experts' replicate under a stage without FSDP2), before its scaling."""
+        if self._split_inner:
+            self._split_inner = False
+            for m in self._inner_fsdp():
+                m.set_is_last_backward(True)
+                m.set_reshard_after_backward(True)
+                m.set_requires_gradient_sync(True)
+                state = m._get_fsdp_state()
+                for inner in state._state_ctx.all_states:
+                    for group in inner._fsdp_param_groups:
+                        group.post_backward()
+                state._root_post_backward_final_callback()
+        super().perform_reduce_grad(grad_scale_factor)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):  # type: ignore[override]
         if (sends := self._sends()) is not None and not self.is_first:  # its input has arrived
@@ -245,18 +300,23 @@ class OnDemandStage(PipelineStage):
         return result
 
 
-class Interleaved1F1B(ScheduleInterleaved1F1B):
-    """torch's interleaved 1F1B with each send let go once its receiver has it, not at the step's
-    end. torch's runtime keeps every send's Work, and with it the tensor sent, until the step
-    ends (`send_ops`): every local stage's output and input gradient of every micro-batch, 2 n v
-    boundary tensors a rank (another 48 GiB on Qwen3-30B-A3B's published layout; see
-    OnDemandStage). Waiting on a send early could deadlock (both neighbours sending before
-    either receives); waiting on one the receiver has provably received cannot. `Sends` says
-    when, from what this rank has itself received."""
+class ReleasingSends:
+    """A multi-stage schedule (torch's _PipelineScheduleRuntime) with each send let go once its
+    receiver has it, not at the step's end. torch's runtime keeps every send's Work, and with it
+    the tensor sent, until the step ends (`send_ops`): every local stage's output and input
+    gradient of every micro-batch, 2 n v boundary tensors a rank (another 48 GiB on
+    Qwen3-30B-A3B's published layout; see OnDemandStage). Waiting on a send early could deadlock
+    (both neighbours sending before either receives); waiting on one the receiver has provably
+    received cannot. `Sends` says when, from what this rank has itself received. Mixed into
+    torch's interleaved 1F1B, ZBV and DualPipeV schedules below."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.sends = Sends(self.pipeline_order, self.rank, self.pp_group_size)
+    sends: Sends
+
+    def _init_sends(self) -> None:
+        mapping = getattr(self, "stage_index_to_group_rank", None) or {
+            i: i % self.pp_group_size for i in range(self._num_stages)
+        }
+        self.sends = Sends(self.pipeline_order, self.rank, mapping)
 
     def _step_microbatches(self, *args, **kwargs):  # type: ignore[override]
         original = schedules_module._batch_p2p
@@ -269,10 +329,44 @@ class Interleaved1F1B(ScheduleInterleaved1F1B):
 
         schedules_module.__dict__["_batch_p2p"] = batch_p2p
         try:
-            return super()._step_microbatches(*args, **kwargs)
+            return super()._step_microbatches(*args, **kwargs)  # type: ignore[misc]
         finally:
             schedules_module.__dict__["_batch_p2p"] = original
             self.sends.clear()
+
+
+class Interleaved1F1B(ReleasingSends, ScheduleInterleaved1F1B):
+    """torch's interleaved 1F1B (looped placement), its sends released early."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_sends()
+
+
+class ZBV(ReleasingSends, ScheduleZBVZeroBubble):
+    """torch's ZBV zero-bubble schedule (Qi et al. 2024, "Zero Bubble Pipeline Parallelism": two
+    stages a rank in a V, each backward split into its input half, sent on at once, and its weight
+    half, run where a bubble would be), its sends released early."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_sends()
+
+
+class DualPipeV(ReleasingSends, ScheduleDualPipeV):
+    """torch's DualPipeV (DeepSeek-V3's DualPipe on half the ranks, in a V), its sends released
+    early. Its paired forward-and-backward steps (OVERLAP_F_B) run one after the other here:
+    torch overlaps them only through a function the user registers, and the trainer registers
+    none (the overlap of one micro-batch's all-to-all with another's compute is not built)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_sends()
+
+
+MULTI_STAGE: dict[str, type[_PipelineSchedule]] = {
+    "interleaved_1f1b": Interleaved1F1B, "zbv": ZBV, "dualpipev": DualPipeV,
+}  # fmt: skip
 
 
 class SentWork:
@@ -292,26 +386,36 @@ class SentWork:
 
 
 class Sends:
-    """The sends of one interleaved pipeline rank, each released as soon as this rank has
+    """The sends of one multi-stage pipeline rank, each released as soon as this rank has
     received something its receiver sent after receiving it (causality, no clock):
     - a local stage s's output for micro-batch k (to stage s + 1): once s's gradient for k arrives
       (stage s + 1 ran k's forward, so it had received k's input, before its backward sent it);
-    - s's input gradient for k (to stage s - 1, on the previous rank): once an input arrives that
-      the previous rank sent after its backward of (s - 1, k), in its order (`pipeline_order`:
-      every rank computes every rank's)."""
+    - s's input gradient for k (to stage s - 1, on rank R): once an input arrives from R that R
+      sent after its backward of (s - 1, k), in R's order (`pipeline_order`: every rank computes
+      every rank's; a split backward's input half is the one that sends).
+    `stage_rank` maps a stage to its rank (looped: s mod pp; a V: torch's mapping)."""
 
-    def __init__(self, pipeline_order: dict, rank: int, pp: int) -> None:
-        self.previous = (rank - 1) % pp
-        # where each forward and backward falls in the previous rank's order
+    def __init__(self, pipeline_order: dict, rank: int, stage_rank: dict[int, int]) -> None:
+        self.stage_rank = stage_rank
+        # where each forward and backward falls in each rank's order (paired steps flattened)
         self.position: dict[tuple[str, int, int], int] = {}
-        kinds = {ComputationType.FORWARD: "F", ComputationType.FULL_BACKWARD: "B"}
-        for i, a in enumerate(a for a in pipeline_order[self.previous] if a is not None):
-            if a.computation_type in kinds:
-                self.position[(kinds[a.computation_type], a.stage_index, a.microbatch_index)] = i
+        kinds = {ComputationType.FORWARD: "F", ComputationType.FULL_BACKWARD: "B",
+                 ComputationType.BACKWARD_INPUT: "B"}  # fmt: skip
+        for r, order in pipeline_order.items():
+            if r == rank:
+                continue
+            i = 0
+            for a in order:
+                for sub in (a.sub_actions or (a,)) if a is not None else ():
+                    if sub.computation_type in kinds:
+                        self.position[
+                            (kinds[sub.computation_type], sub.stage_index, sub.microbatch_index)
+                        ] = i
+                    i += 1
         self.pending: tuple[str, int, int] | None = None  # the send being posted (stage reports it)
         self.outputs: dict[tuple[int, int], list[SentWork]] = {}  # (stage, micro-batch): its output
-        # input gradients: (the previous rank's position of the backward they wait for, the send)
-        self.gradients: list[tuple[int, list[SentWork]]] = []
+        # input gradients: (the receiving rank, its position of the backward they wait for, the send)
+        self.gradients: list[tuple[int, int, list[SentWork]]] = []
 
     def hold(self, works: list[dist.Work]) -> list[SentWork]:
         held = [SentWork(w) for w in works]
@@ -320,7 +424,8 @@ class Sends:
         if kind == "F":
             self.outputs[(stage, mb)] = held
         elif kind == "B":
-            self.gradients.append((self.position.get(("B", stage - 1, mb), -1), held))
+            receiver = self.stage_rank[stage - 1]
+            self.gradients.append((receiver, self.position.get(("B", stage - 1, mb), -1), held))
         return held
 
     def received_backward(self, stage: int, mb: int) -> None:
@@ -328,22 +433,36 @@ class Sends:
             sent.wait()
 
     def received_forward(self, stage: int, mb: int) -> None:
+        sender = self.stage_rank[stage - 1]
         reached = self.position.get(("F", stage - 1, mb))
         if reached is None:
             return
         keep = []
-        for after, held in self.gradients:
-            if 0 <= after < reached:
+        for receiver, after, held in self.gradients:
+            if receiver == sender and 0 <= after < reached:
                 for sent in held:
                     sent.wait()
             else:
-                keep.append((after, held))
+                keep.append((receiver, after, held))
         self.gradients = keep
 
     def clear(self) -> None:
         self.outputs.clear()
         self.gradients.clear()
         self.pending = None
+
+
+def graph_params(module: nn.Module) -> list[torch.Tensor]:
+    """The module's parameters as its forward used them: an FSDP2- or replicate-managed one's
+    unsharded tensor, any other itself."""
+    unsharded: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            for group in state._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    unsharded[id(fp.sharded_param)] = fp.unsharded_param
+    return [unsharded.get(id(p), p) for p in module.parameters()]
 
 
 @contextlib.contextmanager

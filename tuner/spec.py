@@ -43,7 +43,7 @@ from tuner.hardware import cluster_preset
 from tuner.hfconfig import HFConfigError, read_hf_config
 
 Precision = Literal["bf16", "fp16", "fp32"]
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
 SAMPLERS = ("grid", "random", "tpe", "gp", "nsga2", "cbo", "model")
 
 

@@ -94,6 +94,14 @@ def test_layout_arithmetic() -> None:
             "needs virtual_stages >= 2",
         ),
         (ParallelConfig(pp=2, pp_schedule="zb"), "pp_schedule 'zb' is not one of"),
+        (
+            ParallelConfig(pp=2, pp_schedule="zbv", virtual_stages=3, num_microbatches=6),
+            "places two stages on each rank (a V): virtual_stages must be 2, got 3",
+        ),
+        (
+            ParallelConfig(pp=2, pp_schedule="dualpipev", virtual_stages=2, num_microbatches=2),
+            "needs num_microbatches (2) >= its stages (2 x pp = 4)",
+        ),
         (ParallelConfig(dp_shard=2), "dp_shard (2) > 1 needs zero_stage 2 or 3"),
         (ParallelConfig(zero_stage=3), "zero_stage 3 needs dp_shard > 1 or cp > 1"),
         (

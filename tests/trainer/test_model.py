@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from tests.trainer.helpers import MODELS, TINY
+from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
 from trainer.model import GPT, Attention, Block, LatentAttention, cross_entropy_loss
-from trainer.pipeline import local_stage_ids, split_model, stage_layer_ranges
+from trainer.pipeline import split_model, stage_layer_ranges
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -59,8 +60,12 @@ def test_stage_ranges_cover_every_layer_once() -> None:
         assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
 
 
-def test_looped_stage_placement() -> None:
-    assert local_stage_ids(1, 4, 2) == [1, 5]
+def test_looped_and_v_stage_placement() -> None:
+    looped = ParallelConfig(pp=4, pp_schedule="interleaved_1f1b", virtual_stages=2, num_microbatches=4)
+    assert looped.stages_of(1) == [1, 5]
+    for schedule in ("zbv", "dualpipev"):
+        v = ParallelConfig(pp=4, pp_schedule=schedule, virtual_stages=2, num_microbatches=8)
+        assert [v.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama-tied"])

@@ -406,6 +406,27 @@ CASES = [
     ("few-ep2-dps4-zero3", "moe-few", P(dp_shard=4, zero_stage=3, ep=2, micro_batch_size=2)),
     ("ep2-tp2-sp", "moe", P(tp=2, sequence_parallel=True, ep=2, micro_batch_size=8)),
     ("ep2-pp2", "moe", P(pp=2, dp_shard=2, zero_stage=2, ep=2, micro_batch_size=2, num_microbatches=2)),
+    # the V schedules: the experts' replicate (edp 1) under a stage without FSDP2 reduced at the
+    # step's end (trainer/pipeline.py OnDemandStage.perform_reduce_grad); under FSDP2 with ep 2
+    (
+        "pp2-dualpipev",
+        "moe",
+        P(pp=2, pp_schedule="dualpipev", virtual_stages=2, micro_batch_size=2, num_microbatches=4),
+    ),
+    (
+        "ep2-pp2-zbv-dps2-zero3",
+        "moe",
+        P(
+            pp=2,
+            dp_shard=2,
+            zero_stage=3,
+            ep=2,
+            pp_schedule="zbv",
+            virtual_stages=2,
+            micro_batch_size=1,
+            num_microbatches=4,
+        ),
+    ),
     (
         "ep2-dpr2-ac-selective",
         "moe",

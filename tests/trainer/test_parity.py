@@ -35,6 +35,20 @@ LAYOUTS = [
         "pp2-interleaved-v2",
         P(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, micro_batch_size=2, num_microbatches=4),
     ),
+    # the V schedules (two stages a rank, the backward split in its input and weight halves) under
+    # FSDP2: the weight half finds the unsharded weights (trainer/pipeline.py graph_params)
+    (
+        "pp2-zbv-dp2-zero3",
+        P(
+            pp=2,
+            dp_shard=2,
+            zero_stage=3,
+            pp_schedule="zbv",
+            virtual_stages=2,
+            micro_batch_size=1,
+            num_microbatches=4,
+        ),
+    ),
     ("dp2-replicate", P(dp_replicate=2, micro_batch_size=4)),
     ("dp2-replicate-accum2", P(dp_replicate=2, micro_batch_size=2, num_microbatches=2)),
     ("dp2-shard-zero2", P(dp_shard=2, zero_stage=2, micro_batch_size=4)),
@@ -129,6 +143,20 @@ FAMILY_LAYOUTS = [
     ("llama-tied-tp2-fsdp2", "llama-tied", P(tp=2, dp_shard=2, zero_stage=2, micro_batch_size=4)),
     ("llama-tied-pp2", "llama-tied", P(pp=2, micro_batch_size=2, num_microbatches=4)),
     ("llama-tied-pp4", "llama-tied", P(pp=4, micro_batch_size=2, num_microbatches=4)),  # a group of 2 of 4
+    # a V schedule: the tied copies on one rank (the first and the last stage)
+    (
+        "llama-tied-tp2-sp-pp2-dualpipev",
+        "llama-tied",
+        P(
+            tp=2,
+            sequence_parallel=True,
+            pp=2,
+            pp_schedule="dualpipev",
+            virtual_stages=2,
+            micro_batch_size=2,
+            num_microbatches=4,
+        ),
+    ),
     (
         "llama-tied-tp2-pp2-interleaved-v2",
         "llama-tied",

@@ -15,6 +15,7 @@ def _obeys_every_rule(space: SearchSpace, c: ParallelConfig) -> bool:
     """The constraints, written out plainly, independent of the code under test."""
     m = space.model
     interleaved = c.pp_schedule == "interleaved_1f1b"
+    v_shaped = c.pp_schedule in ("zbv", "dualpipev")
     return (
         c.tp * c.pp * c.dp == space.num_gpus
         and c.micro_batch_size * c.num_microbatches * c.dp == space.global_batch_size
@@ -29,6 +30,8 @@ def _obeys_every_rule(space: SearchSpace, c: ParallelConfig) -> bool:
             or (c.virtual_stages >= 2 and c.num_microbatches % max(1, c.num_microbatches // c.pp) == 0)
         )
         and (c.pp == 1 or c.pp_schedule != "1f1b" or c.num_microbatches >= c.pp)
+        and (c.virtual_stages == 1 or (c.pp > 1 and (interleaved or v_shaped)))
+        and (not v_shaped or c.pp == 1 or (c.virtual_stages == 2 and c.num_microbatches >= 2 * c.pp))
         and ((c.zero_stage == 0 and c.dp_shard == 1) or (c.zero_stage > 0 and c.dp_shard * c.cp > 1))
         and c.zero_stage in (0, 2, 3)
     )
@@ -52,8 +55,14 @@ BROKEN = {
     "interleaved_1f1b needs virtual_stages >= 2": lambda s, c: (
         c.pp_schedule == "interleaved_1f1b" and c.virtual_stages < 2
     ),
-    "virtual_stages > 1 needs interleaved_1f1b with pp > 1": lambda s, c: (
-        c.virtual_stages > 1 and (c.pp == 1 or c.pp_schedule != "interleaved_1f1b")
+    "virtual_stages > 1 needs a multi-stage schedule with pp > 1": lambda s, c: (
+        c.virtual_stages > 1 and (c.pp == 1 or c.pp_schedule not in ("interleaved_1f1b", "zbv", "dualpipev"))
+    ),
+    "a V schedule needs virtual_stages 2": lambda s, c: (
+        c.pp_schedule in ("zbv", "dualpipev") and c.virtual_stages != 2
+    ),
+    "a V schedule needs num_microbatches >= 2 pp": lambda s, c: (
+        c.pp_schedule in ("zbv", "dualpipev") and c.num_microbatches < 2 * c.pp
     ),
     "interleaved 1F1B needs num_microbatches to be a multiple of num_microbatches // pp": lambda s, c: (
         c.num_microbatches % max(1, c.num_microbatches // c.pp) != 0
@@ -81,7 +90,7 @@ def spaces(draw) -> SearchSpace:
         tp=draw(st.lists(pow2, min_size=1, max_size=4)), pp=draw(st.lists(pow2, min_size=1, max_size=4)),
         micro_batch_size=draw(st.lists(st.sampled_from([1, 2, 3, 4, 8]), min_size=1, max_size=3)),
         zero_stage=draw(st.lists(st.sampled_from([0, 1, 2, 3]), min_size=1)),
-        pp_schedule=draw(st.lists(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b"]), min_size=1)),
+        pp_schedule=draw(st.lists(st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]), min_size=1)),
         virtual_stages=draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3)),
         allow_cross_node_tp=draw(st.booleans()),
         dp_replicate=draw(st.lists(st.sampled_from([1, 2, 4]), min_size=1, max_size=2, unique=True)),
@@ -115,7 +124,7 @@ def test_every_enumerated_layout_is_valid(space: SearchSpace) -> None:
         zero_stage=st.integers(0, 3),
         activation_checkpoint=st.sampled_from(["none", "selective", "full"]),
         sequence_parallel=st.booleans(),
-        pp_schedule=st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b"]),
+        pp_schedule=st.sampled_from(["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]),
         virtual_stages=st.integers(1, 4),
     ),
 )

@@ -55,7 +55,7 @@ def test_frontier_preset_is_the_papers_machine() -> None:
         (
             {"space": {"pp_schedule": ["zb-v"]}},
             "space.pp_schedule.0",
-            "'gpipe', '1f1b' or 'interleaved_1f1b'",
+            "'gpipe', '1f1b', 'interleaved_1f1b', 'zbv' or 'dualpipev'",
         ),
         ({"sampler": "hyperband"}, "sampler", "'grid', 'random'"),
         ({"backend": "k8s"}, "backend", "'local', 'slurm' or 'dry-run'"),

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.contract import rules
-from trainer.contract.rules import ACTIVATION_CHECKPOINTS, PIPELINE_SCHEDULES, Violations
+from trainer.contract.rules import (
+    ACTIVATION_CHECKPOINTS,
+    MULTI_STAGE_SCHEDULES,
+    PIPELINE_SCHEDULES,
+    V_SCHEDULES,
+    Violations,
+)
 
 if TYPE_CHECKING:
     from trainer.contract.model import ModelConfig
@@ -78,14 +84,17 @@ def _cp_token(p: ParallelConfig) -> str:
 
 
 def _schedules(chosen: dict[str, Any], values: list[str]) -> list[str]:
-    """pp > 1: the listed schedules, the interleaved one last; pp 1: no schedule to choose."""
+    """pp > 1: the listed schedules, the multi-stage ones last; pp 1: no schedule to choose."""
     if chosen["pp"] == 1:
         return ["1f1b"]
-    return sorted(values, key=lambda s: s == "interleaved_1f1b")
+    return sorted(values, key=lambda s: s in MULTI_STAGE_SCHEDULES)
 
 
 def _virtual_stages(chosen: dict[str, Any], values: list[int]) -> list[int]:
-    return [v for v in values if v > 1] if chosen["pp_schedule"] == "interleaved_1f1b" else [1]
+    """Interleaved 1F1B: the listed counts above 1; a V schedule: its two stages a rank; else 1."""
+    if chosen["pp_schedule"] == "interleaved_1f1b":
+        return [v for v in values if v > 1]
+    return [2] if chosen["pp_schedule"] in V_SCHEDULES else [1]
 
 
 @dataclass(frozen=True)

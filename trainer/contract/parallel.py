@@ -48,7 +48,7 @@ ActivationCheckpoint = Literal[
     "op",
     "full",
 ]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
 
 
 # What the methods below read of the table, looked up once (a plan asks them of every layout).
@@ -76,6 +76,14 @@ class _Layout:
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The pipeline stages rank `pp_rank` holds: looped (Narayanan et al. 2021: r, r + pp, ...),
+        or a V schedule's (ZBV, DualPipeV) r and 2 pp - 1 - r: the first and the last stage on rank
+        0, the middle two on rank pp - 1 (which hands one to the other without a send)."""
+        if self.pp_schedule in ("zbv", "dualpipev") and self.pp > 1:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + v * self.pp for v in range(self.virtual_stages)]
 
     @property
     def edp(self) -> int:

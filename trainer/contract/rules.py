@@ -25,7 +25,12 @@ ACTIVATION_CHECKPOINTS = (
 )  # fmt: skip
 # Megatron's --recompute-modules the values above combine (trainer/model.py, trainer/moe.py)
 RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
+# Two stages a rank placed in a V (rank r: stages r and 2 pp - 1 - r), backward split into its input
+# and weight halves (torch.distributed.pipelining's ScheduleZBVZeroBubble and ScheduleDualPipeV)
+V_SCHEDULES = ("zbv", "dualpipev")
+# Schedules with more than one stage a rank (virtual_stages > 1)
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", *V_SCHEDULES)
 
 
 def tp_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
@@ -81,10 +86,11 @@ def pp_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
             "every pipeline stage needs a layer",
         ))  # fmt: skip
     interleaved = p.pp_schedule == "interleaved_1f1b"
-    if p.virtual_stages > 1 and not (interleaved and p.pp > 1):
+    v_shaped = p.pp_schedule in V_SCHEDULES
+    if p.virtual_stages > 1 and not (p.pp_schedule in MULTI_STAGE_SCHEDULES and p.pp > 1):
         out.append((
-            "virtual_stages > 1 needs interleaved_1f1b with pp > 1",
-            "virtual_stages > 1 needs pp > 1 and pp_schedule 'interleaved_1f1b'",
+            "virtual_stages > 1 needs a multi-stage schedule with pp > 1",
+            f"virtual_stages > 1 needs pp > 1 and pp_schedule one of {list(MULTI_STAGE_SCHEDULES)}",
         ))  # fmt: skip
     if p.pp == 1:
         return out
@@ -92,6 +98,18 @@ def pp_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
         out.append((
             "interleaved_1f1b needs virtual_stages >= 2",
             "pp_schedule 'interleaved_1f1b' needs virtual_stages >= 2",
+        ))  # fmt: skip
+    if v_shaped and p.virtual_stages != 2:
+        out.append((
+            "a V schedule needs virtual_stages 2",
+            f"pp_schedule {p.pp_schedule!r} places two stages on each rank (a V): virtual_stages must be 2, "
+            f"got {p.virtual_stages}",
+        ))  # fmt: skip
+    if v_shaped and p.num_microbatches < p.num_stages:
+        out.append((
+            "a V schedule needs num_microbatches >= 2 pp",
+            f"pp_schedule {p.pp_schedule!r} needs num_microbatches ({p.num_microbatches}) >= its stages "
+            f"(2 x pp = {p.num_stages})",
         ))  # fmt: skip
     if p.pp_schedule == "1f1b" and p.num_microbatches < p.pp:
         out.append((

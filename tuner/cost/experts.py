@@ -26,7 +26,15 @@ from trainer.contract.parallel import ParallelConfig
 from tuner.cost import dtypes
 from tuner.cost.collectives import Comm, Link, call_overhead_s
 from tuner.cost.context import local_tokens
-from tuner.cost.layer import Op, attention_ops, layer_params, mlp_ops, op_checkpoint, recomputed_modules
+from tuner.cost.layer import (
+    Op,
+    attention_ops,
+    layer_params,
+    mlp_ops,
+    op_checkpoint,
+    recomputed_modules,
+    weight_output_bytes_per_token,
+)
 from tuner.cost.pipeline import stage_layers
 from tuner.spec import ClusterSpec
 
@@ -382,6 +390,10 @@ class ExpertRank:
     layer_params: float  # one MoE layer's, its local experts included (what ZeRO-3 gathers)
     act_per_token: float  # what a MoE layer keeps beyond a dense one, per token of a micro-batch
     flow_per_token: float  # gradients flowing in a MoE layer's backward beyond a dense one's
+    # what a split backward's input half keeps for its weight half beyond a dense layer, per token
+    # (tuner.cost.layer.weight_output_bytes_per_token): the router's, the shared expert's and the
+    # experts' outputs (k x the imbalance factor assignments a token) in place of the MLP's
+    weight_outputs_per_token: float = 0.0
 
 
 def expert_rank(
@@ -402,9 +414,18 @@ def expert_rank(
     grads = 2 * (k * m.expert_ffn_size * factor + m.moe_shared_ffn_hidden_size - m.ffn_size) * cb / p.tp
     if "moe_act" in recomputed_modules(p):  # what the activation's recompute brings back meanwhile
         grads += (m.mlp_kind.kept - m.mlp_kind.inputs) * m.moe_top_k * m.expert_ffn_size * factor * cb / p.tp
+    share = k * factor / p.tp
+    widths = m.mlp_kind.inputs * m.expert_ffn_size + m.hidden_size
+    shared = (
+        m.mlp_kind.inputs * m.moe_shared_ffn_hidden_size + m.hidden_size
+        if m.moe_shared_ffn_hidden_size
+        else 0
+    )
+    dense_mlp = weight_output_bytes_per_token(m, p, cb) - weight_output_bytes_per_token(m, p, cb, mlp=False)  # fmt: skip
+    weight_outputs = (m.num_experts / p.tp + shared / p.tp + widths * share) * cb - dense_mlp
     return ExpertRank(
         num_moe=num_moe, dense_params=num_dense * layer_params(m, p.tp) + num_moe * moe_params,
-        experts=num_moe * experts, layer_params=moe_params + experts,
+        experts=num_moe * experts, layer_params=moe_params + experts, weight_outputs_per_token=weight_outputs,
         act_per_token=moe_activation_delta_per_token(m, p, cb, factor, device), flow_per_token=max(grads, 0.0) if num_moe else 0.0,
     )  # fmt: skip
 
@@ -414,7 +435,7 @@ def stage_moe_layers(m: ModelConfig, p: ParallelConfig, stage: int) -> int:
     moe_dense_layers (dense), with tuner.cost.pipeline.stage_layers' split."""
     base, extra = divmod(m.num_layers, p.num_stages)
     count = 0
-    for i in range(stage, p.num_stages, p.pp):
+    for i in p.stages_of(stage):
         start = i * base + min(i, extra)
         end = start + base + (1 if i < extra else 0)
         count += max(0, end - max(start, m.moe_dense_layers))

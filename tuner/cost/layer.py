@@ -297,6 +297,20 @@ def mlp_ops(m: ModelConfig, p: ParallelConfig, cb: int, ffn: int, tp: int) -> li
     return ops
 
 
+def weight_output_bytes_per_token(
+    m: ModelConfig, p: ParallelConfig, cb: int, res: int | None = None, mlp: bool = True
+) -> float:
+    """What a split backward's input half keeps for its weight half in a dense block, per token
+    of a micro-batch on this rank (torch.distributed.pipelining._backward stage_backward_input:
+    the gradient at each op that takes a weight, its output's): the linears' outputs
+    (attention_ops, mlp_ops; `mlp` False: attention's alone) in the compute dtype, and the two
+    norms' (over tp with sequence parallelism) in the residual's (`res`: autocast runs the norms in
+    fp32)."""
+    ops = attention_ops(m, p, cb) + (mlp_ops(m, p, cb, m.ffn_size, p.tp) if mlp else [])
+    norms = 2 * m.hidden_size / (p.tp if p.sequence_parallel else 1) * (res or cb)
+    return sum(op.bytes for op in ops if op.flops) + norms
+
+
 def op_activation_bytes_per_token(
     m: ModelConfig, p: ParallelConfig, cb: int, res: int, device: DeviceKind = "gpu"
 ) -> float:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from trainer.contract.blocks import ce_chunk_rows
 from trainer.contract.parallel import ParallelConfig
+from trainer.contract.rules import V_SCHEDULES
 from tuner.cost.context import gathered_kv_bytes, mask_bytes
 from tuner.cost.data import expert_shards, weight_shards
 from tuner.cost.experts import expert_rank, local_expert_params
@@ -31,8 +32,9 @@ from tuner.cost.layer import (
     layer_params,
     norm_2d_bytes,
     norm_input_bytes,
+    weight_output_bytes_per_token,
 )
-from tuner.cost.pipeline import chunk_shares, in_flight, interleaved_moments, stage_layers
+from tuner.cost.pipeline import chunk_shares, in_flight, interleaved_moments, stage_layers, v_moments
 
 if TYPE_CHECKING:
     from tuner.cost.case import Case
@@ -83,6 +85,10 @@ class RankBytes:
     chunks: tuple[float, ...] = (1.0,)  # each local stage's share of the rank's layers (interleaved)
     loop_grads: float = 0.0  # the CPU's loop over experts: its weight gradients' whole-tensor transients
     output_held: float = 0.0  # the last stage's logits, which torch's schedule holds through its backward
+    # A V schedule's split backward: what its input half keeps for its weight half, one
+    # micro-batch's in all the rank's layers (and the head's, on the last stage)
+    weight_outputs: float = 0.0
+    head_weight_outputs: float = 0.0
     # Bytes a parameter's gradient takes while accumulated whole without a sync: fp32, or bf16 where
     # FSDP2 / replicate manage it with reduce_dtype bf16 (grad_reduce_dtype; the dense parameters
     # with dp x cp > 1, a mixture of experts' always: its experts are wrapped over edp, even of 1).
@@ -120,7 +126,8 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     residual = 4 if low and dp == 1 else cb  # autocast (no FSDP2) leaves the residual adds in fp32
     s, h, v, n, t = m.seq_len, m.hidden_size, m.vocab_size, p.num_microbatches, p.tp
     s_local = s // p.cp  # a rank's tokens of each sequence (context.py)
-    first, last = stage == 0, stage == p.pp - 1
+    held = p.stages_of(stage)
+    first, last = 0 in held, p.num_stages - 1 in held
     k = p.tp_col  # 2D: every weight over tp x tp_col, the residual stream over tp_col
     # The token embedding (and learned positions) on the first stage, the final norm and the head
     # on the last. A tied head is the embedding's weight: one with the two on one stage, a copy
@@ -134,8 +141,7 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         params = moe.dense_params + embed + head
     tokens, shard = case.tokens_mb, t if p.sequence_parallel else k
     boundary = tokens * h / shard * residual  # what one stage sends the next per micro-batch
-    chunks = range(stage, p.num_stages, p.pp)
-    sending = sum(i < p.num_stages - 1 for i in chunks)  # ... with a next (receive gradients)
+    sending = sum(i < p.num_stages - 1 for i in held)  # ... with a next (receive gradients)
     layer = activation_bytes_per_token(m, p, cb, c, residual, device) * tokens + gathered_kv_bytes(m, p, cb)
     if m.positions_kind.rotary and dp > 1 and low:
         # FSDP2's and replicate's mixed precision casts every block's floating inputs, the cos/sin
@@ -188,7 +194,14 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     else:
         params_all = params
     bf16_grads = case.grad_reduce_dtype == "bf16"
+    weight_outputs = 0.0
+    if p.pp_schedule in V_SCHEDULES:
+        per_token = weight_output_bytes_per_token(m, p, cb, residual)
+        weight_outputs = per_token * tokens * stage_layers(m.num_layers, p, stage)
+        if moe is not None:
+            weight_outputs += moe.num_moe * moe.weight_outputs_per_token * tokens
     return RankBytes(
+        weight_outputs=weight_outputs, head_weight_outputs=cb * logits if last else 0.0,
         params=params, d=weight_shards(case), cb=cb,
         accumulated_bytes=2.0 if bf16_grads and dp > 1 else 4.0,
         expert_accumulated_bytes=2.0 if bf16_grads and moe is not None else 4.0,
@@ -241,7 +254,8 @@ def forward_backward(
     bf16_accumulated = accumulates and min(r.accumulated_bytes, r.expert_accumulated_bytes) < 4
     landed = (r.root + r.unit, sharded_grads + fresh, r.layer + r.flow) if bf16_accumulated else None
     if p.virtual_stages > 1:
-        walked = interleaved_moments(p, r, stage, accumulated, working, fresh)
+        walk = v_moments if p.pp_schedule in V_SCHEDULES else interleaved_moments
+        walked = walk(p, r, stage, accumulated, working, fresh)
         return max(walked, landed, key=sum) if bf16_accumulated else walked
     n, inflight = p.num_microbatches, in_flight(p, stage)
     # A backward's received gradient (OnDemandStage: from its receive to the backward's end)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainer.contract.parallel import ParallelConfig
+from trainer.contract.rules import V_SCHEDULES
 from tuner.cost.collectives import Comm, allreduce, send_s
 
 if TYPE_CHECKING:
@@ -35,14 +36,19 @@ class PipelinePart:
         }
 
 
-def pipeline_part(case: Case, critical_mb: float) -> PipelinePart:
+def pipeline_part(case: Case, critical_mb: float, dw_mb: float = 0.0) -> PipelinePart:
     """The bubble is (p-1) stage-times, divided by v when interleaved (Megatron-3D sec. 2.2), a
     stage-time being `critical_mb`: what blocks a micro-batch on the slowest stage (the framework's
-    per-micro-batch bookkeeping runs on each rank's CPU and does not lengthen it)."""
+    per-micro-batch bookkeeping runs on each rank's CPU and does not lengthen it). A V schedule's
+    (ZBV, DualPipeV): its ranks' orders (torch's) run on a clock (`v_idle`), each backward split
+    into its input half and its weight half (`dw_mb`: the weight gradients' GEMMs)."""
     m, p, c = case.model, case.layout, case.constants
     h, t, pp, v, mb = m.hidden_size, p.tp, p.pp, p.virtual_stages, p.num_microbatches
     tc, d = case.tp_block, case.replicas
-    bubble = (pp - 1) / v * critical_mb
+    if p.pp_schedule in V_SCHEDULES and pp > 1:
+        bubble = v_idle(p.pp_schedule, pp, mb, dw_mb / critical_mb if critical_mb else 0.0) * critical_mb
+    else:
+        bubble = (pp - 1) / v * critical_mb
     p2p = Comm()
     if pp > 1:
         # scatter/gather: sec. 4.1; 2D: the residual stream is split over the column group
@@ -225,9 +231,9 @@ def chunk_shares(num_layers: int, p: ParallelConfig, stage: int) -> tuple[float,
 def local_stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> list[int]:
     """Layers of each local stage of the rank at pipeline coordinate `stage` (trainer/pipeline.py:
     contiguous ranges, earlier stages take the remainder; interleaved ranks hold stages r, r + pp,
-    ...)."""
+    ..., a V schedule's r and 2 pp - 1 - r: ParallelConfig.stages_of)."""
     base, extra = divmod(num_layers, p.num_stages)
-    return [base + (1 if s < extra else 0) for s in range(stage, p.num_stages, p.pp)]
+    return [base + (1 if s < extra else 0) for s in p.stages_of(stage)]
 
 
 def stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> int:
@@ -245,6 +251,12 @@ def in_flight(p: ParallelConfig, stage: int) -> float:
         return 1.0
     if p.pp_schedule == "gpipe":
         return float(n)
+    if p.pp_schedule in V_SCHEDULES:  # ... whose weight half is still to come, torch's V order
+        held = peak = 0
+        for kind, _, _ in v_order(p.pp_schedule, pp, n, stage):
+            held += {"F": 1, "B": -1, "W": -1}.get(kind, 0)
+            peak = max(peak, held)
+        return peak / v
     if v > 1:  # the most local stages' forwards whose backward is still to come, torch's order
         held = peak = 0
         for kind, _ in _order(pp, v, n, stage):
@@ -252,3 +264,232 @@ def in_flight(p: ParallelConfig, stage: int) -> float:
             peak = max(peak, held)
         return peak / v
     return float(min(pp - stage, n))
+
+
+@functools.lru_cache(maxsize=1024)
+def v_order(schedule: str, pp: int, n: int, rank: int) -> tuple[tuple[str, int, int], ...]:
+    """Pipeline rank `rank`'s forwards ("F"), whole backwards ("B"), input ("I") and weight ("W")
+    halves of a split backward, in the order torch's ScheduleZBVZeroBubble or ScheduleDualPipeV
+    computes them (the model cannot import torch: tests/tuner/test_memmodel.py checks these
+    against torch's), each with its local stage (0: stage rank, 1: stage 2 pp - 1 - rank) and
+    micro-batch; DualPipeV's paired forward-and-backward steps flattened (the trainer runs them
+    one after the other)."""
+    return tuple(_zbv_order(pp, n, rank) if schedule == "zbv" else _dualpipev_order(pp, n, rank))
+
+
+def _zbv_order(pp: int, n: int, rank: int) -> list[tuple[str, int, int]]:
+    """torch's ScheduleZBVZeroBubble._calculate_single_rank_operations (at least 2 pp - 1
+    micro-batches walked, those past n dropped)."""
+    n_micro = max(2 * pp - 1, n)
+    ops: list[tuple[str, int, int]] = []
+    count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+
+    def add(kind: str, j: int, key: str) -> None:
+        ops.append((kind, j, count[(key, j)]))
+
+    def forward(j: int) -> None:
+        add("F", j, "F")
+        count[("F", j)] += 1
+
+    def backward(j: int) -> None:  # its input half, then its weight half
+        add("I", j, "B")
+        add("W", j, "B")
+        count[("B", j)] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        forward(0)
+    for _ in range(rank):
+        forward(1)
+        forward(0)
+    for _ in range(pp - rank):
+        forward(1)
+        backward(1)
+    while count[("F", 1)] < count[("F", 0)] or count[("F", 0)] < n_micro:
+        if count[("F", 0)] < n_micro:
+            forward(0)
+        backward(0)
+        forward(1)
+        backward(1)
+    weights = {0: count[("B", 0)], 1: count[("B", 1)]}
+    for _ in range(rank):
+        for j in (0, 1):
+            add("I", j, "B")
+            count[("B", j)] += 1
+    for _ in range(pp - rank):
+        add("I", 0, "B")
+        count[("B", 0)] += 1
+        ops.append(("W", 0, weights[0]))
+        weights[0] += 1
+    for j in (1, 0):
+        while weights[j] < count[("B", j)]:
+            ops.append(("W", j, weights[j]))
+            weights[j] += 1
+    return [op for op in ops if op[2] < n]
+
+
+def _dualpipev_order(pp: int, n: int, rank: int) -> list[tuple[str, int, int]]:
+    """torch's ScheduleDualPipeV._calculate_single_rank_operations (DeepSeek's DualPipe on a V:
+    steps 1-8 of its order), its paired steps flattened to their forward, then their backward."""
+    ops: list[tuple[str, int, int]] = []
+    forwards, inputs = [0, 0], [0, 0]  # per local stage: the next forward's and backward's micro-batch
+    weights: list[
+        tuple[int, int]
+    ] = []  # (local stage, micro-batch) of the input halves' weight halves to come
+
+    def forward(j: int) -> None:
+        ops.append(("F", j, forwards[j]))
+        forwards[j] += 1
+
+    def backward(j: int, split: bool = False) -> None:
+        ops.append(("I" if split else "B", j, inputs[j]))
+        if split:
+            weights.append((j, inputs[j]))
+        inputs[j] += 1
+
+    def weight() -> None:
+        if weights:
+            ops.append(("W", *weights.pop(0)))
+
+    for _ in range((pp - rank - 1) * 2):
+        forward(0)
+    for _ in range(rank + 1):
+        forward(0)
+        forward(1)
+    for _ in range(pp - rank - 1):
+        backward(1, split=True)
+        weight()
+        forward(1)
+    for _ in range(n - pp * 2 + rank + 1):
+        forward(0)  # paired with 1's backward, but the last rank's first pair (not overlapped)
+        backward(1)
+        forward(1)
+        backward(0)
+    for _ in range(pp - rank - 1):
+        backward(1)
+        forward(1)
+        backward(0)
+    split = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        backward(1, split)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        backward(0, split)
+    for _ in range(pp - rank - 1):
+        weight()
+        backward(0, split)
+    for _ in range(rank + 1):
+        weight()
+    return ops
+
+
+@functools.lru_cache(maxsize=4096)
+def v_idle(schedule: str, pp: int, n: int, dw_share: float) -> float:
+    """A V schedule's idle time on its busiest rank, in micro-batch stage-times (a rank's forward
+    and backward of one micro-batch, both local stages): every rank runs its own order (v_order)
+    on a clock, an op starting once the rank is free and its input is there (a forward after the
+    previous stage's, a backward's input half after the next stage's, a weight half after its
+    input half); a local stage's forward takes 1/6 of a stage-time, its backward's weight half
+    `dw_share` / 2 (the weight gradients' GEMMs), its input half the rest. Sends take no time here
+    (priced on their own: pipeline_part's p2p). The makespan less a rank's own work."""
+    dw_share = round(min(max(dw_share, 0.0), 2 / 3), 3)
+    f, w = 1 / 6, dw_share / 2
+    i = 1 / 3 - w
+    duration = {"F": f, "I": i, "W": w, "B": i + w}
+    orders = [v_order(schedule, pp, n, r) for r in range(pp)]
+
+    def stage_of(rank: int, j: int) -> int:
+        return rank if j == 0 else 2 * pp - 1 - rank
+
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "W", stage, mb): end
+    clock, at = [0.0] * pp, [0] * pp
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(pp):
+            while at[r] < len(orders[r]):
+                kind, j, mb = orders[r][at[r]]
+                s = stage_of(r, j)
+                if kind == "F":
+                    need = ("F", s - 1, mb) if s > 0 else None
+                elif kind in ("I", "B"):
+                    need = ("G", s + 1, mb) if s < 2 * pp - 1 else ("F", s, mb)
+                else:
+                    need = ("G", s, mb)
+                if need is not None and need not in done:
+                    break
+                start = max(clock[r], done[need] if need is not None else 0.0)
+                clock[r] = start + duration[kind]
+                done[("G" if kind in ("I", "B") else kind, s, mb)] = clock[r]
+                at[r] += 1
+                progressed = True
+    if any(at[r] < len(orders[r]) for r in range(pp)):
+        raise RuntimeError(f"{schedule} with pp {pp}, {n} micro-batches: the orders deadlock")
+    return max(clock) - n * (2 * f + 2 * (i + w))
+
+
+def v_moments(
+    p: ParallelConfig, r: RankBytes, stage: int, accumulated: float, working: float, fresh: float
+) -> tuple[float, float, float]:
+    """tuner.cost.memory.forward_backward's peak for a rank of a V schedule, walked through its
+    order (v_order): a micro-batch's activations of a local stage stay from its forward to the end
+    of its backward, split or not (torch's input half keeps the graph for the weight half, and the
+    gradients at the weight-taking ops' outputs: `weight_outputs`); the first stage's input half
+    does nothing and its weight half the whole backward (its input needs no gradient), its
+    received gradient kept meanwhile. Local stage 1 of rank 0 is the last stage (the head and its
+    loss), local stage 0 the first (the embedding). The sends: a stage's output kept to its
+    backward, an input gradient's let go at once (trainer/pipeline.py Sends lets it go when the
+    receiver provably has it)."""
+    first_rank = stage == 0
+    root_params = r.root / r.cb
+    root_grads = r.accumulated_bytes * root_params
+    layer_grads = accumulated - root_grads - r.vocab_grad
+    acts = [r.layers * f + (r.head if first_rank and j == 1 else 0.0) for j, f in enumerate(r.chunks)]
+    kept = [
+        r.weight_outputs * f + (r.head_weight_outputs if first_rank and j == 1 else 0.0)
+        for j, f in enumerate(r.chunks)
+    ]
+    grads_of = [layer_grads * f + ((root_grads + r.vocab_grad) / 2 if first_rank else 0.0) for f in r.chunks]
+    zero3 = p.zero_stage == 3
+    if (
+        zero3
+    ):  # torch's split backward keeps FSDP2 from resharding after a backward (set_reshard_after_backward):
+        working = r.whole  # a layer run backward stays gathered to the step's end (its REDUCE_GRAD)
+    held, grads, started = 0.0, 0.0, set()
+    best, best_sum = (working, 0.0, 0.0), -math.inf
+
+    def backward_moment(extra: float) -> None:
+        nonlocal best, best_sum
+        b, c = grads + fresh, held + r.flow + extra
+        if working + b + c > best_sum:
+            best, best_sum = (working, b, c), working + b + c
+
+    for kind, j, _ in v_order(p.pp_schedule, p.pp, p.num_microbatches, stage):
+        first_stage = first_rank and j == 0
+        logits = r.output_held if first_rank and j == 1 else 0.0
+        if kind == "F":
+            held += acts[j] + r.boundary
+            if first_rank and j == 1:  # the loss, at the end of the last stage's forward
+                a, b, c = r.root if zero3 else r.whole, grads, held + r.loss
+                if a + b + c > best_sum:
+                    best, best_sum = (a, b, c), a + b + c
+            continue
+        if kind == "I":
+            if first_stage:  # nothing yet; its received gradient waits for the weight half
+                held += r.boundary
+                continue
+            backward_moment(r.boundary + logits)
+            # its output's send let go, its input's gradient kept (torch sets the input's .grad)
+            held += kept[j]
+            continue
+        if kind == "B" or first_stage:
+            backward_moment(r.boundary + logits)
+            held -= acts[j] + (r.boundary if kind == "B" else 0.0)
+        else:  # a weight half: the kept gradients, the activations and the input's gradient go
+            backward_moment(0.0)
+            held -= acts[j] + kept[j] + r.boundary
+        if j not in started:  # its gradients, whole until the step's last backward
+            started.add(j)
+            grads += grads_of[j]
+    return best

@@ -103,7 +103,7 @@ def rank_step(
         + experts.a2a_mb.total
         + context.kv_mb.total
     )
-    pipeline = pipeline_part(case, critical_mb)
+    pipeline = pipeline_part(case, critical_mb, dw_mb)
     data = data_part(case, layers, vocab_share)
     return RankStep(own, tensor, experts, context, pipeline, data)
 

@@ -15,7 +15,8 @@ frequency factors or original context are not Megatron's fixed ones.
 Axes (ParallelConfig):
 - tp, sequence parallelism, activation checkpointing: supported.
 - pp: 1F1B and interleaved (GPipe runs as 1F1B: a note). Refused: layers not a multiple of the
-  stage count; interleaved with fewer micro-batches than pp.
+  stage count; interleaved with fewer micro-batches than pp; the V schedules (ZBV, DualPipeV: Megatron
+  has neither).
 - dp and zero_stage: the distributed optimizer; zero_stage 3 is --use-torch-fsdp2 where validate_args
   takes it (pp 1, ep 1, an untied head), else the distributed optimizer (a note); HSDP is a note.
 - cp: --context-parallel-size with --cp-comm-type all_gather (see below). Refused: latent attention
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
+from trainer.contract.rules import V_SCHEDULES
 from tuner.cost.layer import recomputed_modules
 from tuner.exports.common import capacity_factor, comments, header, launcher, routing
 from tuner.exports.megatron.models import (
@@ -71,6 +73,11 @@ def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
         reasons.append(
             f"num_layers ({layers}) is not a multiple of pp ({c.pp}) x virtual_stages ({c.virtual_stages}) "
             f"= {c.num_stages}: Megatron-LM splits layers evenly over stages"
+        )
+    if c.pp > 1 and c.pp_schedule in V_SCHEDULES:
+        reasons.append(
+            f"pp_schedule {c.pp_schedule!r}: Megatron-LM's schedules are 1F1B and interleaved 1F1B "
+            "(megatron/core/pipeline_parallel/schedules.py); export to torchtitan, or study interleaved_1f1b"
         )
     if _interleaved(c) and c.num_microbatches < c.pp:
         # forward_backward_pipelining_with_interleaving raises ValueError unless the micro-batch group

@@ -67,7 +67,9 @@ if TYPE_CHECKING:
 TORCHTITAN_VERSION = "0.3.0"
 
 # torch.distributed.pipelining schedule class names (torchtitan passes them to get_schedule_class).
-TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
+# The V schedules: torchtitan places their two stages a rank in a V itself (the class's style).
+TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+                        "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}  # fmt: skip
 # zero_stage -> FSDP2 reshard_after_forward (trainer/parallelize.py: apply_fsdp). 0 has no FSDP.
 TORCHTITAN_RESHARD = {0: "default", 2: "never", 3: "always"}
 # activation_checkpoint -> (module to import from, the Trainer.Config value)
