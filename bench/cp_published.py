@@ -70,7 +70,7 @@ class Run:
     unit: str
     stack: str  # what the published figure ran with
     memory_gib: float | None = None  # published peak memory (the fullest GPU), where given
-    device_memory_gb: float = 80
+    device_memory_gb: float | None = None  # None: the h100-80gb preset's (nvidia-smi's 85.5e9 B)
     mapped: str = ""  # how their layout differs from the one priced
 
 
@@ -118,7 +118,8 @@ RUNS = (
 def study(run: Run) -> StudySpec:
     return parse_spec({
         "name": f"published-cp-{run.preset}", "model": run.preset, "num_gpus": run.gpus,
-        "cluster": {"preset": "h100-80gb", "num_nodes": run.gpus // 8, "device_memory_gb": run.device_memory_gb},
+        "cluster": {"preset": "h100-80gb", "num_nodes": run.gpus // 8,
+                    **({"device_memory_gb": run.device_memory_gb} if run.device_memory_gb else {})},
         "training": {"global_batch_size": run.global_batch, "seq_len": run.seq_len, "precision": "bf16"},
         "space": {"tp": [1, 2, 4, 8], "pp": [1, 2, 4, 8, 16], "micro_batch_size": [1, 2, 4],
                   "zero_stage": [0, 2, 3], "activation_checkpoint": ["none", "selective", "full"]},

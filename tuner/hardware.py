@@ -38,13 +38,17 @@ def _gpus(device: str, **fields: Any) -> dict[str, Any]:
 
 
 # Links: NVLink/Infinity Fabric per-GPU unidirectional bandwidth inside a node; the node's total
-# network injection bandwidth between nodes (data sheets).
+# network injection bandwidth between nodes (data sheets). Memory: the device's total as
+# nvidia-smi reports it, where checked (issue 37: an "80 GB" A100 or H100 holds 80 GiB, nvidia-smi's
+# 81920 and 81559 MiB, 85.9 and 85.5 GB; an "40 GB" A100 40960 MiB; until then 80 and 40 GB were
+# priced, 7 % less); the CUDA context and communication buffers are the model's workspace_bytes.
+# H200 (141) and MI250X (64 per GCD) are the data sheets' figures, not checked the same way.
 CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
     # DGX A100: NVLink3 600 GB/s bidirectional = 300 per direction; 8 x 200 Gb/s HDR = 200 GB/s.
-    "a100-80gb": _gpus("A100", gpus_per_node=8, device_memory_gb=80, intra_node_gbps=300, inter_node_gbps=200,
+    "a100-80gb": _gpus("A100", gpus_per_node=8, device_memory_gb=85.9, intra_node_gbps=300, inter_node_gbps=200,
                        intra_node_latency_us=5, inter_node_latency_us=10),
     # DGX H100: NVLink4 900 GB/s bidirectional = 450 per direction; 8 x 400 Gb/s NDR = 400 GB/s.
-    "h100-80gb": _gpus("H100", gpus_per_node=8, device_memory_gb=80, intra_node_gbps=450, inter_node_gbps=400,
+    "h100-80gb": _gpus("H100", gpus_per_node=8, device_memory_gb=85.52, intra_node_gbps=450, inter_node_gbps=400,
                        intra_node_latency_us=4, inter_node_latency_us=8),
     "h200-141gb": _gpus("H200", gpus_per_node=8, device_memory_gb=141, intra_node_gbps=450, inter_node_gbps=400,
                         intra_node_latency_us=4, inter_node_latency_us=8),
@@ -55,7 +59,7 @@ CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
                              inter_node_gbps=100, intra_node_latency_us=8, inter_node_latency_us=15),
     # Perlmutter GPU nodes (NERSC docs): 4 A100-40GB, NVLink3 4 links per pair (100 GB/s per
     # direction to each peer), 4 x 25 GB/s Slingshot-11.
-    "perlmutter-a100-40gb": _gpus("A100-SXM4-40GB", gpus_per_node=4, device_memory_gb=40, intra_node_gbps=100,
+    "perlmutter-a100-40gb": _gpus("A100-SXM4-40GB", gpus_per_node=4, device_memory_gb=42.95, intra_node_gbps=100,
                                   inter_node_gbps=100, intra_node_latency_us=5, inter_node_latency_us=12),
 }  # fmt: skip
 CLUSTER_PRESET_NAMES = ("cpu-local", *CLUSTER_PRESETS)

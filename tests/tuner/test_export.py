@@ -259,6 +259,9 @@ MORE_TORCHTITAN = {
                                 pp_schedule="interleaved_1f1b", virtual_stages=3)),
     "uneven": (_spec({"preset": "gpt-tiny", "num_layers": 5}, "h100-80gb", 8, 8, "bf16"),
                ParallelConfig(pp=2, dp_replicate=4, num_microbatches=2)),
+    # a V schedule: torchtitan places its two stages a rank in a V itself (the class's style)
+    "zbv": (_spec({"preset": "gpt-tiny", "num_layers": 8}, "h100-80gb", 4, 8, "bf16"),
+            ParallelConfig(pp=2, dp_shard=2, zero_stage=2, num_microbatches=4, pp_schedule="zbv", virtual_stages=2)),
     **MORE_LLAMA,
     **MORE_MOE,
     **CP_CASES,
@@ -376,7 +379,8 @@ def test_torchtitan_parses_the_export_into_the_measured_layout(case: str, torcht
         assert train["local_batch_size"] == par["pipeline_parallel_microbatch_size"] * c.num_microbatches
         assert par["pipeline_parallel_microbatch_size"] == c.micro_batch_size
         assert par["pipeline_parallel_schedule"] == {"gpipe": "GPipe", "1f1b": "1F1B",
-                                                     "interleaved_1f1b": "Interleaved1F1B"}[c.pp_schedule]  # fmt: skip
+                                                     "interleaved_1f1b": "Interleaved1F1B", "zbv": "ZBVZeroBubble",
+                                                     "dualpipev": "DualPipeV"}[c.pp_schedule]  # fmt: skip
         # torchtitan's own pipeline split gives every stage the layers our trainer gave it.
         ranges = stage_layer_ranges(spec.as_model_config().num_layers, c.num_stages)
         assert parsed["stage_layers"] == [list(r) for r in ranges]
@@ -1182,6 +1186,13 @@ def test_megatron_keeps_fsdp2_for_untied_heads_only() -> None:
     assert "--untie-embeddings-and-output-weights" not in flags
     assert "zero_stage 3 with a tied head" in _megatron_export("llama1b_tied")
     assert "--use-torch-fsdp2" in _megatron_args(_megatron_export("qwen7b_a100"))[1]
+
+
+def test_megatron_refuses_the_v_schedules() -> None:
+    spec, config = MORE_TORCHTITAN["zbv"]
+    assert export_layout("torchtitan", spec, config)
+    with pytest.raises(ValueError, match=r"megatron: .*pp_schedule 'zbv': Megatron-LM's schedules are 1F1B"):
+        export_layout("megatron", spec, config)
 
 
 def test_megatron_refuses_an_uneven_layer_split() -> None:

@@ -463,13 +463,14 @@ def test_latent_attention_is_priced_from_its_widths() -> None:
 def test_plan_qwen3_30b_on_8_h100_fits() -> None:
     """Issue 37: Qwen3-30B-A3B trains on one 8-GPU node (NeMo AutoModel's FSDP2 + EP, BF16). With
     fused AdamW its model states are 16 bytes a parameter, 56.9 GiB a GPU under ZeRO-3; nothing fit
-    at 20 (foreach's temporary)."""
+    at 20 (foreach's temporary). Since the H100 preset holds nvidia-smi's 85.5e9 B (not 80e9) the
+    top five also take micro-batch 4 and ep 1 (FSDP over 8, within 4 % of ep 8's rate)."""
     spec = parse_spec({"model": "qwen3-30b-a3b", "cluster": "h100-80gb", "num_gpus": 8,
                        "training": {"global_batch_size": 512}})  # fmt: skip
     result = plan(spec, top=5)
     assert result["num_fit"] > 0 and all(c["predicted"]["fits"] for c in result["candidates"])
     assert all(c["config"]["zero_stage"] == 3 for c in result["candidates"])
-    assert result["candidates"][0]["config"]["ep"] > 1
+    assert any(c["config"]["ep"] > 1 for c in result["candidates"])
     assert all(c["experts"].startswith("experts: ep") for c in result["candidates"])
 
 

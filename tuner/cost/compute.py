@@ -20,6 +20,7 @@ from trainer.contract.parallel import ParallelConfig
 from tuner.cost.context import attention_keys, keys_per_query
 from tuner.cost.experts import MoEStep, moe_step
 from tuner.cost.layer import op_recomputed_flops_per_token, recomputed_modules, up_projection_flops_per_token
+from tuner.cost.pipeline import split_backward_s
 from tuner.devicelevels import MEMORY_TRAFFIC
 
 if TYPE_CHECKING:
@@ -43,9 +44,11 @@ class ComputePart:
 
 
 def compute_part(case: Case, compute_mb: float, layers: float) -> ComputePart:
-    """Layers that compute faster than launching them takes wait for the launches (layer_floor_s)."""
+    """Layers that compute faster than launching them takes wait for the launches (layer_floor_s;
+    on GPUs with a V schedule's split backwards, host work too: pipeline.split_backward_s)."""
     c = case.constants
-    return ComputePart(compute_mb, max(0.0, layers * c.layer_floor_s - compute_mb), c.microbatch_overhead_s)
+    floor = c.layer_floor_s + (split_backward_s(case) if case.device != "cpu" else 0.0)
+    return ComputePart(compute_mb, max(0.0, layers * floor - compute_mb), c.microbatch_overhead_s)
 
 
 def gemm_fwd_flops_per_token(m: ModelConfig) -> float:
@@ -143,6 +146,8 @@ class Compute:
     peak_flops: float
     moe: MoEStep | None = None  # what a MoE layer adds to a dense one (tuner/cost/experts.py)
     moe_layer_count: float = 0.0  # the model's MoE layers (the slowest stage holds up to that many)
+    # CPU ranks: a V schedule's split backwards, per layer (pipeline.split_backward_s), on the core
+    split_s: float = 0.0
 
     def stage(self, layers: float, head_share: float = 1.0) -> tuple[float, float]:
         """(seconds, the weight gradients' GEMM seconds within them) of a stage of `layers` layers
@@ -150,7 +155,7 @@ class Compute:
         (experts.moe_layers_on) with their experts, router and shared expert."""
         head = head_share * self.head_fwd
         flops = layers * self.layer_flops + 3 * head
-        seconds = flops / self.efficiency / self.peak_flops + layers * self.layer_own_s
+        seconds = flops / self.efficiency / self.peak_flops + layers * (self.layer_own_s + self.split_s)
         if self.moe is not None:
             n, x = self.moe_layers(layers), self.moe
             seconds += n * (
@@ -210,7 +215,10 @@ def compute(case: Case) -> Compute:
         layer_flops = 3 * layer_fwd + recompute
     head_fwd = 2 * m.vocab_size * m.hidden_size * tokens_mb / (p.tp * p.tp_col)
     efficiency = compute_efficiency(case)
+    split = split_backward_s(case) if case.device == "cpu" else 0.0  # GPUs: with the launch floor
     if not m.moe:  # the experts' work replaces the dense MLP's in their layers (tuner/cost/experts.py)
-        return Compute(layer_flops, own_s, gemm_fwd, head_fwd, efficiency, case.peak_flops)
+        return Compute(layer_flops, own_s, gemm_fwd, head_fwd, efficiency, case.peak_flops, split_s=split)
     moe = moe_step(case, efficiency)
-    return Compute(layer_flops, own_s, gemm_fwd, head_fwd, efficiency, case.peak_flops, moe, m.num_moe_layers)
+    return Compute(
+        layer_flops, own_s, gemm_fwd, head_fwd, efficiency, case.peak_flops, moe, m.num_moe_layers, split
+    )

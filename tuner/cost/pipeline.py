@@ -266,6 +266,38 @@ def in_flight(p: ParallelConfig, stage: int) -> float:
     return float(min(pp - stage, n))
 
 
+# What torch's split backward (a V schedule's input half, then its weight half) costs beyond one
+# whole backward, per layer and micro-batch, in host seconds: its walks of the autograd graph for the
+# weights' groups and the graph kept between the halves. Measured by `bench/split_backward.py`
+# (2026-12-06, this project's 2-core VM, one thread, torch 2.13): a dense gpt-small layer 1.9 ms, a
+# moe-small layer 3.1 / 3.6 / 5.9 ms with 2 / 4 / 8 experts in the CPU's loop over them (2.4 ms +
+# 0.43 ms an expert, fitted by hand to those three). On GPUs the same host work, priced with the
+# layer's launch floor (it delays the weight half's kernels only where they would wait for the host
+# anyway); a GPU's grouped GEMM has no node per expert: 2.4 ms a MoE layer. Not fitted to any table.
+SPLIT_BACKWARD_DENSE_S = 1.9e-3
+SPLIT_BACKWARD_MOE_S = 2.4e-3
+SPLIT_BACKWARD_EXPERT_S = 0.43e-3
+
+
+def split_backward_s(case: Case) -> float:
+    """A V schedule's host seconds of split backwards per layer and micro-batch on its busiest rank
+    (the last: no first stage, whose weight half runs a plain backward): the layer's split cost x
+    the share of the rank's local-stage backwards torch splits (all of ZBV's, a few of DualPipeV's:
+    its paired steps run whole backwards). 0 for every other schedule."""
+    m, p = case.model, case.layout
+    if p.pp_schedule not in V_SCHEDULES or p.pp == 1:
+        return 0.0
+    order = v_order(p.pp_schedule, p.pp, p.num_microbatches, p.pp - 1)
+    share = sum(kind == "I" for kind, _, _ in order) / (2 * p.num_microbatches)
+    per_layer = SPLIT_BACKWARD_DENSE_S
+    if m.moe and m.num_moe_layers:
+        moe = SPLIT_BACKWARD_MOE_S + (
+            SPLIT_BACKWARD_EXPERT_S * m.num_experts / p.ep if case.device == "cpu" else 0.0
+        )
+        per_layer += (moe - SPLIT_BACKWARD_DENSE_S) * m.num_moe_layers / m.num_layers
+    return share * per_layer
+
+
 @functools.lru_cache(maxsize=1024)
 def v_order(schedule: str, pp: int, n: int, rank: int) -> tuple[tuple[str, int, int], ...]:
     """Pipeline rank `rank`'s forwards ("F"), whole backwards ("B"), input ("I") and weight ("W")
