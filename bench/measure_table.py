@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
@@ -269,7 +270,29 @@ def report(path: Path) -> list[str]:
         rerun = spearmanr([a for a, _ in pairs], [b for _, b in pairs]).statistic
         lines.append(f"  repeats: |run1 - run2| / mean median {statistics.median(spreads):.1%}, "
                      f"max {spreads[-1]:.1%}; rho run 1 vs run 2 over {len(pairs)} layouts {rerun:.3f}")  # fmt: skip
-    return lines
+    return lines + schedule_lines(ok)
+
+
+def schedule_lines(ok: list[tuple[Any, float]]) -> list[str]:
+    """A table of several pipeline schedules (`--space schedule`): per layout but its schedule,
+    the schedules in measured and in predicted order, and each against 1F1B, measured / predicted."""
+    groups: dict[str, list[tuple[str, float, float]]] = {}
+    for r, p in ok:
+        c = r.parallel
+        if c.pp > 1:
+            key = dataclasses.replace(c, pp_schedule="1f1b", virtual_stages=1).describe()
+            groups.setdefault(key, []).append((c.pp_schedule, r.iteration_time_s, p))
+    lines = []
+    for key, rows in groups.items():
+        base = next(((t, p) for s, t, p in rows if s == "1f1b"), None)
+        if len(rows) < 2 or base is None:
+            continue
+        measured = " < ".join(s for s, _, _ in sorted(rows, key=lambda x: x[1]))
+        predicted = " < ".join(s for s, _, _ in sorted(rows, key=lambda x: x[2]))
+        ratios = ", ".join(f"{s} {t / base[0]:.2f} / {p / base[1]:.2f}" for s, t, p in rows if s != "1f1b")
+        lines.append(f"  {key}: measured {measured}; predicted {predicted}; "
+                     f"x 1F1B measured / predicted: {ratios}")  # fmt: skip
+    return ["  schedules, per layout but its schedule:", *lines] if lines else []
 
 
 @contextmanager
