@@ -72,6 +72,8 @@ CP_COLUMNS = [*MOE_COLUMNS, "cp"]
 # A pipeline-schedule table adds the schedule and its stages a rank (bench/validation_data.py reads
 # them where present, the framework column's "interleaved pipeline chunks" otherwise).
 SCHEDULE_COLUMNS = [*MOE_COLUMNS, "pp_schedule", "virtual_stages"]
+# Every column table_row fills (a table's writer keeps those of its header: table_columns).
+ROW_COLUMNS = [*CP_COLUMNS, "pp_schedule", "virtual_stages"]
 SPACE = SpaceSpec(tp=[1, 2, 4], pp=[1, 2, 4], micro_batch_size=[1, 2, 4], zero_stage=[0, 3],
                   activation_checkpoint=["none"], sequence_parallel=[False], pp_schedule=["1f1b"])  # fmt: skip
 # `--space column`: strong scaling, where 2D tensor parallelism could win. With a global batch of
@@ -145,7 +147,7 @@ def table_row(
     table_id: str, source: str, gpu_type: str, gpus_per_node: int, with_placement: bool,
 ) -> dict[str, object]:  # fmt: skip
     """One layout's CSV row from its repeated runs: the median of the per-run median step times.
-    Every column of CP_COLUMNS; a table's writer keeps those of its header (table_columns)."""
+    Every column of ROW_COLUMNS; a table's writer keeps those of its header (table_columns)."""
     model, ok = cfg.model, [r for r in results if r.ok]
     times = [statistics.median(r.step_times_s) for r in ok]
     status = row_status(results)

@@ -12,6 +12,7 @@ import pytest
 from bench.measure_table import (
     CP_COLUMNS,
     OWN_COLUMNS,
+    ROW_COLUMNS,
     SPACES,
     cluster_label,
     measured_layouts,
@@ -146,7 +147,7 @@ def test_a_cp_row_reads_back_with_cp_and_its_llama_model(tmp_path: Path) -> None
     layout = P(tp=2, dp_shard=2, zero_stage=3, sequence_parallel=True, cp=2, num_microbatches=4)
     row, m = _write_and_load(tmp_path, layout, [_result(layout, [1.5, 1.6]), _result(layout, [1.7])],
                              mbit=200, model="llama-tiny", space="cp", seq_len=2048)  # fmt: skip
-    assert sorted(row) == sorted(CP_COLUMNS)
+    assert sorted(row) == sorted(ROW_COLUMNS) and set(CP_COLUMNS) <= set(row)
     assert (row["tp"], row["dp"], row["cp"], row["num_gpus"], row["global_batch_size"]) == (2, 2, 2, 8, 8)
     assert m.parallel == layout and m.model == dataclasses.replace(MODEL_PRESETS["llama-tiny"], seq_len=2048)
     assert m.iteration_time_s == pytest.approx(1.625)  # median of the per-run medians 1.55 and 1.7

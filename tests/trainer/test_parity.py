@@ -145,17 +145,9 @@ FAMILY_LAYOUTS = [
     ("llama-tied-pp4", "llama-tied", P(pp=4, micro_batch_size=2, num_microbatches=4)),  # a group of 2 of 4
     # a V schedule: the tied copies on one rank (the first and the last stage)
     (
-        "llama-tied-tp2-sp-pp2-dualpipev",
+        "llama-tied-pp2-dualpipev",
         "llama-tied",
-        P(
-            tp=2,
-            sequence_parallel=True,
-            pp=2,
-            pp_schedule="dualpipev",
-            virtual_stages=2,
-            micro_batch_size=2,
-            num_microbatches=4,
-        ),
+        P(pp=2, pp_schedule="dualpipev", virtual_stages=2, micro_batch_size=2, num_microbatches=4),
     ),
     (
         "llama-tied-tp2-pp2-interleaved-v2",

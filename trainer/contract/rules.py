@@ -105,11 +105,11 @@ def pp_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
             f"pp_schedule {p.pp_schedule!r} places two stages on each rank (a V): virtual_stages must be 2, "
             f"got {p.virtual_stages}",
         ))  # fmt: skip
-    if v_shaped and p.num_microbatches < p.num_stages:
+    if v_shaped and p.num_microbatches < 2 * p.pp:
         out.append((
             "a V schedule needs num_microbatches >= 2 pp",
             f"pp_schedule {p.pp_schedule!r} needs num_microbatches ({p.num_microbatches}) >= its stages "
-            f"(2 x pp = {p.num_stages})",
+            f"(2 x pp = {2 * p.pp})",
         ))  # fmt: skip
     if p.pp_schedule == "1f1b" and p.num_microbatches < p.pp:
         out.append((

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
+from trainer.contract.rules import V_SCHEDULES
 from tuner.cost import dtypes
 from tuner.cost.collectives import Comm, Link, call_overhead_s
 from tuner.cost.context import local_tokens
@@ -414,15 +415,19 @@ def expert_rank(
     grads = 2 * (k * m.expert_ffn_size * factor + m.moe_shared_ffn_hidden_size - m.ffn_size) * cb / p.tp
     if "moe_act" in recomputed_modules(p):  # what the activation's recompute brings back meanwhile
         grads += (m.mlp_kind.kept - m.mlp_kind.inputs) * m.moe_top_k * m.expert_ffn_size * factor * cb / p.tp
-    share = k * factor / p.tp
-    widths = m.mlp_kind.inputs * m.expert_ffn_size + m.hidden_size
-    shared = (
-        m.mlp_kind.inputs * m.moe_shared_ffn_hidden_size + m.hidden_size
-        if m.moe_shared_ffn_hidden_size
-        else 0
-    )
-    dense_mlp = weight_output_bytes_per_token(m, p, cb) - weight_output_bytes_per_token(m, p, cb, mlp=False)  # fmt: skip
-    weight_outputs = (m.num_experts / p.tp + shared / p.tp + widths * share) * cb - dense_mlp
+    weight_outputs = 0.0
+    if p.pp_schedule in V_SCHEDULES:  # a split backward's (no other schedule keeps them between halves)
+        share = k * factor / p.tp
+        widths = m.mlp_kind.inputs * m.expert_ffn_size + m.hidden_size
+        shared = (
+            m.mlp_kind.inputs * m.moe_shared_ffn_hidden_size + m.hidden_size
+            if m.moe_shared_ffn_hidden_size
+            else 0
+        )
+        dense_mlp = weight_output_bytes_per_token(m, p, cb) - weight_output_bytes_per_token(
+            m, p, cb, mlp=False
+        )
+        weight_outputs = (m.num_experts / p.tp + shared / p.tp + widths * share) * cb - dense_mlp
     return ExpertRank(
         num_moe=num_moe, dense_params=num_dense * layer_params(m, p.tp) + num_moe * moe_params,
         experts=num_moe * experts, layer_params=moe_params + experts, weight_outputs_per_token=weight_outputs,
