@@ -217,9 +217,12 @@ def extrapolation_points(p: ParallelConfig) -> tuple[int, int] | None:
     micro-batch, or None when the layout has no more than those. Found by simulating counts up to
     3-4 x pp on 8-layer models: the step is linear from 2 micro-batches without a pipeline (the
     second is the first to accumulate gradients), from 2pp - 1 with 1F1B and GPipe (the last
-    count at which the peak still moves within the steady state) and from 3pp interleaved."""
-    if p.pp_schedule == "interleaved_1f1b" and p.pp > 1:
-        counts = (3 * p.pp, 4 * p.pp)  # multiples of pp: valid rounds for the interleaved schedule
+    count at which the peak still moves within the steady state) and from 3pp interleaved; the V
+    schedules (ZBV, DualPipeV) from 3pp too (pp 2, 12 micro-batches: extrapolated from 6 and 8
+    equal to the whole simulation to the byte on both ranks, 2026-12-06)."""
+    if p.pp_schedule in ("interleaved_1f1b", "zbv", "dualpipev") and p.pp > 1:
+        # multiples of pp: valid rounds for the interleaved schedule; the V schedules need 2 pp
+        counts = (3 * p.pp, 4 * p.pp)
     else:
         first = max(2, 2 * p.pp - 1)
         counts = (first, first + 1)
