@@ -312,7 +312,8 @@ class ReleasingSends:
 
     sends: Sends
 
-    def _init_sends(self) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         mapping = getattr(self, "stage_index_to_group_rank", None) or {
             i: i % self.pp_group_size for i in range(self._num_stages)
         }
@@ -338,19 +339,11 @@ class ReleasingSends:
 class Interleaved1F1B(ReleasingSends, ScheduleInterleaved1F1B):
     """torch's interleaved 1F1B (looped placement), its sends released early."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sends()
-
 
 class ZBV(ReleasingSends, ScheduleZBVZeroBubble):
     """torch's ZBV zero-bubble schedule (Qi et al. 2024, "Zero Bubble Pipeline Parallelism": two
     stages a rank in a V, each backward split into its input half, sent on at once, and its weight
     half, run where a bubble would be), its sends released early."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sends()
 
 
 class DualPipeV(ReleasingSends, ScheduleDualPipeV):
@@ -358,10 +351,6 @@ class DualPipeV(ReleasingSends, ScheduleDualPipeV):
     early. Its paired forward-and-backward steps (OVERLAP_F_B) run one after the other here:
     torch overlaps them only through a function the user registers, and the trainer registers
     none (the overlap of one micro-batch's all-to-all with another's compute is not built)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sends()
 
 
 MULTI_STAGE: dict[str, type[_PipelineSchedule]] = {
