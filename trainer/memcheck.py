@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 
-from trainer import benchmark, moe, parallelize
+from trainer import benchmark, moe, offload, parallelize
 from trainer import model as model_module
 from trainer.benchmark import Trainer, _dtype, memory_step, memory_tracker
 from trainer.contract.model import ModelConfig
@@ -441,7 +441,8 @@ def _cuda_kernels() -> Iterator[None]:
     the grouped path keeps a padded copy of the routed tokens for backward that the loop's views
     do not have (an A100 trial runs the loop: its oracle would over-count that copy). And op-level
     checkpointing keeps attention's output as it keeps CUDA's SDPA kernels' (flash, efficient),
-    which the CPU's kernel the simulation runs is not among (trainer/parallelize.py)."""
+    which the CPU's kernel the simulation runs is not among (trainer/parallelize.py). And offloaded
+    activations (trainer/offload.py) leave the device: their host copies keep no (fake) bytes."""
     original = F.rms_norm
     saved_ops = parallelize._op_sac_saved
 
@@ -473,8 +474,22 @@ def _cuda_kernels() -> Iterator[None]:
         mock.patch.object(model_module, "sdpa_needs_equal_widths", lambda device: False),
         mock.patch.object(moe, "use_grouped_mm", lambda x: x.dtype == torch.bfloat16),
         mock.patch.object(parallelize, "_op_sac_saved", op_sac_saved),
+        mock.patch.object(offload, "to_host", _host_copy),
+        mock.patch.object(offload, "to_device", _device_copy),
     ):
         yield
+
+
+def _host_copy(t: torch.Tensor) -> tuple[torch.Size, tuple[int, ...], torch.dtype]:
+    """A simulated GPU's offload to host memory: nothing on the device, nothing to count."""
+    return t.size(), t.stride(), t.dtype
+
+
+def _device_copy(
+    packed: tuple[torch.Size, tuple[int, ...], torch.dtype], device: torch.device
+) -> torch.Tensor:
+    size, stride, dtype = packed
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
 class NarrowValuesAttention(torch.autograd.Function):

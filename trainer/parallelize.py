@@ -33,6 +33,7 @@ from trainer.contract.parallel import ParallelConfig
 from trainer.contract.rules import ACTIVATION_CHECKPOINTS, RECOMPUTE_MODULES, gathers_norms_again
 from trainer.model import GPT, LatentAttention
 from trainer.moe import MoEComm, local, moe_layers
+from trainer.offload import offload_activations
 from trainer.parallel_dims import ParallelDims
 from trainer.tp2d import apply_tp_2d
 
@@ -60,11 +61,11 @@ def parallelize_gpt(
         apply_cp(model, mesh["cp"])
     if sparse_mesh is not None:
         apply_ep(model, mesh, sparse_mesh, dims)
-    if parallel.activation_checkpoint != "none":
-        apply_ac(model, parallel.activation_checkpoint)
     if gathers_norms_again(parallel) and dims.tp_col == 1:
         for block in model.layers.values():
             block.gather_norms_again = True
+    if parallel.activation_checkpoint != "none":
+        apply_ac(model, parallel.activation_checkpoint)
     if compile:
         apply_compile(model)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -243,7 +244,8 @@ def apply_ac(model: GPT, mode: str) -> None:
     recompute_without_output); layernorm: the norms' outputs; mla_up_proj: latent attention's q, k
     and v, computed again from the latents (trainer/model.py LatentAttention), and their "+"
     combinations. op: torchtitan's op-level selective checkpointing of each block
-    (op_sac_policy), as torchtitan's SelectiveAC."""
+    (op_sac_policy), as torchtitan's SelectiveAC. offload: nothing recomputed, each block's saved
+    activations wait in host memory for its backward (trainer/offload.py)."""
     preserve_rng = model.cfg.dropout > 0
     for name, block in list(model.layers.named_children()):
         if mode == "full":
@@ -252,6 +254,8 @@ def apply_ac(model: GPT, mode: str) -> None:
             block.attn.core = checkpoint_wrapper(block.attn.core, preserve_rng_state=preserve_rng)
         elif mode == "op":
             model.layers.register_module(name, op_sac_wrap(block, preserve_rng))
+        elif mode == "offload":
+            offload_activations(block)
         elif set(mode.split("+")) <= set(RECOMPUTE_MODULES):  # Megatron's recompute modules
             modules = mode.split("+")
             block.recompute_norms = "layernorm" in modules

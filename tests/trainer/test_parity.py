@@ -71,6 +71,19 @@ LAYOUTS = [
             num_microbatches=2,
         ),
     ),
+    # activation offload: tensor parallelism's DTensors and FSDP2's gathered weights under its
+    # saved-tensor hooks (trainer/offload.py; the gathered weights stay, the rest makes the round trip)
+    (
+        "tp2-dp2-sp-zero3-offload",
+        P(
+            tp=2,
+            dp_shard=2,
+            zero_stage=3,
+            sequence_parallel=True,
+            activation_checkpoint="offload",
+            micro_batch_size=4,
+        ),
+    ),
     ("ac-full", P(activation_checkpoint="full", micro_batch_size=8)),
     ("ac-selective", P(activation_checkpoint="selective", micro_batch_size=8)),
     ("ac-op", P(activation_checkpoint="op", micro_batch_size=8)),  # torchtitan's op-level policy

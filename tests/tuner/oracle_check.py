@@ -3,16 +3,21 @@ tests/tuner/test_memmodel.py, test_moe_model.py and test_cp_model.py check for s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from trainer.contract.result import BenchmarkConfig
 from tuner.cost.case import Case
 from tuner.cost.experts import priced_imbalance
 from tuner.cost.memory import phase_bytes
 from tuner.perfconstants import ModelConstants
 
+if TYPE_CHECKING:
+    from trainer.memcheck import MemoryReport
 
-def assert_every_rank_matches_the_oracle(cfg: BenchmarkConfig, tolerance: float) -> None:
+
+def assert_every_rank_matches_the_oracle(cfg: BenchmarkConfig, tolerance: float) -> MemoryReport:
     """memcheck(cfg) against phase_bytes of each simulated rank's pipeline stage (tensor bytes:
-    memory_scale 1, no workspace), within `tolerance` of the oracle's peak."""
+    memory_scale 1, no workspace), within `tolerance` of the oracle's peak; the oracle's report."""
     from trainer.memcheck import memcheck
 
     report = memcheck(cfg)
@@ -30,3 +35,4 @@ def assert_every_rank_matches_the_oracle(cfg: BenchmarkConfig, tolerance: float)
             predicted,
             rank.peak_bytes,
         )
+    return report

@@ -526,14 +526,11 @@ def test_bf16_gradient_reduction_matches_the_oracle(parallel: ParallelConfig, de
     gradients accumulate whole in bf16, half the fp32 default's, and land in fp32 at the last
     backward's reduce (tuner/cost/memory.py forward_backward's `landed` moment). The oracle's peak
     falls, and the model follows it on every rank."""
-    from trainer.memcheck import memcheck
-
     model = dataclasses.replace(MODEL_PRESETS["llama-small"], num_layers=4, seq_len=256)
     peaks = {}
     for dtype in ("fp32", "bf16"):
         cfg = BenchmarkConfig(model=model, parallel=parallel, device=device, grad_reduce_dtype=dtype)
-        assert_every_rank_matches_the_oracle(cfg, 0.05)
-        peaks[dtype] = memcheck(cfg).peak_bytes
+        peaks[dtype] = assert_every_rank_matches_the_oracle(cfg, 0.05).peak_bytes
     assert peaks["bf16"] < peaks["fp32"], peaks
 
 

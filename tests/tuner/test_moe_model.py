@@ -397,9 +397,18 @@ ORACLE_MLA_LAYOUTS = [
 ]  # fmt: skip
 
 
+# Every layout with the GPU's kernels; on CPU (v and the output padded) the two without the
+# recompute options, which the GPU's cases check (issue 37's make test budget: 42 s of oracle)
+ORACLE_MLA_CASES = [
+    pytest.param(device, *case.values, id=f"{device}-{case.id}")
+    for device in ("cuda", "cpu")
+    for case in ORACLE_MLA_LAYOUTS
+    if device == "cuda" or case.id in ("ep2", "tp2-sp-ep2")
+]
+
+
 @pytest.mark.oracle
-@pytest.mark.parametrize("parallel", ORACLE_MLA_LAYOUTS)
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize(("device", "parallel"), ORACLE_MLA_CASES)
 def test_latent_attention_matches_the_oracle(parallel: ParallelConfig, device: str) -> None:
     """Latent attention as trainer/model.py builds it: q, k, v's own copy and the output (on CPU v
     and the output padded to q's width), the latents whole on every tp rank, op-level

@@ -90,9 +90,11 @@ def test_deterministic_per_seed(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_exhausts_a_small_space_exactly(name: str) -> None:
-    sampler = make(name, SMALL)
-    proposed = drive(sampler, len(SMALL) + 5)
-    assert sorted(map(str, proposed)) == sorted(map(str, SMALL))
+    # optuna's GP refits at every ask: half the space (all 16 took 46 s of make test's 2 cores)
+    space = SMALL[::2] if name in LONG else SMALL
+    sampler = make(name, space)
+    proposed = drive(sampler, len(space) + 5)
+    assert sorted(map(str, proposed)) == sorted(map(str, space))
     assert sampler.ask() is None
 
 

@@ -174,7 +174,8 @@ AXES: tuple[Axis, ...] = (
          "activation checkpointing: none, selective (attention core), moe_act (the experts' activation, "
          "Megatron's --recompute-modules moe_act), layernorm (the norms' outputs; also layernorm+moe_act), "
          "mla_up_proj (latent attention's q, k and v from the latents; also with moe_act, layernorm), op (torchtitan's op-level: matmul, attention and "
-         "reduce-scatter outputs kept, the rest recomputed) or full (every block)",
+         "reduce-scatter outputs kept, the rest recomputed), full (every block) or offload (no recompute: each "
+         "block's saved activations copied to host memory until its backward, trainer/offload.py)",
          choices=ACTIVATION_CHECKPOINTS, space_default=("none", "selective", "full"), space_order=4, sampler="categorical",
          knob_order=7, aliases=("ac",), rules=rules.ac_rules,
          token=lambda p: f"ac={p.activation_checkpoint}" if p.activation_checkpoint != "none" else "",

@@ -30,6 +30,10 @@ class Device:
     peak_tflops_bf16: float  # dense tensor-core bf16 (fp16 on V100 and T4)
     peak_tflops_fp32: float  # plain fp32 (torch does not use TF32 for matmuls by default)
     memory_gbps: float  # HBM/GDDR bandwidth, GB/s
+    # The link to host memory, GB/s each way, nominal (the data sheet's bidirectional PCIe figure
+    # halved: Gen5 x16 64, Gen4 32, Gen3 16; MI250X: a GCD's Infinity Fabric link to the CPU on
+    # Frontier, 36): what offloaded activations cross (trainer/offload.py). Not measured here.
+    host_gbps: float = 32.0
 
     def peak_tflops(self, dtype: Dtype) -> float:
         return self.peak_tflops_fp32 if dtype == "fp32" else self.peak_tflops_bf16
@@ -37,22 +41,22 @@ class Device:
 
 # More specific names first: "H100 PCIe" before "H100", "A100-SXM4-40GB" before "A100".
 DEVICES: tuple[Device, ...] = (
-    Device("B200", 2250.0, 80.0, 8000.0),
-    Device("H200", 989.4, 66.9, 4800.0),
-    Device("H100 PCIe", 756.0, 51.2, 2000.0),
-    Device("H100", 989.4, 66.9, 3350.0),  # SXM5
+    Device("B200", 2250.0, 80.0, 8000.0, 64.0),
+    Device("H200", 989.4, 66.9, 4800.0, 64.0),
+    Device("H100 PCIe", 756.0, 51.2, 2000.0, 64.0),
+    Device("H100", 989.4, 66.9, 3350.0, 64.0),  # SXM5
     Device("A100-SXM4-40GB", 312.0, 19.5, 1555.0),
     Device("A100-PCIE-40GB", 312.0, 19.5, 1555.0),
     Device("A100", 312.0, 19.5, 2039.0),  # 80 GB SXM4
     Device("L40S", 362.0, 91.6, 864.0),
     Device("L4", 121.0, 30.3, 300.0),
     Device("A10G", 70.0, 31.2, 600.0),  # AWS A10G data sheet: 70 TFLOP/s tensor, dense
-    Device("V100", 125.0, 15.7, 900.0),  # SXM2; fp16 tensor cores
-    Device("T4", 65.0, 8.1, 320.0),  # fp16 tensor cores
-    Device("MI300X", 1307.4, 163.4, 5300.0),
-    Device("MI250X", 191.5, 47.9, 1638.4),  # per GCD
+    Device("V100", 125.0, 15.7, 900.0, 16.0),  # SXM2; fp16 tensor cores
+    Device("T4", 65.0, 8.1, 320.0, 16.0),  # fp16 tensor cores
+    Device("MI300X", 1307.4, 163.4, 5300.0, 64.0),
+    Device("MI250X", 191.5, 47.9, 1638.4, 36.0),  # per GCD
 )
-CPU = Device("cpu", 0.05, 0.05, 10.0)  # nominal, per rank (see the module docstring)
+CPU = Device("cpu", 0.05, 0.05, 10.0, 10.0)  # nominal, per rank (see the module docstring); host = device
 
 
 def find_device(name: str) -> Device | None:

@@ -21,7 +21,7 @@ Violations = list[tuple[str, str]]
 ZERO_STAGES = (0, 2, 3)
 ACTIVATION_CHECKPOINTS = (
     "none", "selective", "moe_act", "layernorm", "layernorm+moe_act", "mla_up_proj", "mla_up_proj+moe_act",
-    "layernorm+mla_up_proj+moe_act", "op", "full",
+    "layernorm+mla_up_proj+moe_act", "op", "full", "offload",
 )  # fmt: skip
 # Megatron's --recompute-modules the values above combine (trainer/model.py, trainer/moe.py)
 RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "moe_act")
@@ -191,11 +191,28 @@ def ep_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
 
 
 def ac_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
-    """Op-level checkpointing (trainer/parallelize.py op_sac_policy) runs where its memory is
+    """Activation offload (trainer/offload.py) with one stage a rank, 1D tensor parallelism and no
+    context parallelism, where the oracle checks it. Op-level checkpointing (trainer/parallelize.py op_sac_policy) runs where its memory is
     priced and checked against the oracle: 1D tensor parallelism without context parallelism.
     moe_act recomputes the routed experts' activation (trainer/moe.py GroupedExperts): a mixture
     of experts only."""
     ac = p.activation_checkpoint
+    if ac == "offload":
+        out = []
+        if p.virtual_stages > 1:
+            out.append((
+                "offload needs one stage a rank",
+                f"activation_checkpoint offload with {p.pp_schedule} ({p.virtual_stages} stages a rank) is not "
+                "priced yet (its memory walk has no offloaded moment); use 1f1b or gpipe",
+            ))  # fmt: skip
+        if p.tp_col > 1 or p.cp > 1:
+            out.append((
+                "offload needs tp_col 1 and cp 1",
+                f"activation_checkpoint offload with tp_col ({p.tp_col}) or cp ({p.cp}) > 1 is not priced yet "
+                "(what attention's backward brings back with the gathered keys and values: the memory "
+                "oracle measured 7 % more than the model at cp 2); use none, selective or full",
+            ))  # fmt: skip
+        return out
     if "mla_up_proj" in ac.split("+"):
         if not model.attention_kind.latent:
             return [(
@@ -280,6 +297,9 @@ def gathers_norms_again(p: ParallelConfig) -> bool:
     """Sequence parallelism keeps the norms' output shards and all-gathers them again in the
     backward (trainer/model.py Block.gather_norms_again, trainer/parallelize.py; Megatron-LM's way), unless the layout
     recomputes them anyway: layernorm recompute keeps no norm output, full and op-level
-    checkpointing recompute whole blocks (tuner/cost prices the same rule)."""
-    recomputed = p.activation_checkpoint in ("full", "op") or "layernorm" in p.activation_checkpoint
+    checkpointing recompute whole blocks (tuner/cost prices the same rule), or offloads its
+    activations: the gathered inputs go to host memory with the rest (trainer/offload.py)."""
+    recomputed = (
+        p.activation_checkpoint in ("full", "op", "offload") or "layernorm" in p.activation_checkpoint
+    )
     return p.sequence_parallel and p.tp > 1 and not recomputed

@@ -14,13 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainer.contract.devices import Device
 from trainer.contract.families import family_of
 from trainer.contract.model import ModelConfig
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost.context import attention_keys, keys_per_query
 from tuner.cost.experts import MoEStep, moe_step
 from tuner.cost.layer import op_recomputed_flops_per_token, recomputed_modules, up_projection_flops_per_token
-from tuner.cost.pipeline import split_backward_s
+from tuner.cost.memory import rank_bytes
+from tuner.cost.pipeline import split_backward_s, stage_layers
 from tuner.devicelevels import MEMORY_TRAFFIC
 
 if TYPE_CHECKING:
@@ -34,12 +36,14 @@ class ComputePart:
     compute_mb: float  # one micro-batch's compute (or the floor below)
     floor_mb: float  # what the launch floor adds to it
     overhead_mb: float  # the framework's per-micro-batch bookkeeping
+    offload_mb: float = 0.0  # activation offload's copies to host memory and back (memory.offload_s)
 
     def terms(self, microbatches: int) -> dict[str, float]:
         return {
             "compute_s": microbatches * self.compute_mb,
             "launch_floor_s": microbatches * self.floor_mb,
             "microbatch_overhead_s": microbatches * self.overhead_mb,
+            "offload_s": microbatches * self.offload_mb,
         }
 
 
@@ -48,7 +52,24 @@ def compute_part(case: Case, compute_mb: float, layers: float) -> ComputePart:
     on GPUs with a V schedule's split backwards, host work too: pipeline.split_backward_s)."""
     c = case.constants
     floor = c.layer_floor_s + (split_backward_s(case) if case.device != "cpu" else 0.0)
-    return ComputePart(compute_mb, max(0.0, layers * floor - compute_mb), c.microbatch_overhead_s)
+    offload = offload_s(case, layers) if case.layout.activation_checkpoint == "offload" else 0.0
+    return ComputePart(compute_mb, max(0.0, layers * floor - compute_mb), c.microbatch_overhead_s, offload)
+
+
+def offload_s(case: Case, layers: float) -> float:
+    """Activation offload (trainer/offload.py): one micro-batch's saved activations of `layers`
+    layers copied to host memory in the forward and back in the backward, each way at the device's
+    host link (Device.host_gbps, nominal: not measured here), exposed: the trainer's copies run in
+    the compute stream's order, nothing overlaps them (Megatron-LM's offload overlaps them on a
+    stream of their own). On CPU ranks host memory is the device: two copies, each read and
+    written, as memory-bound work."""
+    per_layer = rank_bytes(case, 0).offloaded / max(1, stage_layers(case.model.num_layers, case.layout, 0))
+    moved = 2 * per_layer * layers
+    if case.device == "cpu":
+        return 2 * moved * case.constants.elementwise_flops_per_byte / case.memory_peak_flops
+    assert case.cluster is not None
+    row = case.cluster.device_row  # a device the table lacks: a PCIe Gen4 link (Device's default)
+    return moved / ((row.host_gbps if row is not None else Device.host_gbps) * 1e9)
 
 
 def gemm_fwd_flops_per_token(m: ModelConfig) -> float:

@@ -28,6 +28,7 @@ from tuner.cost.data import expert_shards, weight_shards
 from tuner.cost.experts import expert_rank, local_expert_params
 from tuner.cost.layer import (
     activation_bytes_per_token,
+    attention_tensors,
     flow_bytes,
     layer_params,
     norm_2d_bytes,
@@ -85,6 +86,9 @@ class RankBytes:
     chunks: tuple[float, ...] = (1.0,)  # each local stage's share of the rank's layers (interleaved)
     loop_grads: float = 0.0  # the CPU's loop over experts: its weight gradients' whole-tensor transients
     output_held: float = 0.0  # the last stage's logits, which torch's schedule holds through its backward
+    offloaded: float = 0.0  # activation offload: one micro-batch's saved activations the stage sends to host
+    unpacked: float = 0.0  # ... and what a layer's MLP brings back for its backward
+    first_grads: float = 0.0  # the gradients the stage's last layer to run its backward (and the root) land
     # A V schedule's split backward: what its input half keeps for its weight half, one
     # micro-batch's in all the rank's layers (and the head's, on the last stage)
     weight_outputs: float = 0.0
@@ -155,6 +159,23 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     layers = layer * stage_layers(m.num_layers, p, stage) + own
     if moe is not None:
         layers += moe.num_moe * moe.act_per_token * tokens
+    offloaded = unpacked = 0.0
+    if p.activation_checkpoint == "offload":  # trainer/offload.py: every saved activation of the
+        # stage's layers to host memory and back (on a CPU rank host memory is the device: kept)
+        offloaded = layers - own
+        # What comes back for the layer's biggest backward beyond the gradients `flow` counts: the
+        # MLP's kept tensors (at its activation's backward), or attention's (q, the keys and values
+        # it saw, gathered under cp, its output, the log-sum-exp) and their gradients, beside the
+        # residual stream's two
+        saved_attention = (attention_tensors(m, device) * cb + 4 * m.num_heads) / t * tokens
+        saved_attention += gathered_kv_bytes(m, p, cb)
+        stream_grads = tokens * 2 * h / k * residual
+        unpacked = max(
+            m.mlp_kind.kept * m.ffn_size / t * cb * tokens,
+            stream_grads + 2 * saved_attention - flow_bytes(m, p, cb, residual, tokens),
+        )
+        if device != "cpu":
+            layers = own
     logits = tokens * v / t  # per micro-batch, vocab-sharded
     recompute = 0.0
     if p.activation_checkpoint in ("full", "op"):  # recomputing a layer brings its activations back
@@ -201,7 +222,9 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         if moe is not None:
             weight_outputs += moe.num_moe * moe.weight_outputs_per_token * tokens
     return RankBytes(
-        weight_outputs=weight_outputs, head_weight_outputs=cb * logits if last else 0.0,
+        offloaded=offloaded, unpacked=unpacked, weight_outputs=weight_outputs,
+        first_grads=(4.0 if dp == 1 or not bf16_grads else 2.0) * (layer_params(m, t, k) + embed + head)
+        / (weight_shards(case) if p.zero_stage > 0 else 1), head_weight_outputs=cb * logits if last else 0.0,
         params=params, d=weight_shards(case), cb=cb,
         accumulated_bytes=2.0 if bf16_grads and dp > 1 else 4.0,
         expert_accumulated_bytes=2.0 if bf16_grads and moe is not None else 4.0,
@@ -280,6 +303,13 @@ def forward_backward(
             moments.append((r.whole, accumulated, held * (inflight - 1) + r.loss))
     if bf16_accumulated:
         moments.append(landed)
+    if r.offloaded:  # offloaded activations (trainer/offload.py): the peak is the MLP's backward in
+        # the stage's last layer to run it, its saved tensors back from host memory, every other
+        # layer's gradients there (all of them once a micro-batch has accumulated them)
+        # (FSDP2 has resharded the other layers by then, each at its post-backward)
+        landed_grads = accumulated if accumulates and not first_backward else accumulated - r.first_grads
+        gathered = r.root + r.unit if p.zero_stage > 0 else working
+        moments.append((gathered, landed_grads + fresh, held * (inflight - 1) + r.layers + flow + r.unpacked))
     if p.zero_stage == 3 and p.pp > 1:  # a backward that does not sync leaves its layers
         # gathered until their next forward: all of them at its last layer
         moments.append((r.whole, accumulated + fresh, held * (inflight - 1) + r.layer + flow))

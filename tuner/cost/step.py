@@ -43,6 +43,7 @@ class RankStep:
         return (
             self.compute.compute_mb
             + self.compute.floor_mb
+            + self.compute.offload_mb
             + self.tensor.comm_mb.total
             + self.tensor.wait_mb
             + self.compute.overhead_mb
@@ -98,6 +99,7 @@ def rank_step(
     critical_mb = (
         own.compute_mb
         + own.floor_mb
+        + own.offload_mb
         + tensor.comm_mb.total
         + tensor.wait_mb
         + experts.a2a_mb.total

@@ -37,6 +37,8 @@ class StepTerms:
     # cp group spans; 0 without it.
     cp_comm_intra_s: float = 0.0
     cp_comm_inter_s: float = 0.0
+    # Activation offload's copies to host memory and back (compute.offload_s); 0 without it.
+    offload_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -58,6 +60,7 @@ TERM_LABELS = {
     "optimizer_s": "optimizer step", "shared_cores_s": "ranks sharing cores",
     "moe_a2a_intra_s": "expert all-to-all (in node)", "moe_a2a_inter_s": "expert all-to-all (across nodes)",
     "cp_comm_intra_s": "context-parallel K/V (in node)", "cp_comm_inter_s": "context-parallel K/V (across nodes)",
+    "offload_s": "activation offload (host link)",
 }  # fmt: skip
 
 

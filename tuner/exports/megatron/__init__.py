@@ -74,6 +74,12 @@ def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
             f"num_layers ({layers}) is not a multiple of pp ({c.pp}) x virtual_stages ({c.virtual_stages}) "
             f"= {c.num_stages}: Megatron-LM splits layers evenly over stages"
         )
+    if c.activation_checkpoint == "offload":
+        reasons.append(
+            "activation_checkpoint 'offload': Megatron-LM's activation offloading (TransformerConfig."
+            "cpu_offloading) keeps layers on the GPU and copies on a stream of its own, not what the "
+            "trainer measured; study full or selective recompute for a Megatron-LM launch"
+        )
     if c.pp > 1 and c.pp_schedule in V_SCHEDULES:
         reasons.append(
             f"pp_schedule {c.pp_schedule!r}: Megatron-LM's schedules are 1F1B and interleaved 1F1B "

@@ -94,6 +94,11 @@ def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
     reasons = torchtitan_unsupported(spec.as_model_config(), config) + torchtitan_cp_unsupported(
         spec.as_model_config(), config
     )
+    if config.activation_checkpoint == "offload":
+        reasons.append(
+            "activation_checkpoint 'offload': torchtitan 0.3.0 recomputes activations and offloads none "
+            "to host memory; study full or op"
+        )
     if spec.training.grad_reduce_dtype == "bf16":
         reasons.append(
             "training.grad_reduce_dtype bf16: torchtitan 0.3.0's training.mixed_precision_reduce accepts float32 "
