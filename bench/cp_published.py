@@ -122,7 +122,7 @@ def study(run: Run) -> StudySpec:
                     **({"device_memory_gb": run.device_memory_gb} if run.device_memory_gb else {})},
         "training": {"global_batch_size": run.global_batch, "seq_len": run.seq_len, "precision": "bf16"},
         "space": {"tp": [1, 2, 4, 8], "pp": [1, 2, 4, 8, 16], "micro_batch_size": [1, 2, 4],
-                  "zero_stage": [0, 2, 3], "activation_checkpoint": ["none", "selective", "full"]},
+                  "zero_stage": [0, 2, 3], "activation_checkpoint": ["none", "selective", "full", "offload"]},
     })  # fmt: skip
 
 

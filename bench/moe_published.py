@@ -99,7 +99,7 @@ def study(run: Run) -> StudySpec:
         "cluster": {"preset": "h100-80gb", "num_nodes": run.gpus // 8},
         "training": {"global_batch_size": run.global_batch, "precision": "bf16", **dict(run.training)},
         "space": {"tp": [1, 2, 4, 8], "pp": [1, 2, 4, 8, 16], "micro_batch_size": [1, 2, 4],
-                  "zero_stage": [0, 2, 3], "activation_checkpoint": ["none", "selective", "moe_act", "layernorm", "layernorm+moe_act", "op", "full"],
+                  "zero_stage": [0, 2, 3], "activation_checkpoint": ["none", "selective", "moe_act", "layernorm", "layernorm+moe_act", "op", "full", "offload"],
                   "ep": [1, 2, 4, 8, 16, 32, 64]},
     })  # fmt: skip
 

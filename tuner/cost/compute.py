@@ -61,12 +61,13 @@ def offload_s(case: Case, layers: float) -> float:
     layers copied to host memory in the forward and back in the backward, each way at the device's
     host link (Device.host_gbps, nominal: not measured here), exposed: the trainer's copies run in
     the compute stream's order, nothing overlaps them (Megatron-LM's offload overlaps them on a
-    stream of their own). On CPU ranks host memory is the device: two copies, each read and
-    written, as memory-bound work."""
+    stream of their own). On CPU ranks host memory is the device: the two copies as memory-bound
+    work, each tensor's bytes counted once as the element-wise terms count them
+    (bench/offload.py measures it)."""
     per_layer = rank_bytes(case, 0).offloaded / max(1, stage_layers(case.model.num_layers, case.layout, 0))
     moved = 2 * per_layer * layers
     if case.device == "cpu":
-        return 2 * moved * case.constants.elementwise_flops_per_byte / case.memory_peak_flops
+        return moved * case.constants.elementwise_flops_per_byte / case.memory_peak_flops
     assert case.cluster is not None
     row = case.cluster.device_row  # a device the table lacks: a PCIe Gen4 link (Device's default)
     return moved / ((row.host_gbps if row is not None else Device.host_gbps) * 1e9)
