@@ -46,6 +46,7 @@ with nothing overlapped and passes an explicit mask that no kernel skips (docs/p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from trainer.contract.parallel import ParallelConfig
@@ -72,6 +73,8 @@ class Run:
     memory_gib: float | None = None  # published peak memory (the fullest GPU), where given
     device_memory_gb: float | None = None  # None: the h100-80gb preset's (nvidia-smi's 85.5e9 B)
     mapped: str = ""  # how their layout differs from the one priced
+    # The recipe's recompute is not published: priced at the fastest checkpointing that fits
+    recompute_unknown: bool = False
 
 
 def _torchtitan(fsdp: int, cp: int, local_batch: int, tp: int = 1, pp: int = 1) -> ParallelConfig:
@@ -107,7 +110,8 @@ RUNS = (
     Run("Llama 3 (SC'24 slide), 128k stage", "llama3.1-405b", 131072, 16384, 128,
         ParallelConfig(tp=8, pp=16, dp_shard=8, cp=16, zero_stage=2, micro_batch_size=1, num_microbatches=16,
                        sequence_parallel=True), 380, TFLOPS, "BF16",
-        mapped="their tuned interleaved schedule (126 layers, uneven stages) priced as 1F1B; recompute unknown, none"),
+        mapped="their tuned interleaved schedule (126 layers, uneven stages) priced as 1F1B",
+        recompute_unknown=True),
     Run("NeMo 24.07 perf summary", "llama3.1-8b", 8192, 8, 128, _megatron(8, 128, 1, 1, 2), 12036, TPS, "FP8"),
     Run("NeMo 24.07 perf summary", "llama3.1-70b", 8192, 64, 128, _megatron(64, 128, 4, 4, 2, 5), 1533, TPS, "FP8"),
     Run("Megatron-Bridge 25.11", "llama3.1-405b", 8192, 1024, 512, _megatron(1024, 512, 8, 8, 2, 8), 292, TPS,
@@ -133,11 +137,22 @@ def metric(est: Estimate, run: Run) -> float:
 def row(run: Run) -> str:
     spec = study(run)
     pricing = Pricing.for_study(spec)
-    est = pricing.estimate(run.layout)
+    layout, unknown = run.layout, ""
+    if run.recompute_unknown:  # the fastest of the checkpointing modes that fits, else none
+        modes = [
+            dataclasses.replace(layout, activation_checkpoint=ac)
+            for ac in ("none", "selective", "full", "offload")
+        ]
+        fitting = [
+            (pricing.estimate(m).step_time_s, i, m) for i, m in enumerate(modes) if pricing.estimate(m).fits
+        ]
+        layout = min(fitting)[2] if fitting else layout
+        unknown = f"recompute unknown: the fastest that fits, {layout.activation_checkpoint}"
+    est = pricing.estimate(layout)
     predicted = metric(est, run)
     # Priced even where our rules refuse the layout, with the rule named (a gap to report).
-    refused = run.layout.problems(spec.as_model_config())
-    notes = [n for n in (run.mapped, *(f"our rules refuse: {r}" for r in refused)) if n]
+    refused = layout.problems(spec.as_model_config())
+    notes = [n for n in (run.mapped, unknown, *(f"our rules refuse: {r}" for r in refused)) if n]
     note = f" ({'; '.join(notes)})" if notes else ""
     best = fastest_fitting(pricing.rank(SearchSpace.from_spec(spec).enumerate().valid))
     pick = best[0].describe() if best else "none fits"
@@ -145,7 +160,7 @@ def row(run: Run) -> str:
     pick_cp = str(best[0].cp) if best else ""
     published_gib = f"{run.memory_gib:.1f}" if run.memory_gib else "n/a"
     return (f"| {run.source} | {run.preset} | {run.seq_len:,} | {run.gpus:,} | {run.global_batch} "
-            f"| {run.layout.describe()}{note} | {run.published:,.0f} {run.unit} ({run.stack}) | {predicted:,.0f} "
+            f"| {layout.describe()}{note} | {run.published:,.0f} {run.unit} ({run.stack}) | {predicted:,.0f} "
             f"| {predicted / run.published:.2f} | {published_gib} | {est.memory_bytes / 2**30:.1f} "
             f"| {'yes' if est.fits else 'no'} | {pick} | {pick_metric} | {pick_cp} |")  # fmt: skip
 

@@ -145,9 +145,9 @@ class CPComm:
         key = (half, keys, dtype, device)
         if key not in self.masks:
             allowed = torch.ones(half, keys, dtype=torch.bool, device=device).tril(keys - half)
-            self.masks[key] = torch.zeros(half, keys, dtype=dtype, device=device).masked_fill_(
-                ~allowed, float("-inf")
-            )
+            mask = torch.zeros(half, keys, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+            mask.shared_by_layers = True  # activation offload leaves it on the device (trainer/offload.py)
+            self.masks[key] = mask
         return self.masks[key]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:

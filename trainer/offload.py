@@ -66,8 +66,9 @@ _WEIGHT_PATH = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBack
 
 def is_weight(t: torch.Tensor) -> bool:
     """Whether a saved tensor is a parameter, or a cast or view of one (autocast's cached copies,
-    FSDP2's gathered weights, an expert's slice)."""
-    if _is_param(t) or (t._base is not None and _is_param(t._base)):
+    FSDP2's gathered weights, an expert's slice), or a tensor every layer shares (context
+    parallelism's cached masks: `shared_by_layers`)."""
+    if _is_param(t) or (t._base is not None and _is_param(t._base)) or getattr(t, "shared_by_layers", False):
         return True
     node = t.grad_fn
     for _ in range(4):

@@ -234,6 +234,8 @@ CASES = [
     ),
     ("llama-cp2-pp2", "llama", P(cp=2, pp=2, micro_batch_size=2, num_microbatches=4)),
     ("cp2-ac-full", "gpt", P(cp=2, activation_checkpoint="full", micro_batch_size=8)),
+    # activation offload: the gathered keys and values make the round trip, the cached masks stay
+    ("llama-cp2-offload", "llama", P(cp=2, activation_checkpoint="offload", micro_batch_size=8)),
     ("llama-cp2-gqa-ac-selective", "llama", P(cp=2, activation_checkpoint="selective", micro_batch_size=8)),
     ("moe-cp2-ep2", "moe", P(cp=2, ep=2, micro_batch_size=8)),
     # replicated over the flattened dp_replicate x cp axis, all-reduced once after accumulation

@@ -69,8 +69,9 @@ def test_what_is_not_priced_is_refused_with_its_reason() -> None:
     interleaved = P(pp=2, virtual_stages=2, pp_schedule="interleaved_1f1b", num_microbatches=4,
                     activation_checkpoint="offload")  # fmt: skip
     assert "offload needs one stage a rank" in [r for r, _ in interleaved.violations(model)]
-    cp = P(cp=2, activation_checkpoint="offload")
-    assert "offload needs tp_col 1 and cp 1" in [r for r, _ in cp.violations(model)]
+    column = P(tp=2, tp_col=2, activation_checkpoint="offload")
+    assert "offload needs tp_col 1" in [r for r, _ in column.violations(model)]
+    assert not P(cp=2, activation_checkpoint="offload").violations(model)
 
 
 def test_one_process_trains_the_same_with_its_activations_offloaded() -> None:

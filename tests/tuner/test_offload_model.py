@@ -26,14 +26,17 @@ MOE = dataclasses.replace(MODEL_PRESETS["moe-tiny"], num_layers=4, hidden_size=2
 P = ParallelConfig
 
 # Measured (model vs oracle, the GPU's kernels): gpt-zero3 -0.1 %, gpt-tp2-sp 0.0 %, gpt-pp2 -1.8 %
-# on both ranks, moe-ep2 +0.7 % (and moe ep2 ZeRO-2 -0.4 %, one rank without data parallelism under
-# autocast +3.3 %); the peak is the MLP's backward in the last layer to run it, every other layer's
-# gradients landed and resharded (memory.py forward_backward, the offloaded moment)
+# on both ranks, moe-ep2 +0.7 %, llama-cp2-tp2-sp -0.0 % (and by hand: moe ep2 ZeRO-2 -0.4 %, one
+# rank under autocast -0.4 %, GPT cp 4 -1.7 %, cp 2 ZeRO-2 at s 2048 -0.1 %); the peak is the MLP's
+# or attention's backward in the last layer to run it, every other layer's gradients landed and
+# its weights resharded (memory.py forward_backward, the offloaded moment)
 OFFLOAD_CASES = [
     pytest.param(GPT, P(dp_shard=2, zero_stage=3, micro_batch_size=2, num_microbatches=2), id="gpt-zero3"),
     pytest.param(GPT, P(tp=2, sequence_parallel=True, dp_shard=2, zero_stage=2, micro_batch_size=2), id="gpt-tp2-sp"),
     pytest.param(GPT, P(pp=2, micro_batch_size=1, num_microbatches=4), id="gpt-pp2"),
     pytest.param(MOE, P(dp_shard=2, zero_stage=3, ep=2, micro_batch_size=2), id="moe-ep2"),
+    pytest.param(dataclasses.replace(MODEL_PRESETS["llama-small"], num_layers=4, seq_len=1024),
+                 P(cp=2, tp=2, sequence_parallel=True, micro_batch_size=1), id="llama-cp2-tp2-sp"),
 ]  # fmt: skip
 
 

@@ -191,8 +191,8 @@ def ep_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
 
 
 def ac_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
-    """Activation offload (trainer/offload.py) with one stage a rank, 1D tensor parallelism and no
-    context parallelism, where the oracle checks it. Op-level checkpointing (trainer/parallelize.py op_sac_policy) runs where its memory is
+    """Activation offload (trainer/offload.py) with one stage a rank and 1D tensor parallelism,
+    where the oracle checks it. Op-level checkpointing (trainer/parallelize.py op_sac_policy) runs where its memory is
     priced and checked against the oracle: 1D tensor parallelism without context parallelism.
     moe_act recomputes the routed experts' activation (trainer/moe.py GroupedExperts): a mixture
     of experts only."""
@@ -205,12 +205,11 @@ def ac_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
                 f"activation_checkpoint offload with {p.pp_schedule} ({p.virtual_stages} stages a rank) is not "
                 "priced yet (its memory walk has no offloaded moment); use 1f1b or gpipe",
             ))  # fmt: skip
-        if p.tp_col > 1 or p.cp > 1:
+        if p.tp_col > 1:
             out.append((
-                "offload needs tp_col 1 and cp 1",
-                f"activation_checkpoint offload with tp_col ({p.tp_col}) or cp ({p.cp}) > 1 is not priced yet "
-                "(what attention's backward brings back with the gathered keys and values: the memory "
-                "oracle measured 7 % more than the model at cp 2); use none, selective or full",
+                "offload needs tp_col 1",
+                f"activation_checkpoint offload with tp_col ({p.tp_col}) > 1 is not checked against the memory "
+                "oracle (2D tensor parallelism's norms and collectives under its hooks); use none, selective or full",
             ))  # fmt: skip
         return out
     if "mla_up_proj" in ac.split("+"):

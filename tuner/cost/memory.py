@@ -306,9 +306,11 @@ def forward_backward(
     if r.offloaded:  # offloaded activations (trainer/offload.py): the peak is the MLP's backward in
         # the stage's last layer to run it, its saved tensors back from host memory, every other
         # layer's gradients there (all of them once a micro-batch has accumulated them)
-        # (FSDP2 has resharded the other layers by then, each at its post-backward)
+        # (the other layers' compute-dtype weights gone by then: FSDP2's and replicate's resharded
+        # at each post-backward, autocast's casts let go by the nodes that saved them; unless
+        # another micro-batch's graph is in flight and holds them)
         landed_grads = accumulated if accumulates and not first_backward else accumulated - r.first_grads
-        gathered = r.root + r.unit if p.zero_stage > 0 else working
+        gathered = r.root + r.unit if inflight <= 1 else working
         moments.append((gathered, landed_grads + fresh, held * (inflight - 1) + r.layers + flow + r.unpacked))
     if p.zero_stage == 3 and p.pp > 1:  # a backward that does not sync leaves its layers
         # gathered until their next forward: all of them at its last layer
