@@ -3,9 +3,10 @@
 Each transformer block's forward runs under saved-tensor hooks: every tensor autograd saves for the
 backward is copied to host memory when saved and copied back when the backward reaches it, so a
 block's activations leave the device between its forward and its backward (as
-torch.autograd.graph.save_on_cpu, and Megatron-LM's --cpu-offloading, do). Not copied: parameters
-and views of them (FSDP2's gathered weights, which it frees and gathers again on its own), tensors
-of a parameter's shape (autocast's cached low-precision weights): copying those frees nothing.
+torch.autograd.graph.save_on_cpu, and Megatron-LM's --cpu-offloading, do). Not copied (`is_weight`):
+parameters and what autograd puts between one and the saved tensor (FSDP2's gathered weights,
+which it frees and gathers again on its own; autocast's cached casts; views, an expert's slice),
+and tensors every layer shares (context parallelism's cached masks): copying those frees nothing.
 Everything else goes, indices and the rotary table's per-block casts included.
 
 On a GPU the copies go through pinned host memory, non-blocking on the compute stream: ordered
