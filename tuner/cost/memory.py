@@ -87,8 +87,8 @@ class RankBytes:
     loop_grads: float = 0.0  # the CPU's loop over experts: its weight gradients' whole-tensor transients
     output_held: float = 0.0  # the last stage's logits, which torch's schedule holds through its backward
     offloaded: float = 0.0  # activation offload: one micro-batch's saved activations the stage sends to host
-    unpacked: float = 0.0  # ... and what a layer's MLP brings back for its backward
-    first_grads: float = 0.0  # the gradients the stage's last layer to run its backward (and the root) land
+    unpacked: float = 0.0  # ... and what its biggest backward (the MLP's or attention's) brings back
+    first_grads: float = 0.0  # ... and the gradients its last layer to run a backward (and the root) land
     # A V schedule's split backward: what its input half keeps for its weight half, one
     # micro-batch's in all the rank's layers (and the head's, on the last stage)
     weight_outputs: float = 0.0
@@ -159,7 +159,7 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     layers = layer * stage_layers(m.num_layers, p, stage) + own
     if moe is not None:
         layers += moe.num_moe * moe.act_per_token * tokens
-    offloaded = unpacked = 0.0
+    offloaded = unpacked = first_grads = 0.0
     if p.activation_checkpoint == "offload":  # trainer/offload.py: every saved activation of the
         # stage's layers to host memory and back (on a CPU rank host memory is the device: kept)
         offloaded = layers - own
@@ -174,6 +174,10 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
             m.mlp_kind.kept * m.ffn_size / t * cb * tokens,
             stream_grads + 2 * saved_attention - flow_bytes(m, p, cb, residual, tokens),
         )
+        # the gradients the stage's last layer to run its backward (and the root) have yet to land
+        sharded = weight_shards(case) if p.zero_stage > 0 else 1
+        grad_bytes = 2.0 if dp > 1 and case.grad_reduce_dtype == "bf16" else 4.0
+        first_grads = grad_bytes * (layer_params(m, t, k) + embed + head) / sharded
         if device != "cpu":
             layers = own
     logits = tokens * v / t  # per micro-batch, vocab-sharded
@@ -222,9 +226,8 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         if moe is not None:
             weight_outputs += moe.num_moe * moe.weight_outputs_per_token * tokens
     return RankBytes(
-        offloaded=offloaded, unpacked=unpacked, weight_outputs=weight_outputs,
-        first_grads=(4.0 if dp == 1 or not bf16_grads else 2.0) * (layer_params(m, t, k) + embed + head)
-        / (weight_shards(case) if p.zero_stage > 0 else 1), head_weight_outputs=cb * logits if last else 0.0,
+        offloaded=offloaded, unpacked=unpacked, first_grads=first_grads, weight_outputs=weight_outputs,
+        head_weight_outputs=cb * logits if last else 0.0,
         params=params, d=weight_shards(case), cb=cb,
         accumulated_bytes=2.0 if bf16_grads and dp > 1 else 4.0,
         expert_accumulated_bytes=2.0 if bf16_grads and moe is not None else 4.0,
@@ -303,12 +306,12 @@ def forward_backward(
             moments.append((r.whole, accumulated, held * (inflight - 1) + r.loss))
     if bf16_accumulated:
         moments.append(landed)
-    if r.offloaded:  # offloaded activations (trainer/offload.py): the peak is the MLP's backward in
-        # the stage's last layer to run it, its saved tensors back from host memory, every other
-        # layer's gradients there (all of them once a micro-batch has accumulated them)
-        # (the other layers' compute-dtype weights gone by then: FSDP2's and replicate's resharded
-        # at each post-backward, autocast's casts let go by the nodes that saved them; unless
-        # another micro-batch's graph is in flight and holds them)
+    if r.offloaded:  # offloaded activations (trainer/offload.py): the peak is the MLP's or
+        # attention's backward in the stage's last layer to run it, its saved tensors back from host
+        # memory, every other layer's gradients there (all of them once a micro-batch has
+        # accumulated them) and their compute-dtype weights gone (FSDP2's and replicate's resharded
+        # at each post-backward, autocast's casts let go by the nodes that saved them), unless
+        # another micro-batch's graph is in flight and holds them
         landed_grads = accumulated if accumulates and not first_backward else accumulated - r.first_grads
         gathered = r.root + r.unit if inflight <= 1 else working
         moments.append((gathered, landed_grads + fresh, held * (inflight - 1) + r.layers + flow + r.unpacked))
