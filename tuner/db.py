@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -254,9 +255,9 @@ def make_engine(url: str) -> Engine:
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record) -> None:
             cur = conn.cursor()
+            cur.execute("PRAGMA busy_timeout=10000")  # first: the WAL switch below may wait
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA journal_mode=WAL")  # readers (API, CLI) alongside the worker
-            cur.execute("PRAGMA busy_timeout=10000")
             cur.close()
 
     return engine
@@ -274,14 +275,23 @@ def upgrade(engine: Engine) -> None:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    try:
-        with _UPGRADE_LOCK, engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
-    except OperationalError as e:
-        raise DatabaseError(
-            f"cannot reach the database at {engine.url!r}: {str(e.orig).strip().splitlines()[0]}"
-        ) from None
+    for attempt in range(5):
+        try:
+            with _UPGRADE_LOCK, engine.begin() as conn:
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+            return
+        except OperationalError as e:
+            # A new SQLite file: another process's first connection switching it to WAL while this
+            # one creates the schema fails one of them at once, whatever the busy timeout (a
+            # deadlock SQLite breaks, ~1 in 20 with two pollers). The migration rolled back whole
+            # (SQLite's DDL is transactional): run it again.
+            if "database is locked" in str(e.orig) and attempt < 4:
+                time.sleep(0.05 * 2**attempt)
+                continue
+            raise DatabaseError(
+                f"cannot reach the database at {engine.url!r}: {str(e.orig).strip().splitlines()[0]}"
+            ) from None
 
 
 def connect(url: str) -> sessionmaker:

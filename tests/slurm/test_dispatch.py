@@ -94,9 +94,16 @@ def _recording(fn, errors: list):
     return run
 
 
+def _schema_first(tmp_path: Path) -> None:
+    """The database file made (WAL) and at head before a thread polls it with _running_job: a
+    poller's first connection switching a new file to WAL while the study's connect() creates the
+    schema made that connect() fail with "database is locked" (CI, the Slurm run beside the rest)."""
+    connect(f"sqlite:///{tmp_path / 'db.sqlite'}").kw["bind"].dispose()
+
+
 def _running_job(tmp_path: Path, name: str) -> str | None:
     """The Slurm id of the study's trial once its job is RUNNING (read from another thread: no
-    schema upgrade here, the study's own connect() does that)."""
+    schema upgrade here; _schema_first made it before the thread started)."""
     path = tmp_path / "db.sqlite"
     if not path.exists():
         return None
@@ -170,6 +177,7 @@ def test_scancel_from_outside_is_a_cancelled_trial(slurm_env: SlurmCluster, tmp_
         job = _wait(lambda: _running_job(tmp_path, "scancel"), 60, "the trial's job running")
         slurm_env.run("scancel", job)
 
+    _schema_first(tmp_path)
     thread = threading.Thread(target=_recording(cancel_when_running, errors := []))
     thread.start()
     status, (trial,) = _run(tmp_path, spec)
@@ -205,6 +213,7 @@ def test_node_down_mid_trial_is_retried_not_blamed_on_the_layout(
         subprocess.run(["scontrol", "update", f"nodename={slurm_env.node}", "state=resume"],
                        env=slurm_env.env, capture_output=True)  # fmt: skip
 
+    _schema_first(tmp_path)
     thread = threading.Thread(target=_recording(down_then_resume, errors := []))
     thread.start()
     try:
