@@ -61,6 +61,9 @@ BROKEN = {
     "a V schedule needs virtual_stages 2": lambda s, c: (
         c.pp_schedule in ("zbv", "dualpipev") and c.virtual_stages != 2
     ),
+    "a V schedule with block recompute is not priced": lambda s, c: (
+        c.pp_schedule in ("zbv", "dualpipev") and c.pp > 1 and c.activation_checkpoint in ("selective", "op", "full")
+    ),
     "a V schedule needs num_microbatches >= 2 pp": lambda s, c: (
         c.pp_schedule in ("zbv", "dualpipev") and c.num_microbatches < 2 * c.pp
     ),

@@ -105,6 +105,16 @@ def pp_rules(p: ParallelConfig, model: ModelConfig) -> Violations:
             f"pp_schedule {p.pp_schedule!r} places two stages on each rank (a V): virtual_stages must be 2, "
             f"got {p.virtual_stages}",
         ))  # fmt: skip
+    if v_shaped and p.activation_checkpoint in ("selective", "op", "full"):
+        # torch's split backward keeps the graph from its input half to its weight half, and a
+        # checkpointed block's recompute with it; the weight half recomputes again
+        out.append((
+            "a V schedule with block recompute is not priced",
+            f"pp_schedule {p.pp_schedule!r} with activation_checkpoint {p.activation_checkpoint} holds more than "
+            "the memory model prices (the memory oracle: Qwen3-30B-A3B tp1 pp2 ZBV with full recompute 71.4 "
+            "GiB a rank, priced 46.0; its split backward's recompute, not yet traced); use none or a module "
+            "recompute (moe_act, layernorm)",
+        ))  # fmt: skip
     if v_shaped and p.num_microbatches < 2 * p.pp:
         out.append((
             "a V schedule needs num_microbatches >= 2 pp",
