@@ -134,20 +134,30 @@ def metric(est: Estimate, run: Run) -> float:
     return est.tflops_per_device if run.unit == TFLOPS else est.tokens_per_s / run.gpus
 
 
+def priced_layout(run: Run, pricing: Pricing) -> ParallelConfig:
+    """The row's layout as priced: where its recompute is not published, the fastest of the
+    checkpointing modes that fits (else none)."""
+    if not run.recompute_unknown:
+        return run.layout
+    modes = [
+        dataclasses.replace(run.layout, activation_checkpoint=ac)
+        for ac in ("none", "selective", "full", "offload")
+    ]
+    fitting = [
+        (pricing.estimate(m).step_time_s, i, m) for i, m in enumerate(modes) if pricing.estimate(m).fits
+    ]
+    return min(fitting)[2] if fitting else run.layout
+
+
 def row(run: Run) -> str:
     spec = study(run)
     pricing = Pricing.for_study(spec)
-    layout, unknown = run.layout, ""
-    if run.recompute_unknown:  # the fastest of the checkpointing modes that fits, else none
-        modes = [
-            dataclasses.replace(layout, activation_checkpoint=ac)
-            for ac in ("none", "selective", "full", "offload")
-        ]
-        fitting = [
-            (pricing.estimate(m).step_time_s, i, m) for i, m in enumerate(modes) if pricing.estimate(m).fits
-        ]
-        layout = min(fitting)[2] if fitting else layout
-        unknown = f"recompute unknown: the fastest that fits, {layout.activation_checkpoint}"
+    layout = priced_layout(run, pricing)
+    unknown = (
+        f"recompute unknown: the fastest that fits, {layout.activation_checkpoint}"
+        if run.recompute_unknown
+        else ""
+    )
     est = pricing.estimate(layout)
     predicted = metric(est, run)
     # Priced even where our rules refuse the layout, with the rule named (a gap to report).

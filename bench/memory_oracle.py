@@ -3,12 +3,14 @@
 suite); Llama 3.1 8B, 70B and 405B on 16-2048 H100-80GB GPUs (`--suite llama`); the mixtures of
 experts Mixtral-8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B with expert parallelism, their fit judged
 on H100-80GB and on H200-141GB (`--suite moe`); Llama 3.1 8B and 70B at 32k-128k tokens with
-context parallelism on H100-80GB (`--suite long`).
+context parallelism on H100-80GB (`--suite long`); the published BF16 layouts of
+bench/moe_published.py and bench/cp_published.py as those scripts price them (`--suite published`).
 
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite llama --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite moe --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite long --json
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite published --json
 
 For every layout the oracle builds the trainer at full size on fake tensors ("cuda" mode: bf16
 mixed precision, AdamW's foreach step, every step's peak) for the first and the last pipeline rank,
@@ -172,6 +174,16 @@ MOE_SHAPES: dict[str, list[str]] = {
         "tp=4,ac=full,sp=true,zero=3,ep=8",
         "pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ep=4",
         "tp=2,ac=selective,sp=true,zero=3,ep=2",
+        # issue 37: Megatron's recompute modules, torchtitan's op-level policy, offload, V schedules
+        "ac=moe_act,zero=3,ep=8",
+        "pp=2,ac=moe_act,zero=2,ep=8",
+        "tp=2,ac=layernorm+moe_act,sp=true,zero=3,ep=4",
+        "ac=op,zero=3,ep=8",
+        "ac=offload,zero=3,ep=8",
+        # refused since (a V schedule with block recompute: the oracle 71.4 GiB, priced 46.0); its
+        # simulation stays recorded
+        "pp=2,pp_schedule=zbv,virtual_stages=2,ac=full,zero=2,ep=8",
+        "pp=2,pp_schedule=dualpipev,virtual_stages=2,ac=moe_act,zero=2,ep=8",
     ],
     "qwen3-235b-a22b": [
         "pp=8,ac=full,zero=2,ep=16",
@@ -203,6 +215,10 @@ LONG_SHAPES: dict[str, list[str]] = {
         "pp=2,ac=full,zero=2,cp=4,seq=65536",
         "tp=4,ac=full,sp=true,cp=2,seq=32768",
         "pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=selective,zero=2,cp=2,seq=65536",
+        # issue 37: offload, a V schedule (op-level checkpointing is refused with cp)
+        "ac=offload,zero=3,cp=8,seq=131072",
+        "tp=2,ac=offload,sp=true,zero=3,cp=4,seq=65536",
+        "pp=2,pp_schedule=zbv,virtual_stages=2,zero=2,cp=4,seq=32768",
     ],
     "llama3.1-70b": [
         "tp=8,ac=full,sp=true,zero=3,cp=4,seq=131072",
@@ -222,6 +238,14 @@ SUITES = {  # name: (shapes, GPU counts, global batches, clusters (fit judged on
     "llama": (LLAMA_SHAPES, LLAMA_GPUS, LLAMA_GLOBAL_BATCHES, (LLAMA_CLUSTER,), LLAMA_RECORDS),
     "moe": (MOE_SHAPES, MOE_GPUS, MOE_GLOBAL_BATCHES, MOE_CLUSTERS, MOE_RECORDS),
     "long": (LONG_SHAPES, LONG_GPUS, LONG_GLOBAL_BATCHES, (LLAMA_CLUSTER,), LONG_RECORDS),
+    # the published BF16 layouts (published_layouts), on their H100s
+    "published": (
+        {},
+        {},
+        {},
+        (LLAMA_CLUSTER,),
+        ROOT / "bench" / "own_tables" / "memory_oracle_published.jsonl",
+    ),
 }
 
 # The small suite: a model whose activations and parameters both weigh (8 layers, h 128, s 256),
@@ -267,12 +291,33 @@ def _shape(text: str) -> tuple[dict[str, Any], int | None]:
     return pins, (seq[0] if seq else None)
 
 
+def published_layouts() -> list[tuple[str, ModelConfig, ParallelConfig, str]]:
+    """The published BF16 layouts of bench/moe_published.py and bench/cp_published.py, each as
+    that script prices it (its FP8 rows are issue 38's: the trainer has no FP8 yet)."""
+    from bench import cp_published, moe_published
+    from tuner.pricing import Pricing
+
+    out = []
+    for run in moe_published.RUNS:
+        if "BF16" in run.stack:
+            model = padded_model(moe_published.study(run).as_model_config(), run.layout.tp)
+            out.append((run.preset, model, run.layout, "cuda"))
+    for run in cp_published.RUNS:
+        if run.stack == "BF16":
+            spec = cp_published.study(run)
+            p = cp_published.priced_layout(run, Pricing.for_study(spec))
+            out.append((run.preset, padded_model(spec.as_model_config(), p.tp), p, "cuda"))
+    return out
+
+
 def layouts(suite: str = "large") -> list[tuple[str, ModelConfig, ParallelConfig, str]]:
     """Every (label, model, layout, device) of a suite, valid for the trainer."""
     if suite == "small":
         return [
             ("small", SMALL, ParallelConfig(**k), device) for device in ("cuda", "cpu") for k in SMALL_LAYOUTS
         ]
+    if suite == "published":
+        return published_layouts()
     out = []
     all_shapes, all_gpus, batches = SUITES[suite][:3]
     for name, shapes in all_shapes.items():
@@ -395,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
         "--suite",
-        choices=("large", "llama", "long", "moe", "small"),
+        choices=("large", "llama", "long", "moe", "small", "published"),
         default="large",
         help="which layouts (default large)",
     )
@@ -416,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models.split(",") if args.models else list(shapes)
     todo = [
         x for x in layouts(args.suite)
-        if (args.suite == "small" or x[0] in models) and (args.max_tp is None or x[2].tp <= args.max_tp)
+        if (args.suite in ("small", "published") or x[0] in models) and (args.max_tp is None or x[2].tp <= args.max_tp)
     ]  # fmt: skip
     started = time.perf_counter()
     rows = run_oracle(todo, args.records or records, simulate=not args.no_simulate)
