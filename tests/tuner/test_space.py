@@ -62,7 +62,9 @@ BROKEN = {
         c.pp_schedule in ("zbv", "dualpipev") and c.virtual_stages != 2
     ),
     "a V schedule with block recompute is not priced": lambda s, c: (
-        c.pp_schedule in ("zbv", "dualpipev") and c.pp > 1 and c.activation_checkpoint in ("selective", "op", "full")
+        c.pp_schedule in ("zbv", "dualpipev")
+        and c.pp > 1
+        and c.activation_checkpoint in ("selective", "op", "full")
     ),
     "a V schedule needs num_microbatches >= 2 pp": lambda s, c: (
         c.pp_schedule in ("zbv", "dualpipev") and c.num_microbatches < 2 * c.pp
