@@ -255,9 +255,9 @@ def make_engine(url: str) -> Engine:
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record) -> None:
             cur = conn.cursor()
-            cur.execute("PRAGMA busy_timeout=10000")  # first: the WAL switch below may wait
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA journal_mode=WAL")  # readers (API, CLI) alongside the worker
+            cur.execute("PRAGMA busy_timeout=10000")
             cur.close()
 
     return engine
