@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from bench.moe_published import exports_cell
 from trainer.contract.parallel import ParallelConfig
 from tuner.cost.terms import Estimate
 from tuner.plan import fastest_fitting
@@ -164,23 +165,25 @@ def row(run: Run) -> str:
     refused = layout.problems(spec.as_model_config())
     notes = [n for n in (run.mapped, unknown, *(f"our rules refuse: {r}" for r in refused)) if n]
     note = f" ({'; '.join(notes)})" if notes else ""
-    best = fastest_fitting(pricing.rank(SearchSpace.from_spec(spec).enumerate().valid))
+    ranked = pricing.rank(SearchSpace.from_spec(spec).enumerate().valid)
+    best = fastest_fitting(ranked)
     pick = best[0].describe() if best else "none fits"
     pick_metric = f"{metric(best[1], run):,.0f}" if best else ""
     pick_cp = str(best[0].cp) if best else ""
+    pick_exports = exports_cell(spec, ranked, run.gpus)
     published_gib = f"{run.memory_gib:.1f}" if run.memory_gib else "n/a"
     return (f"| {run.source} | {run.preset} | {run.seq_len:,} | {run.gpus:,} | {run.global_batch} "
             f"| {layout.describe()}{note} | {run.published:,.0f} {run.unit} ({run.stack}) | {predicted:,.0f} "
             f"| {predicted / run.published:.2f} | {published_gib} | {est.memory_bytes / 2**30:.1f} "
-            f"| {'yes' if est.fits else 'no'} | {pick} | {pick_metric} | {pick_cp} |")  # fmt: skip
+            f"| {'yes' if est.fits else 'no'} | {pick} | {pick_metric} | {pick_cp} | {pick_exports} |")  # fmt: skip
 
 
 def main() -> None:
     print(
         "| source | model | seq | GPUs | global batch | layout priced | published | predicted | predicted / published |"
-        " published GiB | predicted GiB | fits | planner's pick | its predicted | its cp |"
+        " published GiB | predicted GiB | fits | planner's pick | its predicted | its cp | its exports |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in RUNS:
         print(row(run), flush=True)
 

@@ -123,6 +123,10 @@ LLAMA_SHAPES: dict[str, list[str]] = {
         "tp=4,mbs=2,ac=selective,sp=true,zero=2",
         "tp=8,sp=true",
         "tp=2,pp=2,pp_schedule=gpipe,ac=full,zero=3",
+        # issue 37: op-level checkpointing, offload, the V schedules (block recompute is refused there)
+        "ac=op,zero=2",
+        "ac=offload,zero=3",
+        "pp=2,pp_schedule=zbv,virtual_stages=2,zero=2",
     ],
     "llama3.1-70b": [
         "ac=full,zero=3",
@@ -132,6 +136,8 @@ LLAMA_SHAPES: dict[str, list[str]] = {
         "tp=8,pp=2,sp=true,zero=2",
         "tp=8,pp=4,ac=selective,sp=true",
         "tp=4,pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=selective,sp=true,zero=2",
+        "tp=8,ac=op,sp=true,zero=3",
+        "tp=8,pp=4,pp_schedule=dualpipev,virtual_stages=2,sp=true,zero=2",
     ],
     "llama3.1-405b": [
         "pp=16,ac=full,zero=3",

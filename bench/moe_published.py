@@ -42,8 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.contract.parallel import ParallelConfig
+from tuner.exports import refusals
 from tuner.plan import fastest_fitting
-from tuner.pricing import Pricing
+from tuner.pricing import Pricing, Ranked
 from tuner.space import SearchSpace
 from tuner.spec import StudySpec, parse_spec
 
@@ -147,26 +148,45 @@ def terms_table() -> None:
 def main() -> None:
     print(
         "| source | model | GPUs | layout priced | published tokens/s/GPU (stack) | predicted | predicted / published |"
-        " predicted GiB | fits | planner's pick | its predicted tokens/s/GPU |"
+        " predicted GiB | fits | planner's pick | its predicted tokens/s/GPU | its exports |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in RUNS:
         spec = study(run)
         pricing = Pricing.for_study(spec)
         problems = run.layout.problems(spec.as_model_config())
         if problems:
             print(f"| {run.source} | {run.preset} | {run.gpus} | {run.layout.describe()} | {run.published:,.0f} "
-                  f"({run.stack}) | not expressible: {'; '.join(problems)} | | | | | |")  # fmt: skip
+                  f"({run.stack}) | not expressible: {'; '.join(problems)} | | | | | | |")  # fmt: skip
             continue
         est = pricing.estimate(run.layout)
         tps = est.tokens_per_s / run.gpus
-        best = fastest_fitting(pricing.rank(SearchSpace.from_spec(spec).enumerate().valid))
+        ranked = pricing.rank(SearchSpace.from_spec(spec).enumerate().valid)
+        best = fastest_fitting(ranked)
         pick = best[0].describe() if best else "none fits"
         pick_tps = f"{best[1].tokens_per_s / run.gpus:,.0f}" if best else ""
         note = f" ({run.mapped})" if run.mapped else ""
         print(f"| {run.source} | {run.preset} | {run.gpus} | {run.layout.describe()}{note} | {run.published:,.0f} "
               f"({run.stack}) | {tps:,.0f} | {tps / run.published:.2f} | {est.memory_bytes / 2**30:.1f} "
-              f"| {'yes' if est.fits else 'no'} | {pick} | {pick_tps} |")  # fmt: skip
+              f"| {'yes' if est.fits else 'no'} | {pick} | {pick_tps} | {exports_cell(spec, ranked, run.gpus)} |")  # fmt: skip
+
+
+def exports_cell(spec: StudySpec, ranked: Ranked, gpus: int) -> str:
+    """Which launch configs the planner's pick exports to (tuner.exports.refusals); where one
+    refuses it, its reason and the fastest fitting layout that format can express."""
+    fitting = [(c, e) for c, e in ranked if e.fits]
+    if not fitting:
+        return ""
+    refused = refusals(spec, fitting[0][0])
+    cells = []
+    for fmt in ("megatron", "torchtitan"):
+        if fmt not in refused:
+            cells.append(f"{fmt}: yes")
+            continue
+        alt = next(((c, e) for c, e in fitting[1:] if fmt not in refusals(spec, c)), None)
+        instead = f"{alt[0].describe()} at {alt[1].tokens_per_s / gpus:,.0f} tokens/s/GPU" if alt else "none"
+        cells.append(f"{fmt}: no ({refused[fmt]}); its fastest: {instead}")
+    return "; ".join(cells)
 
 
 if __name__ == "__main__":

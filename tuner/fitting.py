@@ -30,7 +30,7 @@ class Measurement:
 
 
 # Each fitted constant in an unbounded coordinate: log for scales, logit for fractions.
-_FRACTIONS = {"compute_efficiency", "comm_efficiency", "dp_overlap"}
+_FRACTIONS = {"compute_efficiency", "comm_efficiency"}
 
 
 def _to_free(c: ModelConstants, names: tuple[str, ...]) -> list[float]:

@@ -110,6 +110,8 @@ def _candidate_dict(config: ParallelConfig, est: Estimate, searched: Collection[
             "tflops_per_device": est.tflops_per_device, "mfu": est.mfu, "fits": est.fits,
             # every second of step_time_s, by term (tuner.cost.terms.StepTerms: they add up)
             "terms": est.terms.as_dict(),
+            # communication overlapped with compute, not in the terms (Estimate.hidden)
+            "hidden": dict(est.hidden),
         },
     }  # fmt: skip
 

@@ -99,8 +99,11 @@ def test_plan_json_has_the_documented_shape_and_valid_candidates() -> None:
             "mfu",
             "fits",
             "terms",
+            "hidden",
         }
         terms = cand["predicted"]["terms"]
+        # communication overlapped with compute, named by the term it would add to, not in the step
+        assert set(cand["predicted"]["hidden"]) <= set(TERM_LABELS)
         assert set(terms) == set(TERM_LABELS)  # every second of the step, by term
         assert sum(terms.values()) == pytest.approx(cand["predicted"]["step_time_s"], rel=1e-9)
         assert cand["predicted"]["fits"] is True and cand["predicted"]["memory_bytes"] <= 64e9

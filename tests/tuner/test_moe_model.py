@@ -551,7 +551,11 @@ def test_dense_predictions_unchanged() -> None:
     reduce_dtype), not the compute dtype (tuner/cost/data.py reduce_value_bytes; issue 37); 55
     sequence-parallel rows (memory of 50 x 0.58 to x 0.999, step of 43 x 1.01 to x 1.07) when the
     trainer began to keep the norms' output shards and gather them again in the backward
-    (trainer/model.py gather_again; issue 37)."""
+    (trainer/model.py gather_again; issue 37); 292 rows' step (x 0.71 to x 1.32, median x 1.0007;
+    CPU studies also by the CPU defaults' refit) when data parallelism's overlap began to be
+    priced from the trainer's order of operations, not a fitted fraction, its gathers counted as
+    FSDP2 runs them and an untied head's gradients reduced with the embedding's
+    (tuner/cost/data.py overlap_rule; issue 37)."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300
     specs = {}

@@ -105,7 +105,7 @@ def test_full_checkpointing_costs_a_third_more_compute_and_saves_memory() -> Non
 
 @pytest.mark.slow  # a least-squares fit on many synthetic measurements: 10 s
 def test_calibrate_recovers_known_constants_from_noisy_measurements() -> None:
-    truth = ModelConstants(compute_efficiency=0.42, comm_efficiency=0.55, dp_overlap=0.6, layer_floor_s=1.5e-3,
+    truth = ModelConstants(compute_efficiency=0.42, comm_efficiency=0.55, layer_floor_s=1.5e-3,
                            microbatch_overhead_s=8e-3)  # fmt: skip
     cluster = ClusterSpec(**{**cluster_preset("a100-80gb"), "num_nodes": 8})
     space = SpaceSpec(tp=[1, 2, 4, 8, 16], pp=[1, 2, 4], micro_batch_size=[1, 2, 4, 8], zero_stage=[0, 2, 3],
@@ -115,9 +115,12 @@ def test_calibrate_recovers_known_constants_from_noisy_measurements() -> None:
     models = [ModelConfig(num_layers=4, hidden_size=1024, num_heads=16, seq_len=1024),
               ModelConfig(num_layers=24, hidden_size=1024, num_heads=16, seq_len=1024),
               ModelConfig(num_layers=32, hidden_size=4096, num_heads=32, seq_len=2048)]  # fmt: skip
-    # deterministic; seeds 0-5 all kept every constant but compute_half_size within 10 %. With
-    # the launch floor binding the small layers and big GEMMs near saturation, step times pin
-    # compute_half_size down weakly (seeds 0-5: 0.8x to 2.4x of the truth).
+    # deterministic; seeds 0-3 kept every constant but compute_half_size and
+    # collective_overhead_s within 7 %. With the launch floor binding the small layers and big
+    # GEMMs near saturation, step times pin compute_half_size down weakly (0.6x to 1.6x of the
+    # truth); since data parallelism's collectives hide behind the blocks' compute by rule (issue
+    # 37, no fitted fraction), fewer of their calls show in a step: collective_overhead_s 0.82x to
+    # 1.24x.
     rng = random.Random(0)
     measured = []
     for model in models:
@@ -126,9 +129,10 @@ def test_calibrate_recovers_known_constants_from_noisy_measurements() -> None:
             measured.append(Measurement(model, c, cluster, t))
     fitted = calibrate(measured)
     for name in FITTED:
-        if name != "compute_half_size":
+        if name not in ("compute_half_size", "collective_overhead_s"):
             assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.10), name
     assert 0.5 < fitted.compute_half_size / truth.compute_half_size < 2.5
+    assert 0.75 < fitted.collective_overhead_s / truth.collective_overhead_s < 1.33
 
 
 def test_ranks_sharing_cores_take_at_least_the_nodes_busy_time() -> None:
@@ -155,8 +159,11 @@ def test_ranks_sharing_cores_count_the_average_stage_not_the_slowest() -> None:
     pp = estimate(model, ParallelConfig(pp=2, dp_replicate=4, micro_batch_size=2, num_microbatches=2),
                   shared, "fp32", CPU_CONSTANTS)  # fmt: skip
     dp = estimate(model, ParallelConfig(dp_replicate=8, micro_batch_size=2), shared, "fp32", CPU_CONSTANTS)
-    slowest_stage_bound = pp.compute_s * 8 / 2  # compute_s: the last stage's micro-batches
-    assert pp.step_time_s < 0.75 * slowest_stage_bound  # every rank priced as the last: >= 1.0
+    # every rank priced as the last: the slowest stage's busy terms (all but the bubble and the
+    # sharing itself) x 8 ranks / 2 cores
+    t = pp.terms
+    busy_last = pp.step_time_s - t.pp_bubble_s - t.shared_cores_s
+    assert pp.step_time_s < 0.8 * busy_last * 8 / 2  # 0.70 (issue 37's overlap rule and CPU refit)
     assert pp.step_time_s < dp.step_time_s  # the same total work, less optimizer and all-reduce
 
 
@@ -246,19 +253,20 @@ def test_calibrate_fits_only_the_named_constants() -> None:
 def test_replicated_data_parallelism_pays_a_collective_per_block_and_the_root() -> None:
     """The trainer replicates per block and on the root (trainer/parallelize.py apply_replicate),
     so a step all-reduces layers + 1 times, each paying the software cost; DDP's 25 MB buckets
-    would be one for a small model, which priced small replicated models far too cheap on CPU."""
+    would be one for a small model, which priced small replicated models far too cheap on CPU.
+    Exposed or hidden behind the backward (a GPU cluster: tuner/cost/data.py overlap_rule), the
+    calls add up to the same."""
     model = MODEL_PRESETS["gpt-tiny"]  # 4 layers
     wire = dict(
         cluster_preset("cpu-local"), intra_node_gbps=1e9, intra_node_latency_us=0.0, cores_per_node=None
     )
     cluster = ClusterSpec(**wire)  # a free wire: only the collectives' software cost is left
-    c = ModelConstants(collective_overhead_s=1e-3, dp_overlap=0.5)
+    c = ModelConstants(collective_overhead_s=1e-3)
     for parallel, layers in ((ParallelConfig(dp_replicate=2, micro_batch_size=4), 4),
                              (ParallelConfig(pp=2, dp_replicate=2, micro_batch_size=4, num_microbatches=2), 2)):  # fmt: skip
-        exposed = estimate(model, parallel, cluster, "fp32", c).dp_comm_s
-        assert exposed / (c.collective_overhead_s * math.log2(2) * (1 - c.dp_overlap)) == pytest.approx(
-            layers + 1
-        )
+        est = estimate(model, parallel, cluster, "fp32", c)
+        calls = est.dp_comm_s + sum(v for k, v in est.hidden.items() if k.startswith("dp_"))
+        assert calls / (c.collective_overhead_s * math.log2(2)) == pytest.approx(layers + 1)
 
 
 # --- issue 25: the level per device kind, from published kernel and collective figures ---------
@@ -406,8 +414,12 @@ def test_a_tied_head_computes_as_much_as_an_untied_one() -> None:
     ends = group_link(cluster, 2, 4)  # pp ranks 0 and 1, 4 data-parallel ranks apart
     summed = allreduce(128256 * 2048 / 4 * 4, 2, ends, default_constants(cluster))
     assert a.pp_p2p_s - b.pp_p2p_s == pytest.approx(summed.total, rel=1e-12)
+    # on one stage the untied head is a second V x h matrix to reduce and step (issue 37)
     one_stage = ParallelConfig(dp_shard=8, zero_stage=2, micro_batch_size=1, num_microbatches=8)
-    assert estimate(tied, one_stage, cluster).step_time_s == estimate(untied, one_stage, cluster).step_time_s
+    a, b = estimate(tied, one_stage, cluster), estimate(untied, one_stage, cluster)
+    assert a.terms.compute_s == b.terms.compute_s
+    assert a.terms.optimizer_s < b.terms.optimizer_s
+    assert a.dp_comm_s + a.hidden["dp_comm_intra_s"] < b.dp_comm_s + b.hidden["dp_comm_intra_s"]
 
 
 def test_the_llama_block_moves_its_own_elementwise_bytes() -> None:

@@ -181,3 +181,18 @@ def test_status_columns_are_typed_by_the_enums(database_url: str) -> None:
             s.execute(update(store.Study).values(status="done"))
         assert store.find_studies(s, status=StudyStatus.PENDING)[1] == 1
         assert store.find_studies(s, status=StudyStatus.COMPLETE)[1] == 0
+
+
+def test_a_calibration_exported_with_a_retired_constant_still_imports(database_url: str) -> None:
+    """dp_overlap (a fitted fraction, retired by issue 37's overlap rule) in an older export is
+    dropped on import and on reading; any other unknown constant is still refused by name."""
+    sessions = connect(database_url)
+    old = {"cluster": "h100-80gb", "constants": {"compute_efficiency": 0.5, "dp_overlap": 0.4}, "num_points": 3,
+           "rms_log_error": 0.1, "created_at": "2026-12-01T00:00:00+00:00"}  # fmt: skip
+    with sessions.begin() as s:
+        assert store.import_calibrations(s, [old]) == 1
+    with sessions() as s:
+        assert store.latest_constants(s, "h100-80gb") == ModelConstants(compute_efficiency=0.5)
+    bad = {**old, "constants": {"compute_efficiency": 0.5, "dp_overlapp": 0.4}}
+    with sessions.begin() as s, pytest.raises(ValueError, match="unknown constants \\['dp_overlapp'\\]"):
+        store.import_calibrations(s, [bad])

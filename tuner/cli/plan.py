@@ -102,7 +102,8 @@ def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:
 
 def _print_terms(result: dict[str, Any]) -> None:
     """Each candidate's step time as the sum of its terms (tuner.cost.terms.StepTerms), largest
-    first; terms under 0.05 % of the step are folded into one line so the sum still holds."""
+    first; terms under 0.05 % of the step are folded into one line so the sum still holds. Then
+    the communication hidden behind compute (Estimate.hidden), which the terms do not count."""
     from tuner.cost.terms import TERM_LABELS
 
     typer.echo("\nwhere each step goes (seconds; the terms add up to the step):")
@@ -117,6 +118,12 @@ def _print_terms(result: dict[str, Any]) -> None:
         typer.echo(
             f"{rank:>3}. {layout(**cand['config']).describe()}: step {step:.4g} s = " + " + ".join(parts)
         )
+        hidden = [(k, v) for k, v in p.get("hidden", {}).items() if v >= 5e-4 * step]
+        if hidden:
+            typer.echo(
+                "     hidden behind compute (not in the step): "
+                + ", ".join(f"{TERM_LABELS[k]} {v:.4g}" for k, v in sorted(hidden, key=lambda kv: -kv[1]))
+            )
         if cand.get("experts"):
             typer.echo(f"     {cand['experts']}")
 

@@ -87,6 +87,13 @@ def attention_fwd_flops_per_token(m: ModelConfig, p: ParallelConfig) -> float:
     return 2 * attention_keys(m, p) * m.attention_score_width
 
 
+def forward_share(case: Case) -> float:
+    """A layer's forward's share of its time in a step: 1 of 3 (the backward 2x, Megatron-3D
+    sec. 5.1); 1 of 4 with full recompute, which runs in the backward. Selective, op-level and
+    module recompute redo a small part: counted as none."""
+    return 0.25 if case.layout.activation_checkpoint == "full" else 1 / 3
+
+
 def compute_efficiency(case: Case) -> float:
     """Fraction of peak a layer's GEMMs reach: small micro-batches or thin shards run slower.
     size: a micro-batch's GEMM work per rank over h, b*s*h / (tp x tp_col x cp)."""

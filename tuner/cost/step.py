@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tuner.cost.case import Case
-from tuner.cost.compute import Compute, ComputePart, compute, compute_part
+from tuner.cost.compute import Compute, ComputePart, compute, compute_part, forward_share
 from tuner.cost.context import ContextPart, context_part
-from tuner.cost.data import DataPart, data_part
+from tuner.cost.data import DataPart, LayerTime, data_part
 from tuner.cost.experts import ExpertsPart, experts_part, moe_info
 from tuner.cost.memory import memory
 from tuner.cost.pipeline import PipelinePart, pipeline_part
@@ -65,11 +65,18 @@ class RankStep:
     def busy_s(self, microbatches: int) -> float:
         """What keeps the rank's core busy in a step (every collective's CPU part, hidden or not)."""
         return (
-            microbatches * (self.stage_mb + self.tensor.hidden_mb)
+            microbatches * (self.stage_mb + self.tensor.hidden_mb.total)
             + self.pipeline.p2p.total
             + self.data.comm.total
             + self.data.optimizer_s
         )
+
+    def hidden(self, microbatches: int) -> dict[str, float]:
+        """Communication overlapped with compute, by the term it would add to (Estimate.hidden)."""
+        dp, tp = self.data.hidden, self.tensor.hidden_mb * microbatches
+        out = {"dp_comm_intra_s": dp.intra, "dp_comm_inter_s": dp.inter,
+               "tp_comm_intra_s": tp.intra, "tp_comm_inter_s": tp.inter}  # fmt: skip
+        return {k: v for k, v in out.items() if v > 0}
 
     def terms(self, microbatches: int, shared_cores_s: float) -> StepTerms:
         """Each part's terms; `shared_cores_s`: what sharing cores adds beyond them."""
@@ -106,8 +113,17 @@ def rank_step(
         + context.kv_mb.total
     )
     pipeline = pipeline_part(case, critical_mb, dw_mb)
-    data = data_part(case, layers, vocab_share)
+    # what data parallelism's collectives hide behind: a layer's share of it (data.overlap_rule)
+    fwd = forward_share(case)
+    per_layer = critical_mb / layers if layers else 0.0
+    data = data_part(case, layers, vocab_share, LayerTime(fwd * per_layer, (1 - fwd) * per_layer))
     return RankStep(own, tensor, experts, context, pipeline, data)
+
+
+def vocab_matrices(case: Case) -> float:
+    """The V x h matrices a pipeline's stages hold in all: the embedding and the head, one when
+    tied on a single stage (a tied head on the last of several stages is a copy: two)."""
+    return 1.0 if case.model.tie_embeddings and case.layout.pp == 1 else 2.0
 
 
 def on_node_links(cluster: ClusterSpec) -> ClusterSpec:
@@ -140,7 +156,7 @@ def shared_cores_bound(case: Case, cost: Compute, slowest: RankStep, layers: int
     if p.pp > 1:
         layers_avg = m.num_layers / p.pp
         compute_avg, dw_avg = cost.stage(layers_avg, 1 / p.pp)
-        avg = rank_step(cpu_case, compute_avg, layers_avg, dw_avg, 1 / p.pp)
+        avg = rank_step(cpu_case, compute_avg, layers_avg, dw_avg, vocab_matrices(case) / p.pp)
     ranks = min(p.world_size, cluster.gpus_per_node)
     return avg.busy_s(mb) * ranks / cluster.cores_per_node + max(wire, 0.0)
 
@@ -155,7 +171,7 @@ def estimate_case(case: Case) -> Estimate:
     layers = case.slowest_layers
     cost = compute(case)
     compute_mb, dw_mb = cost.stage(layers)
-    k = rank_step(case, compute_mb, layers, dw_mb)
+    k = rank_step(case, compute_mb, layers, dw_mb, vocab_matrices(case) if p.pp == 1 else 1.0)
     dedicated = k.step_s(mb)
     shared = 0.0
     if cluster.cores_per_node:
@@ -175,4 +191,5 @@ def estimate_case(case: Case) -> Estimate:
         mfu=tflops / case.peak_tflops,
         fits=mem["memory_bytes"] <= cluster.device_memory_bytes * (1 - c.memory_margin),
         moe=moe_info(case, cost, layers, terms) if m.moe else None,  # the experts' line of a plan
+        hidden=k.hidden(mb),
     )

@@ -27,7 +27,7 @@ class TensorPart:
     """Tensor parallelism's seconds per micro-batch on a stage."""
 
     comm_mb: Comm  # exposed collectives
-    hidden_mb: float  # traffic overlapped with compute (2D only): it keeps a core busy all the same
+    hidden_mb: Comm  # traffic overlapped with compute (2D only): it keeps a core busy all the same
     wait_mb: float  # the wait behind the compute before blocking collectives
 
     def terms(self, microbatches: int) -> dict[str, float]:
@@ -48,7 +48,7 @@ def tensor_part(case: Case, layers: float, compute_mb: float, floor_mb: float, d
     if p.tp_col > 1:
         comm_mb, hidden_mb = tensor_2d(case, layers, dw_mb)
     else:
-        comm_mb, hidden_mb = tensor_1d(case, layers), 0.0
+        comm_mb, hidden_mb = tensor_1d(case, layers), Comm()
     rpc = case.ranks_per_core
     wait_mb = 0.0
     if case.tp_block > 1:
@@ -91,7 +91,7 @@ def tp_1d_collectives(p: ParallelConfig) -> int:
     return 4 + {"full": 2, "op": 1}.get(p.activation_checkpoint, again)
 
 
-def tensor_2d(case: Case, layers: float, dw_mb: float) -> tuple[Comm, float]:
+def tensor_2d(case: Case, layers: float, dw_mb: float) -> tuple[Comm, Comm]:
     """2D tensor parallelism (trainer/tp2d.py, AxoNN's schedule), one micro-batch on the last
     stage: (exposed communication, seconds hidden behind compute).
 
@@ -136,4 +136,4 @@ def tensor_2d(case: Case, layers: float, dw_mb: float) -> tuple[Comm, float]:
     overlapped = bwd_overlapped * layers + ar(h / k, t, row)
     hidden = min(overlapped.total, dw_mb)
     exposed_share = 1 - hidden / overlapped.total if overlapped.total > 0 else 1.0
-    return forward + blocking + overlapped * exposed_share, hidden
+    return forward + blocking + overlapped * exposed_share, overlapped * (1 - exposed_share)

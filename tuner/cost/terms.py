@@ -81,6 +81,10 @@ class Estimate:
     vocab_size: int = 0  # the padded vocabulary priced (tuner.spec.padded_vocab for the layout's tp)
     # A mixture of experts: what its terms were priced from (experts.moe_info); None for a dense model.
     moe: dict | None = None
+    # Communication hidden behind compute, by the term it would have added to (seconds a step,
+    # not in the terms): data parallelism's (tuner/cost/data.py overlap_rule), 2D tensor
+    # parallelism's (tensor.tensor_2d). Every other communication term blocks the compute stream.
+    hidden: dict[str, float] = dataclasses.field(default_factory=dict)
 
     # The terms grouped as before the tier split (what the 2D comparison and older callers read).
     @property

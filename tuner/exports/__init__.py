@@ -41,6 +41,7 @@ __all__ = [
     "Target",
     "export_layout",
     "export_site",
+    "refusals",
 ]
 
 
@@ -84,6 +85,18 @@ def export_layout(
     if reasons:
         raise ValueError(f"{fmt}: cannot express layout {config.describe()}: " + "; ".join(reasons))
     return target.render(spec, config, site)
+
+
+def refusals(spec: StudySpec, config: ParallelConfig) -> dict[str, str]:
+    """Why each format cannot express `config` of `spec` (export_layout's ValueError), by format;
+    absent: it can. What a plan or a benchmark says of a layout that was never trialled."""
+    out = {}
+    for fmt in FORMATS:
+        try:
+            export_layout(fmt, spec, config)
+        except ValueError as e:
+            out[fmt] = str(e)
+    return out
 
 
 def export_site(slurm: SlurmSettings) -> SiteSettings:

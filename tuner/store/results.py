@@ -14,7 +14,7 @@ from trainer.contract.parallel import ParallelConfig
 from tuner.db import Calibration, StoreRevision, Study, StudyBest, Trial, aware
 from tuner.outcome import StudyStatus, TrialState
 from tuner.payoff import Measured
-from tuner.perfconstants import ModelConstants
+from tuner.perfconstants import RETIRED, ModelConstants
 from tuner.store.trials import TRIAL_WORLD
 
 # Rebuilds study_bests from the trials (the migration that adds it; bulk loaders). Ties: lowest id.
@@ -203,11 +203,12 @@ def import_calibrations(session: Session, rows: Any) -> int:
         raise ValueError("expected a list of calibrations (the output of `tuner calibrate export`)")
     for i, row in enumerate(rows):
         try:
-            unknown = set(row["constants"]) - known
+            constants = {k: v for k, v in row["constants"].items() if k not in RETIRED}
+            unknown = set(constants) - known
             if unknown:
                 raise ValueError(f"unknown constants {sorted(unknown)}")
-            ModelConstants(**row["constants"])
-            session.add(Calibration(cluster_key=str(row["cluster"]), constants=dict(row["constants"]),
+            ModelConstants(**constants)
+            session.add(Calibration(cluster_key=str(row["cluster"]), constants=constants,
                                     num_points=int(row["num_points"]), rms_log_error=float(row["rms_log_error"]),
                                     created_at=dt.datetime.fromisoformat(row["created_at"])))  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
