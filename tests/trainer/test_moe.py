@@ -401,7 +401,11 @@ CASES = [
     ),
     ("ep4-dps4", "moe", P(dp_shard=4, zero_stage=2, ep=4, micro_batch_size=2)),
     # ZeRO-2 over two micro-batches: the experts' FSDP2 (edp 2) kept gathered between them too
-    ("ep2-dps4-zero2-accum2", "moe", P(dp_shard=4, zero_stage=2, ep=2, micro_batch_size=1, num_microbatches=2)),
+    (
+        "ep2-dps4-zero2-accum2",
+        "moe",
+        P(dp_shard=4, zero_stage=2, ep=2, micro_batch_size=1, num_microbatches=2),
+    ),
     # edp 2: the experts' own FSDP2 over the two ranks holding each expert
     ("ep2-dps4-zero3", "moe", P(dp_shard=4, zero_stage=3, ep=2, micro_batch_size=2)),
     # one expert a rank over edp 2: FSDP2 shards the experts' second dim (trainer/parallelize.py)
