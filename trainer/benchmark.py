@@ -283,21 +283,12 @@ class Trainer:
         n = self.cfg.parallel.num_microbatches
         # Replicated DP (over dp_replicate and/or cp): all-reduce once, after the last micro-batch
         # (DDP's no_sync). Sharded DP reduce-scatters every micro-batch so that gradients stay sharded.
-        # ZeRO-2 keeps its gathered parameters until the last backward (FSDP2 reshards after every
-        # backward by default, which gathered them again for every micro-batch's forward: Megatron's
-        # distributed optimizer and DeepSpeed's ZeRO-2 gather once a step, as torch's pipeline stage
-        # does here with a pipeline). It holds nothing more at the peak: without resharding after
-        # forward, every block is gathered by the end of each forward either way.
-        zero = self.cfg.parallel.zero_stage
-        replicated_only = bool(self.dims.weight_axes) and zero == 0
+        replicated_only = bool(self.dims.weight_axes) and self.cfg.parallel.zero_stage == 0
         total = torch.zeros((), device=self.device)
         for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n), strict=True)):
             if replicated_only:
                 for m in data_parallel_modules(model):
                     m.set_requires_gradient_sync(i == n - 1, recurse=False)
-            elif zero == 2:
-                for m in data_parallel_modules(model):
-                    m.set_reshard_after_backward(i == n - 1, recurse=False)
             loss = cross_entropy_loss(model(xm), ym)
             (loss / n).backward()
             total = total + _full(loss.detach())

@@ -400,7 +400,7 @@ CASES = [
         EP2_ZERO3_FULL_AC,
     ),
     ("ep4-dps4", "moe", P(dp_shard=4, zero_stage=2, ep=4, micro_batch_size=2)),
-    # ZeRO-2 over two micro-batches: the experts' FSDP2 (edp 2) kept gathered between them too
+    # ZeRO-2 over two micro-batches, the experts' own FSDP2 (edp 2) among the reduce-scatters
     (
         "ep2-dps4-zero2-accum2",
         "moe",

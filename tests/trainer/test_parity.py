@@ -52,7 +52,7 @@ LAYOUTS = [
     ("dp2-replicate", P(dp_replicate=2, micro_batch_size=4)),
     ("dp2-replicate-accum2", P(dp_replicate=2, micro_batch_size=2, num_microbatches=2)),
     ("dp2-shard-zero2", P(dp_shard=2, zero_stage=2, micro_batch_size=4)),
-    # ZeRO-2 keeps its gathered parameters across the micro-batches (trainer/benchmark.py _accumulate)
+    # ZeRO-2 over two micro-batches: reduce-scatters each, gathers again each (test_gathers.py)
     ("dp2-shard-zero2-accum2", P(dp_shard=2, zero_stage=2, micro_batch_size=2, num_microbatches=2)),
     ("dp2-shard-zero3", P(dp_shard=2, zero_stage=3, micro_batch_size=4)),
     ("tp2-pp2", P(tp=2, pp=2, micro_batch_size=2, num_microbatches=4)),

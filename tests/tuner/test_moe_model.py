@@ -553,8 +553,8 @@ def test_dense_predictions_unchanged() -> None:
     trainer began to keep the norms' output shards and gather them again in the backward
     (trainer/model.py gather_again; issue 37); 292 rows' step (x 0.71 to x 1.32, median x 1.0007;
     CPU studies also by the CPU defaults' refit) when data parallelism's overlap began to be
-    priced from the trainer's order of operations, not a fitted fraction, ZeRO-3's gathers with a
-    pipeline counted as FSDP2 runs them and an untied head's gradients reduced with the embedding's
+    priced from the trainer's order of operations, not a fitted fraction, its gathers counted as
+    FSDP2 runs them and an untied head's gradients reduced with the embedding's
     (tuner/cost/data.py overlap_rule; issue 37)."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300

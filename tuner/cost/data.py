@@ -80,17 +80,18 @@ def data_part(case: Case, layers: float, vocab_share: float, layer: LayerTime | 
     # grad_reduce_dtype bf16, as Megatron-LM reduces a bf16 model's in fp32 unless
     # --grad-reduce-in-bf16), parameters gathered in the compute dtype (FSDP2's param_dtype).
     reduce_bytes = reduce_value_bytes(case)
-    # Passes over the rank's parameters as FSDP2 runs them in the trainer (torch 2.13): ZeRO-3
-    # reshards after each forward and each backward; ZeRO-2 after the last backward only (the
-    # trainer's _accumulate; torch's pipeline stage likewise). Without a pipeline, ZeRO-3 gathers
-    # for every forward and backward, ZeRO-2 once, and both reduce-scatter every micro-batch. With
-    # one, torch's stage keeps parameters gathered after a backward and reduces once at
-    # REDUCE_GRAD: ZeRO-3 gathers before a forward or backward that follows a forward (1F1B: the
-    # warm-up forwards and the first steady one, then each steady backward: m + 1 in all).
+    # Passes over the rank's parameters as FSDP2 runs them in the trainer (torch 2.13): it
+    # reshards after each forward (ZeRO-3's reshard_after_forward) and after each backward (its
+    # default) unless told not to. Without a pipeline, ZeRO-3 gathers for every forward and
+    # backward, ZeRO-2 for every forward (resharded by the backward before), and both
+    # reduce-scatter every micro-batch. With one, torch's stage keeps parameters gathered after a
+    # backward and reduces once at REDUCE_GRAD: ZeRO-2 gathers once; ZeRO-3 gathers before a
+    # forward or backward that follows a forward (1F1B: the warm-up forwards and the first
+    # steady one, then each steady backward: m + 1 in all, whatever the warm-up).
     if p.zero_stage == 3:
         gathers, reduces = (2 * mb, mb) if pp == 1 else (mb + 1, 1)
-    elif p.zero_stage == 2 and pp == 1:  # one gather, a reduce-scatter every micro-batch
-        gathers, reduces = 1, mb
+    elif p.zero_stage == 2 and pp == 1:  # a gather and a reduce-scatter every micro-batch
+        gathers, reduces = mb, mb
     elif p.zero_stage == 0:  # one all-reduce of the gradients: both its halves in the reduce dtype
         gathers, reduces = 0, 1
     else:  # one reduce-scatter, one all-gather of the updated parameters
@@ -175,7 +176,7 @@ def overlap_rule(
       exceeds it by (`_chain`). The step waits for every reduction at the end of a backward
       (FSDP2's post-backward callback), so none runs under the next micro-batch.
     - Which passes run where (data_part's counts): without a pipeline ZeRO-3 gathers in every
-      micro-batch's forward and backward, ZeRO-2 in the first forward; sharded gradients reduce in
+      micro-batch's forward and backward, ZeRO-2 in every forward; sharded gradients reduce in
       every micro-batch's backward, replicated ones (zero 0) in the last one only (no_sync
       before). With a pipeline, ZeRO-2 gathers in the first forward, ZeRO-3 in the first rank's
       warm-up forwards and steady backwards, and torch's schedule reduces every gradient at its
@@ -204,10 +205,10 @@ def overlap_rule(
     elif p.zero_stage == 3:  # the first rank's 1F1B: w + 1 forwards gather, then m - w backwards
         w = min(p.pp - 1, mb - 1)
         exposed = exposed + chained(gather, fwd) * (w + 1) + chained(gather, bwd) * (mb - w)
-    elif p.zero_stage == 2:  # the first forward's gathers, kept; without a pipeline, every
-        exposed = exposed + chained(gather, fwd)  # backward reduces
-        if sync_each:
-            exposed = exposed + chained(reduce, bwd) * mb
+    elif p.zero_stage == 2 and p.pp == 1:  # every forward gathers, every backward reduces
+        exposed = exposed + chained(gather, fwd) * mb + chained(reduce, bwd) * mb
+    elif p.zero_stage == 2:
+        exposed = exposed + chained(gather, fwd)  # the first forward's gathers, kept
     elif p.zero_stage == 1:
         exposed = exposed + gather  # after the optimizer step
     if p.pp > 1:
