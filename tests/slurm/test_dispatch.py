@@ -258,7 +258,7 @@ def test_worker_killed_with_two_jobs_running_reattaches(slurm_env: SlurmCluster,
     try:
         running = _wait(lambda: [t for t in _db_trials(db, "sigkill") if t[1] == "RUNNING"][:2]
                         if sum(t[1] == "RUNNING" for t in _db_trials(db, "sigkill")) == 2 else None,
-                        120, "two trials running")  # fmt: skip
+                        300, "two trials running")  # fmt: skip
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
     finally:
