@@ -70,6 +70,12 @@ def export_layout(
     supplies Slurm defaults, the job preamble and the python (export_site: the TUNER_SLURM_*
     settings); None: no site options, `python` from PATH.
     ValueError when the model cannot run the layout or the stack cannot express it."""
+    _check(fmt, spec, config)
+    return TARGETS[fmt].render(spec, config, site)
+
+
+def _check(fmt: str, spec: StudySpec, config: ParallelConfig) -> None:
+    """export_layout's checks, without rendering: ValueError naming why `fmt` cannot express it."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; valid: {list(FORMATS)}")
     if config.tp_col > 1 and fmt != "sbatch":  # our own trainer runs it (trainer/tp2d.py)
@@ -80,20 +86,19 @@ def export_layout(
     problems = config.problems(spec.as_model_config())
     if problems:
         raise ValueError(f"layout {config.describe()} cannot run the study's model: " + "; ".join(problems))
-    target = TARGETS[fmt]
-    reasons = target.unsupported(spec, config)
+    reasons = TARGETS[fmt].unsupported(spec, config)
     if reasons:
         raise ValueError(f"{fmt}: cannot express layout {config.describe()}: " + "; ".join(reasons))
-    return target.render(spec, config, site)
 
 
 def refusals(spec: StudySpec, config: ParallelConfig) -> dict[str, str]:
-    """Why each format cannot express `config` of `spec` (export_layout's ValueError), by format;
-    absent: it can. What a plan or a benchmark says of a layout that was never trialled."""
+    """Why each format cannot express `config` of `spec` (export_layout's checks, nothing
+    rendered), by format; absent: it can. What a plan or a benchmark says of a layout that was
+    never trialled."""
     out = {}
     for fmt in FORMATS:
         try:
-            export_layout(fmt, spec, config)
+            _check(fmt, spec, config)
         except ValueError as e:
             out[fmt] = str(e)
     return out
