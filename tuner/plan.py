@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.contract.axes import AXES
 from trainer.contract.parallel import ParallelConfig
@@ -12,6 +13,9 @@ from tuner.perfconstants import ModelConstants
 from tuner.pricing import Pricing
 from tuner.space import SearchSpace
 from tuner.spec import VOCAB_DIVISIBLE_BY, StudySpec, padded_vocab, parse_spec
+
+if TYPE_CHECKING:
+    from tuner.dispatch.sbatch import SiteSettings
 
 # What --config may pin, and how each value is read: every axis of the table
 # (trainer/contract/axes.py, with its short aliases) and dp, the two data-parallel axes together.
@@ -171,9 +175,19 @@ def plan(
     top: int = 10,
     include_unfit: bool = False,
     constants: ModelConstants | None = None,
+    export: str | None = None,
+    site: SiteSettings | None = None,
 ) -> dict[str, Any]:
-    """The `tuner plan --json` document: space size, rejections by reason, the top-K candidates."""
+    """The `tuner plan --json` document: space size, rejections by reason, the top-K candidates.
+    With `export` (a format of tuner.exports), only the layouts that format can express are
+    ranked, and the document's `export` holds the fastest fitting one's launch config (`site`: an
+    sbatch script's Slurm settings) and how many layouts the format refused, by reason."""
     pins = pins or {}
+    if export is not None:
+        from tuner.exports import FORMATS
+
+        if export not in FORMATS:
+            raise PlanError(f"--export: {export!r} is not one of {list(FORMATS)}")
     if pins:
         spec = _pinned_spec(spec, pins)
     pricing = Pricing.for_study(spec, constants)  # the caller passes the database's constants
@@ -189,6 +203,9 @@ def plan(
             reasons = "; ".join(f"{enum.examples[r]} ({n} layouts)" for r, n in enum.rejected.most_common())
         raise PlanError(f"--config: no valid layout agrees with {pins}: {reasons}")
     model = spec.as_model_config()
+    num_valid, refused = len(valid), Counter[str]()
+    if export is not None:
+        valid, refused = _expressible(export, spec, valid)
     scored = pricing.rank(valid)
     num_fit = sum(e.fits for _, e in scored)
     shown = scored if include_unfit else [(c, e) for c, e in scored if e.fits]
@@ -197,14 +214,75 @@ def plan(
     )  # fmt: skip
     return {
         "space_size": enum.space_size,
-        "num_valid": len(valid),
+        "num_valid": num_valid,
         "num_fit": num_fit,
         "rejected": dict(enum.rejected.most_common()),
         "vocab": vocab_dict(model.vocab_size, sorted({c.tp for c in valid})),
         "candidates": [candidate_dict(c, e, searched=space.searched_axes()) for c, e in shown[:top]],
         "column": column_comparison(scored),
         **({"hint": hint} if hint else {}),
+        **(
+            {"export": _export(export, spec, scored, refused, site, space.searched_axes())}
+            if export is not None
+            else {}
+        ),
     }
+
+
+def _expressible(
+    fmt: str, spec: StudySpec, valid: list[ParallelConfig]
+) -> tuple[list[ParallelConfig], Counter[str]]:
+    """The layouts `fmt` can express, and how many it refused by reason (the first reason each,
+    up to its first colon: e.g. "activation_checkpoint 'offload'")."""
+    from tuner.exports import refusal
+
+    kept, refused = [], Counter()
+    for config in valid:
+        why = refusal(fmt, spec, config)
+        if why is None:
+            kept.append(config)
+        else:
+            reasons = why.split(f"cannot express layout {config.describe()}: ", 1)[-1]
+            refused[reasons.split("; ")[0].split(": ")[0]] += 1
+    return kept, refused
+
+
+def _export(
+    fmt: str,
+    spec: StudySpec,
+    scored: Scored,
+    refused: Counter[str],
+    site: SiteSettings | None,
+    searched: Collection[str],
+) -> dict[str, Any]:
+    """The plan's `export`: the fastest fitting layout `fmt` expresses as its launch config (None
+    where none fits, with why), and the layouts the format refused by reason."""
+    from tuner.exports import export_layout
+
+    best = fastest_fitting(scored)
+    out: dict[str, Any] = {"format": fmt, "expressible": len(scored), "refused": dict(refused.most_common())}
+    if best is None:
+        why = (
+            "no layout it can express is predicted to fit"
+            if scored
+            else "it can express none of the valid layouts"
+        )
+        return out | {"layout": None, "text": None, "why": f"{fmt}: {why}"}
+    config, est = best
+    text = planned(export_layout(fmt, spec, config, site=site), est)
+    return out | {"layout": config.describe(), "config": layout_row(config, searched), "tokens_per_s": est.tokens_per_s,
+                  "text": text}  # fmt: skip
+
+
+def planned(text: str, est: Estimate) -> str:
+    """A launch config written from a plan, with a comment after its header's first line saying
+    that no trial ran it (its notes' "measured" mean what the performance model priced)."""
+    lines = text.split("\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith("# ")) + 1  # after #! and #SBATCH
+    note = (f"# planned, not measured: `tuner plan` picked this layout by the performance model "
+            f"({est.tokens_per_s:,.0f} tokens/s, {est.memory_bytes / 2**30:.1f} GiB a device predicted); "
+            "no trial ran it, so where the notes below say measured, read priced")  # fmt: skip
+    return "\n".join([*lines[:at], note, *lines[at:]])
 
 
 def no_fit_hint(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -28,6 +28,11 @@ class PlanRequest(BaseModel):
     config: str | None = Field(None, description="pinned knobs, e.g. 'tp=8,pp=4'")
     top: int = Field(10, ge=1, le=1000)
     include_unfit: bool = False
+    export: Literal["torchtitan", "megatron", "sbatch"] | None = Field(
+        None,
+        description="rank only the layouts this format can express; the plan's `export` holds the fastest "
+        "fitting one's launch config (= `tuner plan --export`)",
+    )
 
 
 @router.get("/api/best", response_model=BEST_ROWS, dependencies=[Read])
@@ -66,12 +71,15 @@ def axes() -> list[dict[str, Any]]:
 
 
 @router.post("/api/plan", dependencies=[Read])
-def plan(body: PlanRequest, session: SessionDep) -> dict[str, Any]:
+def plan(body: PlanRequest, session: SessionDep, settings: SettingsDep) -> dict[str, Any]:
     """Rank every valid layout by the performance model, without running any (= `tuner plan --json`)."""
+    from tuner.exports import export_site
+
     spec = parse_spec(body.spec)
     try:
         return run_plan(spec, pins=parse_pins(body.config), top=body.top, include_unfit=body.include_unfit,
-                        constants=store.latest_constants(session, spec.cluster.name))  # fmt: skip
+                        constants=store.latest_constants(session, spec.cluster.name), export=body.export,
+                        site=export_site(settings.slurm) if body.export == "sbatch" else None)  # fmt: skip
     except PlanError as e:
         raise ApiError(422, "invalid_plan", str(e)) from None
 

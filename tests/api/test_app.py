@@ -383,3 +383,20 @@ def test_a_cached_read_is_never_stale_after_a_write(client: TestClient, settings
     # The study changes: deleted, its best goes with it.
     assert client.delete(f"/api/studies/{study_id}", headers=AUTH).status_code == 204
     assert client.get("/api/best").json() == [] and client.get(poll).status_code == 404
+
+
+def test_plan_with_an_export_matches_the_cli_and_names_a_bad_format(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    r = client.post("/api/plan", json={"spec": SPEC, "top": 2, "export": "megatron"})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["export"]["format"] == "megatron" and "--tensor-model-parallel-size" in doc["export"]["text"]
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(SPEC))
+    cli = subprocess.run([TUNER, "plan", "--spec", str(path), "--top", "2", "--json", "--export", "megatron"],
+                         capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "TUNER_DATABASE_URL": settings.database_url})  # fmt: skip
+    assert json.loads(cli.stdout) == doc
+    bad = client.post("/api/plan", json={"spec": SPEC, "export": "nemo"})
+    assert bad.status_code == 422 and bad.json()["error"]["detail"][0]["field"] == "body.export"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -34,30 +35,85 @@ def plan(
         bool,
         typer.Option("--verify-memory", help="check each listed layout with the memory oracle (needs torch)"),
     ] = False,
+    export: Annotated[
+        str | None,
+        typer.Option(
+            "--export",
+            help="torchtitan | megatron | sbatch: rank only the layouts that format can express and write "
+            "the fastest fitting one's launch config (to stdout, or --output)",
+        ),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="with --export: write the launch config here")
+    ] = None,
 ) -> None:
     """Rank every valid layout by the performance model, without running any."""
+    if output is not None and export is None:
+        fail("--output: needs --export FORMAT (torchtitan | megatron | sbatch)")
     try:
         study = parse_spec(spec_data(opts), str(opts.spec) if opts.spec else "plan")
         constants = stored_constants(study.cluster.name)
         result = run_plan(
-            study, pins=parse_pins(opts.config), top=top, include_unfit=include_unfit, constants=constants
-        )
+            study, pins=parse_pins(opts.config), top=top, include_unfit=include_unfit, constants=constants,
+            export=export, site=_site() if export == "sbatch" else None,
+        )  # fmt: skip
         if verify_memory:
             from tuner.cli.memcheck import verify_candidates
 
             verify_candidates(study, result, constants)
     except (SpecError, PlanError, ValueError) as e:
         fail(str(e))
+    exported = result.get("export")
+    if output is not None and exported["text"] is not None:
+        output.write_text(exported["text"])
     if as_json:
         typer.echo(json.dumps(result, indent=1))
-        return
-    _print_plan(study, result)
-    if explain:
-        _print_terms(result)
-    if verify_memory:
-        from tuner.cli.memcheck import print_verified
+    else:
+        _print_plan(study, result)
+        if explain:
+            _print_terms(result)
+        if verify_memory:
+            from tuner.cli.memcheck import print_verified
 
-        print_verified(result)
+            print_verified(result)
+        if exported is not None:
+            _print_export(exported, output)
+    if exported is not None and exported["text"] is None:
+        raise typer.Exit(1)
+
+
+def _site() -> Any:
+    """An sbatch export's Slurm settings (TUNER_SLURM_*), as `tuner export` writes them."""
+    from tuner.exports import export_site
+    from tuner.settings import Settings
+
+    return export_site(Settings.from_env().slurm)
+
+
+def _print_export(exported: dict[str, Any], output: Path | None) -> None:
+    """What --export wrote: the layout, the file (or where it went), and what the format refused."""
+    fmt = exported["format"]
+    refused = sum(exported["refused"].values())
+    if refused:
+        typer.echo(f"\n{fmt} cannot express {refused} of the valid layouts (ranked without them), by reason:")
+        reasons = list(exported["refused"].items())
+        for reason, count in reasons[:10]:
+            typer.echo(f"{count:>7}  {reason}")
+        if len(reasons) > 10:
+            typer.echo(
+                f"{sum(n for _, n in reasons[10:]):>7}  {len(reasons) - 10} other reasons (--json lists all)"
+            )
+    if exported["text"] is None:
+        typer.echo(f"\nno {fmt} launch config: {exported['why']}", err=True)
+        return
+    head = (
+        f"\n{fmt} launch config for {exported['layout']} ({exported['tokens_per_s']:,.0f} tokens/s predicted)"
+    )
+    if output is not None:
+        typer.echo(f"{head}: written to {output}")
+    else:
+        typer.echo(f"{head}:\n")
+        typer.echo(exported["text"], nl=False)
 
 
 def _print_plan(study: StudySpec, result: dict[str, Any]) -> None:

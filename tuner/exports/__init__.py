@@ -41,6 +41,7 @@ __all__ = [
     "Target",
     "export_layout",
     "export_site",
+    "refusal",
     "refusals",
 ]
 
@@ -91,17 +92,23 @@ def _check(fmt: str, spec: StudySpec, config: ParallelConfig) -> None:
         raise ValueError(f"{fmt}: cannot express layout {config.describe()}: " + "; ".join(reasons))
 
 
+def refusal(fmt: str, spec: StudySpec, config: ParallelConfig) -> str | None:
+    """Why `fmt` cannot express `config` of `spec` (export_layout's checks, nothing rendered);
+    None: it can. ValueError for an unknown format."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; valid: {list(FORMATS)}")
+    try:
+        _check(fmt, spec, config)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def refusals(spec: StudySpec, config: ParallelConfig) -> dict[str, str]:
     """Why each format cannot express `config` of `spec` (export_layout's checks, nothing
     rendered), by format; absent: it can. What a plan or a benchmark says of a layout that was
     never trialled."""
-    out = {}
-    for fmt in FORMATS:
-        try:
-            _check(fmt, spec, config)
-        except ValueError as e:
-            out[fmt] = str(e)
-    return out
+    return {fmt: why for fmt in FORMATS if (why := refusal(fmt, spec, config)) is not None}
 
 
 def export_site(slurm: SlurmSettings) -> SiteSettings:
