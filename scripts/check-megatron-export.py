@@ -118,6 +118,19 @@ def validate(text: str, arch: int) -> tuple[argparse.Namespace, object]:
     return args, config
 
 
+def layers_by_stage(config: object) -> list[int] | None:
+    """Decoder layers of each pipeline stage in stage order (virtual stage v of pp rank r is stage
+    v pp + r) as TransformerConfig's --pipeline-model-parallel-layout places them; None without one
+    (Megatron then splits the layers evenly)."""
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is None:
+        return None
+    from megatron.core.transformer.enums import LayerType
+
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    return [layout.layout[r][v].count(LayerType.decoder) for v in range(vpp) for r in range(pp)]
+
+
 def write_flags(path: str) -> None:
     from megatron.core.package_info import __version__
     from megatron.training.arguments import add_megatron_arguments
@@ -154,6 +167,8 @@ def main() -> int:
             continue
         parsed[path] = {name: getattr(args, name) for name in MODEL_ARGS}
         parsed[path] |= {name: getattr(config, name, None) for name in MOE_ARGS + RECOMPUTE_ARGS}
+        parsed[path] |= {"virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
+                         "decoder_layers_by_stage": layers_by_stage(config)}  # fmt: skip
         if opts.json:
             continue
         print(f"ok {path}: tp {args.tensor_model_parallel_size} pp {args.pipeline_model_parallel_size} "

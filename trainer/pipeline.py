@@ -34,20 +34,9 @@ from torch.distributed.pipelining.schedules import _ComputationType as Computati
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
+from trainer.contract.parallel import stage_layer_ranges
 from trainer.model import GPT
 from trainer.moe import moe_layers
-
-
-def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous layer ranges, as even as possible; earlier stages take the remainder because
-    the last stage also carries the head (a V x h matmul per token)."""
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
-        ranges.append(range(start, start + n))
-        start += n
-    return ranges
 
 
 def split_model(model: GPT, stage_id: int, num_stages: int) -> GPT:

@@ -725,6 +725,26 @@ MEGATRON_CASES = {
     **MORE_LLAMA,
     **MORE_MOE,
     **CP_CASES,
+    # layers not a multiple of the stages: --pipeline-model-parallel-layout (1F1B, interleaved, and
+    # DeepSeek-V3's 61 layers over 8 stages)
+    "uneven": MORE_TORCHTITAN["uneven"],
+    "uneven_interleaved": (
+        _spec({"preset": "gpt-tiny", "num_layers": 7}, "h100-80gb", 4, 8, "bf16"),
+        ParallelConfig(
+            pp=2,
+            dp_shard=2,
+            zero_stage=2,
+            num_microbatches=4,
+            pp_schedule="interleaved_1f1b",
+            virtual_stages=2,
+        ),
+    ),
+    "deepseek_v3_pp8": (
+        _spec("deepseek-v3", {"preset": "h100-80gb", "num_nodes": 4}, 32, 32, "bf16"),
+        ParallelConfig(
+            pp=8, dp_shard=4, ep=4, zero_stage=2, num_microbatches=8, activation_checkpoint="full"
+        ),
+    ),
     "qwen3_dense": QWEN3_DENSE,
     "moe_token_drop": (MOE_TOKEN_DROP, MORE_MOE["moe_tiny_ds"][1]),
     # latent attention's up-projections recomputed with the experts' activation (Megatron's
@@ -860,6 +880,12 @@ def test_megatrons_own_validate_args_parses_the_studys_model(tmp_path: Path, meg
         assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"],
                 args["data_parallel_size"]) == (config.tp, config.pp, config.dp)  # fmt: skip
         assert args["context_parallel_size"] == config.cp, case
+        # the layers of each stage: an uneven split as our trainer's, written as Megatron's layout
+        uneven = config.pp > 1 and spec.as_model_config().num_layers % config.num_stages
+        ranges = stage_layer_ranges(spec.as_model_config().num_layers, config.num_stages)
+        assert args["decoder_layers_by_stage"] == ([len(r) for r in ranges] if uneven else None), case
+        assert args["virtual_pipeline_model_parallel_size"] == (
+            config.virtual_stages if config.pp > 1 and config.virtual_stages > 1 else None), case  # fmt: skip
         if config.cp > 1:  # the K/V all-gather our trainer measured, as TransformerConfig holds it
             assert args["cp_comm_type"] == "all_gather", case
         assert args == args | _megatron_moe_expected(spec.as_model_config(), config), case
@@ -1195,11 +1221,22 @@ def test_megatron_refuses_the_v_schedules() -> None:
         export_layout("megatron", spec, config)
 
 
-def test_megatron_refuses_an_uneven_layer_split() -> None:
+def test_megatron_writes_an_uneven_layer_split_as_its_layout() -> None:
+    """Layers not a multiple of the stages: Megatron's --pipeline-model-parallel-layout with our
+    trainer's split (earlier stages take the remainder), not a refusal; Megatron's own parser and
+    TransformerConfig read it back stage by stage (MEGATRON_CASES "uneven", "uneven_interleaved",
+    "deepseek_v3_pp8": test_megatrons_own_validate_args_parses_the_studys_model)."""
     spec, config = MORE_TORCHTITAN["uneven"]
     assert export_layout("torchtitan", spec, config)  # torchtitan splits unevenly (parsed above)
-    with pytest.raises(ValueError, match=r"megatron: .*num_layers \(5\) is not a multiple of pp \(2\)"):
-        export_layout("megatron", spec, config)
+    flags = _megatron_args(export_layout("megatron", spec, config))[1]
+    assert flags["--pipeline-model-parallel-layout"] == "Et*3|t*2L"
+    spec, config = MEGATRON_CASES["uneven_interleaved"]
+    flags = _megatron_args(export_layout("megatron", spec, config))[1]
+    assert flags["--pipeline-model-parallel-layout"] == "Et*2|t*2|t*2|t*1L"
+    assert "--num-layers-per-virtual-pipeline-stage" not in flags
+    spec, config = MEGATRON_CASES["deepseek_v3_pp8"]
+    flags = _megatron_args(export_layout("megatron", spec, config))[1]
+    assert flags["--pipeline-model-parallel-layout"] == "Et*8|t*8|t*8|t*8|t*8|t*7|t*7|t*7L"
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -77,6 +77,10 @@ class _Layout:
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    def stage_layers(self, num_layers: int) -> list[range]:
+        """Each pipeline stage's layers (stage_layer_ranges over num_stages), in stage order."""
+        return stage_layer_ranges(num_layers, self.num_stages)
+
     def stages_of(self, pp_rank: int) -> list[int]:
         """The pipeline stages rank `pp_rank` holds: looped (Narayanan et al. 2021: r, r + pp, ...),
         or a V schedule's (ZBV, DualPipeV) r and 2 pp - 1 - r: the first and the last stage on rank
@@ -150,3 +154,21 @@ ParallelConfig = dataclasses.make_dataclass(
 ParallelConfig.__module__ = (
     __name__  # make_dataclass's module argument is Python 3.12's; pickle finds it here
 )
+
+
+def stage_layer_count(num_layers: int, num_stages: int, stage: int) -> int:
+    """Layers of pipeline stage `stage`: as even as possible, earlier stages taking the remainder
+    because the last stage also carries the head (a V x h matmul per token). What
+    trainer/pipeline.py builds, the cost model prices and the exports write."""
+    base, extra = divmod(num_layers, num_stages)
+    return base + (1 if stage < extra else 0)
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
+    """Each stage's contiguous range of layers (stage_layer_count each)."""
+    ranges, start = [], 0
+    for s in range(num_stages):
+        n = stage_layer_count(num_layers, num_stages, s)
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges

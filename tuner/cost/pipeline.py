@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer.contract.parallel import ParallelConfig
+from trainer.contract.parallel import ParallelConfig, stage_layer_count
 from trainer.contract.rules import V_SCHEDULES
 from tuner.cost.collectives import Comm, allreduce, send_s
 
@@ -232,8 +232,7 @@ def local_stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> list[i
     """Layers of each local stage of the rank at pipeline coordinate `stage` (trainer/pipeline.py:
     contiguous ranges, earlier stages take the remainder; interleaved ranks hold stages r, r + pp,
     ..., a V schedule's r and 2 pp - 1 - r: ParallelConfig.stages_of)."""
-    base, extra = divmod(num_layers, p.num_stages)
-    return [base + (1 if s < extra else 0) for s in p.stages_of(stage)]
+    return [stage_layer_count(num_layers, p.num_stages, s) for s in p.stages_of(stage)]
 
 
 def stage_layers(num_layers: int, p: ParallelConfig, stage: int) -> int:

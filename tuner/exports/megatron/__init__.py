@@ -14,9 +14,10 @@ frequency factors or original context are not Megatron's fixed ones.
   renormalised, the expert bias with other than sigmoid scores.
 Axes (ParallelConfig):
 - tp, sequence parallelism, activation checkpointing: supported.
-- pp: 1F1B and interleaved (GPipe runs as 1F1B: a note). Refused: layers not a multiple of the
-  stage count; interleaved with fewer micro-batches than pp; the V schedules (ZBV, DualPipeV: Megatron
-  has neither).
+- pp: 1F1B and interleaved (GPipe runs as 1F1B: a note). Layers not a multiple of the stage count
+  (Llama 3.1 405B's 126 over 16, DeepSeek-V3's 61 over 8): --pipeline-model-parallel-layout with our
+  trainer's split, stage by stage (pipeline_layout). Refused: interleaved with fewer micro-batches
+  than pp; the V schedules (ZBV, DualPipeV: Megatron has neither).
 - dp and zero_stage: the distributed optimizer; zero_stage 3 is --use-torch-fsdp2 where validate_args
   takes it (pp 1, ep 1, an untied head), else the distributed optimizer (a note); HSDP is a note.
 - cp: --context-parallel-size with --cp-comm-type all_gather (see below). Refused: latent attention
@@ -43,7 +44,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainer.contract.model import ModelConfig
-from trainer.contract.parallel import ParallelConfig
+from trainer.contract.parallel import ParallelConfig, stage_layer_count
 from trainer.contract.rules import V_SCHEDULES
 from tuner.cost.layer import recomputed_modules
 from tuner.exports.common import capacity_factor, comments, header, launcher, routing
@@ -69,10 +70,9 @@ def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
     reasons = megatron_unsupported(spec.as_model_config()) + megatron_cp_unsupported(
         spec.as_model_config(), config
     )
-    if c.pp > 1 and layers % c.num_stages:
+    if c.pp > 1 and layers < c.num_stages:
         reasons.append(
-            f"num_layers ({layers}) is not a multiple of pp ({c.pp}) x virtual_stages ({c.virtual_stages}) "
-            f"= {c.num_stages}: Megatron-LM splits layers evenly over stages"
+            f"num_layers ({layers}) < pp x virtual_stages ({c.num_stages}): a stage without a layer"
         )
     if c.activation_checkpoint == "offload":
         reasons.append(
@@ -105,10 +105,12 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
         ("--pipeline-model-parallel-size", c.pp),
         *megatron_cp_args(c),
     ]
-    if _interleaved(c):
+    if c.pp > 1 and m.num_layers % c.num_stages:
+        args.append(("--pipeline-model-parallel-layout", f'"{pipeline_layout(m.num_layers, c)}"'))
+    elif _interleaved(c):
         args.append(("--num-layers-per-virtual-pipeline-stage", m.num_layers // c.num_stages))
-        if _microbatch_group(c) != c.pp:  # Megatron's default group is pp micro-batches
-            args.append(("--microbatch-group-size-per-virtual-pipeline-stage", _microbatch_group(c)))
+    if _interleaved(c) and _microbatch_group(c) != c.pp:  # Megatron's default group is pp micro-batches
+        args.append(("--microbatch-group-size-per-virtual-pipeline-stage", _microbatch_group(c)))
     if c.sequence_parallel:
         args.append(("--sequence-parallel", None))
     args += [
@@ -152,6 +154,19 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
     argv = [f"{env}{torchrun} pretrain_gpt.py"]
     argv += [f"    {flag}" if value is None else f"    {flag} {value}" for flag, value in args]
     return "\n".join([*lines, " \\\n".join(argv)]) + "\n"
+
+
+def pipeline_layout(num_layers: int, config: ParallelConfig) -> str:
+    """Megatron's --pipeline-model-parallel-layout for our trainer's split of `num_layers` (earlier
+    stages take the remainder: trainer/contract/parallel.py stage_layer_count): one `|`-separated
+    entry per stage in stage order (virtual stage v of pp rank r is stage v pp + r in both), `t*n`
+    its n decoder layers, E (the embedding) on the first, L (the head and loss) on the last
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py parse_str_to_list). E.g. 61 layers
+    over 8 stages: "Et*8|t*8|t*8|t*8|t*8|t*7|t*7|t*7L"."""
+    n = config.num_stages
+    stages = [f"t*{stage_layer_count(num_layers, n, s)}" for s in range(n)]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    return "|".join(stages)
 
 
 def _interleaved(config: ParallelConfig) -> bool:
