@@ -964,6 +964,10 @@ def test_megatron_export_passes_validate_args_rules(case: str) -> None:
         assert connections == "unset" or ((connections or "").isdigit() and int(connections) > 1)
         assert pp == 1 and "--use-distributed-optimizer" not in flags and "--fp16" not in flags
         assert {"--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"} <= set(flags)
+    elif "--use-megatron-fsdp" in flags:  # Megatron-FSDP: its distributed optimizer, its checkpoint format
+        assert connections == "unset" or ((connections or "").isdigit() and int(connections) > 1)
+        assert "--use-distributed-optimizer" in flags and flags["--ckpt-format"] == "fsdp_dtensor"
+        assert flags["--data-parallel-sharding-strategy"] == "optim_grads_params"
     elif tp > 1 or cp > 1:  # before Blackwell (every GPU the presets name)
         assert connections == "1"
     else:
@@ -976,6 +980,24 @@ def test_megatron_export_passes_validate_args_rules(case: str) -> None:
         assert tp > 1
     if cp > 1:
         assert int(flags["--seq-length"]) % (2 * cp) == 0 and flags["--cp-comm-type"] == "all_gather"
+
+
+def test_megatron_zero3_with_experts_is_megatron_fsdp() -> None:
+    """ZeRO-3 with ep > 1 shards the parameters in Megatron too: Megatron-FSDP (optim_grads_params),
+    not the distributed optimizer, which keeps every parameter whole (DeepSeek-V3 at tp 2, ep 32:
+    about 184 GiB of weights a GPU); megatron-core 0.19.2's validate_args takes it
+    (test_megatrons_own_validate_args_parses_the_studys_model, MEGATRON_CASES "deepseek_v3")."""
+    text = _megatron_export("deepseek_v3")
+    launcher, flags = _megatron_args(text)
+    assert launcher[:2] == ["env", "-u"] and launcher[2] == "CUDA_DEVICE_MAX_CONNECTIONS"
+    assert "--use-megatron-fsdp" in flags and "--use-torch-fsdp2" not in flags
+    assert "zero_stage 3 with ep > 1 -> --use-megatron-fsdp" in text
+    assert "parameters are not sharded" not in text
+    spec, config = MEGATRON_CASES["deepseek_v3"]
+    pp2 = dataclasses.replace(config, pp=2, dp_shard=16, ep=16, num_microbatches=2)  # pipelined: said
+    assert not pp2.problems(spec.as_model_config())
+    text = export_layout("megatron", spec, pp2)
+    assert "--use-megatron-fsdp" not in _megatron_args(text)[1] and "parameters are not sharded" in text
 
 
 def test_megatron_interleaved_zero3_pipeline_layout() -> None:

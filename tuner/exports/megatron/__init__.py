@@ -19,7 +19,9 @@ Axes (ParallelConfig):
   trainer's split, stage by stage (pipeline_layout). Refused: interleaved with fewer micro-batches
   than pp; the V schedules (ZBV, DualPipeV: Megatron has neither).
 - dp and zero_stage: the distributed optimizer; zero_stage 3 is --use-torch-fsdp2 where validate_args
-  takes it (pp 1, ep 1, an untied head), else the distributed optimizer (a note); HSDP is a note.
+  takes it (pp 1, ep 1, an untied head), Megatron-FSDP (--use-megatron-fsdp, optim_grads_params:
+  parameters, gradients and optimizer state sharded) with ep > 1 at pp 1, else the distributed
+  optimizer (a note: parameters not sharded); HSDP is a note.
 - cp: --context-parallel-size with --cp-comm-type all_gather (see below). Refused: latent attention
   whose k and v heads differ in width.
 - ep: --expert-model-parallel-size with --expert-tensor-parallel-size 1: supported.
@@ -99,7 +101,7 @@ def unsupported(spec: StudySpec, config: ParallelConfig) -> list[str]:
 def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = None) -> str:
     """`torchrun ... pretrain_gpt.py` with the layout's arguments, one per line."""
     m, c = spec.as_model_config(), config
-    fsdp = _megatron_fsdp2(spec, config)
+    fsdp = _megatron_fsdp(spec, config)
     args = [
         ("--tensor-model-parallel-size", c.tp),
         ("--pipeline-model-parallel-size", c.pp),
@@ -120,7 +122,7 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
         *megatron_moe_args(m, c, routing(spec, config), capacity_factor(spec, config)),
     ]
     if spec.training.precision != "fp32":  # --use-torch-fsdp2 refuses --fp16; bf16 is what was measured
-        args.append(("--bf16" if fsdp else f"--{spec.training.precision}", None))
+        args.append(("--bf16" if fsdp == "torch" else f"--{spec.training.precision}", None))
         if spec.training.grad_reduce_dtype == "bf16":  # Megatron's bf16 default reduces in fp32
             args.append(("--grad-reduce-in-bf16", None))
     if c.activation_checkpoint == "full":
@@ -134,8 +136,11 @@ def render(spec: StudySpec, config: ParallelConfig, site: SiteSettings | None = 
     elif c.activation_checkpoint == "op":  # the nearest modules: norms, the experts' activation
         modules = ("layernorm", "moe_act") if m.moe else ("layernorm",)
         args += [("--recompute-granularity", "selective"), ("--recompute-modules", " ".join(modules))]
-    if fsdp:
+    if fsdp == "torch":
         args += [("--use-torch-fsdp2", None), ("--no-gradient-accumulation-fusion", None)]
+    elif fsdp == "megatron":
+        args += [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),
+                 ("--use-distributed-optimizer", None), ("--ckpt-format", "fsdp_dtensor")]  # fmt: skip
     elif c.zero_stage:
         args.append(("--use-distributed-optimizer", None))
     notes = [
@@ -186,12 +191,19 @@ def _microbatch_group(config: ParallelConfig) -> int:
 def _megatron_fsdp2(spec: StudySpec, config: ParallelConfig) -> bool:
     """zero_stage 3 runs as --use-torch-fsdp2, which validate_args refuses with pipeline parallelism,
     with expert parallelism and with a head tied to the embedding."""
-    return (
-        config.zero_stage == 3
-        and config.pp == 1
-        and config.ep == 1
-        and not spec.as_model_config().tie_embeddings
-    )
+    return _megatron_fsdp(spec, config) == "torch"
+
+
+def _megatron_fsdp(spec: StudySpec, config: ParallelConfig) -> str | None:
+    """Which FSDP runs zero_stage 3: "torch" (--use-torch-fsdp2: pp 1, ep 1, an untied head, as
+    validate_args takes it), "megatron" (Megatron-FSDP, --use-megatron-fsdp with
+    optim_grads_params, which validate_args takes with expert parallelism; at pp 1 only, as
+    Megatron's MoE FSDP recipes run it), or None (the distributed optimizer: parameters whole)."""
+    if config.zero_stage != 3 or config.pp > 1:
+        return None
+    if config.ep > 1:
+        return "megatron"
+    return None if spec.as_model_config().tie_embeddings else "torch"
 
 
 def _megatron_env(spec: StudySpec, config: ParallelConfig) -> tuple[str, str]:
@@ -200,9 +212,10 @@ def _megatron_env(spec: StudySpec, config: ParallelConfig) -> tuple[str, str]:
     (sequence parallelism needs tp > 1) asserts it is 1 on GPUs before Blackwell, which on later GPUs
     is allowed and harmless. Expert parallelism adds no rule of its own (only a warning with
     --overlap-moe-expert-parallel-comm, which is not exported)."""
-    if _megatron_fsdp2(spec, config):
+    if _megatron_fsdp(spec, config):
+        flag = "--use-torch-fsdp2" if _megatron_fsdp2(spec, config) else "--use-megatron-fsdp"
         return "env -u CUDA_DEVICE_MAX_CONNECTIONS ", (
-            "CUDA_DEVICE_MAX_CONNECTIONS unset: --use-torch-fsdp2 requires it unset or > 1"
+            f"CUDA_DEVICE_MAX_CONNECTIONS unset: {flag} requires it unset or > 1"
             + (
                 f" (with {_tp_cp(config)} > 1 Megatron warns that {_tp_cp(config, upper=True)} would rather have 1)."
                 if config.tp > 1 or config.cp > 1
@@ -231,6 +244,11 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
     if _megatron_fsdp2(spec, config):
         notes.append("zero_stage 3 -> --use-torch-fsdp2 (torch FSDP2 instead of Megatron's DDP); it does "
                      "not combine with the distributed optimizer or gradient accumulation fusion.")  # fmt: skip
+    elif _megatron_fsdp(spec, config) == "megatron":
+        notes.append("zero_stage 3 with ep > 1 -> --use-megatron-fsdp --data-parallel-sharding-strategy "
+                     "optim_grads_params (Megatron-FSDP: parameters, gradients and optimizer state sharded, as "
+                     "measured; --use-torch-fsdp2 does not combine with expert parallelism); it needs "
+                     "--ckpt-format fsdp_dtensor.")  # fmt: skip
     elif c.zero_stage:
         notes.append(
             "Megatron's distributed optimizer shards optimizer state (and reduce-scatters gradients) "
@@ -240,7 +258,7 @@ def _megatron_notes(spec: StudySpec, config: ParallelConfig) -> list[str]:
         notes.append("zero_stage 3 with pp > 1: Megatron's --use-torch-fsdp2 does not combine with "
                      "pipeline parallelism, so this uses the distributed optimizer: parameters are not "
                      "sharded and memory per GPU is higher than measured.")  # fmt: skip
-    elif c.zero_stage == 3 and spec.as_model_config().tie_embeddings:
+    elif c.zero_stage == 3 and spec.as_model_config().tie_embeddings and not _megatron_fsdp(spec, config):
         notes.append("zero_stage 3 with a tied head: Megatron's --use-torch-fsdp2 requires "
                      "--untie-embeddings-and-output-weights, so this uses the distributed optimizer: "
                      "parameters are not sharded and memory per GPU is higher than measured.")  # fmt: skip

@@ -255,10 +255,4 @@ def megatron_moe_notes(
         else f"routing learned ({'dropless' if capacity_factor is None else 'with token drop'}), as measured: "
         "per-expert load follows the router."
     )
-    if c.zero_stage == 3 and c.ep > 1 and c.pp == 1:
-        notes.append(
-            "zero_stage 3 with ep > 1: Megatron's --use-torch-fsdp2 does not combine with expert "
-            "parallelism, so this uses the distributed optimizer: parameters are not sharded and memory "
-            "per GPU is higher than measured."
-        )
     return notes
