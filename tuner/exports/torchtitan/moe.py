@@ -96,11 +96,25 @@ def _moe_lines(m: ModelConfig, first: int) -> list[str]:
         )
     else:
         lines.append("        router.num_expert_groups = router.num_limited_groups = None")
-    rate = f"{m.moe_bias_update_rate!r}" if m.moe_bias_update_rate else "None"
-    lines.append(
-        f"        layer.moe.load_balance_coeff = {rate}  # the expert bias's update rate (None: no bias)"
-    )
+    rate = balance_coeff(m)
+    why = ("the expert bias's update rate, as measured" if m.moe_bias_update_rate else
+           "torchtitan's default expert bias in place of the auxiliary loss it lacks" if rate else "no balancing, as measured")  # fmt: skip
+    lines.append(f"        layer.moe.load_balance_coeff = {rate!r}  # {why}")
     return lines
+
+
+# torchtitan 0.3.0's MoE.Config.load_balance_coeff default (models/common/moe.py): the expert bias's
+# update rate, its only load balancing (it has no auxiliary loss).
+TORCHTITAN_BALANCE_COEFF = 1e-3
+
+
+def balance_coeff(m: ModelConfig) -> float | None:
+    """load_balance_coeff for the export: the model's expert-bias rate; where the model balances
+    with an auxiliary loss only (Mixtral, Qwen3, OLMoE), torchtitan's default bias instead of none,
+    which would train the experts unbalanced; None for a model with no balancing at all."""
+    if m.moe_bias_update_rate:
+        return m.moe_bias_update_rate
+    return TORCHTITAN_BALANCE_COEFF if m.moe_aux_loss_coef else None
 
 
 def torchtitan_moe_model(m: ModelConfig, flavor: str, fn: str, embedding_init: str) -> list[str]:
@@ -250,7 +264,13 @@ def torchtitan_moe_notes(m: ModelConfig, config: ParallelConfig, routing: str) -
     if m.moe_aux_loss_coef:
         notes.append(
             f"moe_aux_loss_coef {m.moe_aux_loss_coef:g}: torchtitan's MoE has no auxiliary loss (its balancing is "
-            "the expert bias, load_balance_coeff): the loss differs from the measured one, the layout does not."
+            "the expert bias, load_balance_coeff"
+            + (
+                ""
+                if m.moe_bias_update_rate
+                else f", set to its default {TORCHTITAN_BALANCE_COEFF:g} so the experts are balanced at all"
+            )
+            + "): the loss differs from the measured one, the layout does not."
         )
     if routing == "balanced":
         notes.append(
