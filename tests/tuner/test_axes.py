@@ -61,18 +61,34 @@ def test_every_derived_list_has_every_axis() -> None:
 
 
 def test_the_plan_tables_columns_follow_the_table() -> None:
-    """`tuner plan`'s layout columns: every axis of the rows (dp whole; tp_col and virtual_stages
-    shown in tp's and the schedule's cells), the world's first, then ep, then the rest, each in the
+    """`tuner plan`'s layout columns: every axis of the rows (dp whole; tp_col, virtual_stages and
+    the ZeRO stage shown in tp's, the schedule's and dp's cells), the world's first, then ep, then the rest, each in the
     table's order, under the axis's heading."""
     columns = layout_columns([layout_row(ParallelConfig(tp_col=2, ep=2, cp=2))])
-    assert columns == ["tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_microbatches", "zero_stage",
+    assert columns == ["tp", "pp", "dp", "cp", "ep", "micro_batch_size", "num_microbatches",
                        "activation_checkpoint", "sequence_parallel", "pp_schedule"]  # fmt: skip
-    assert {*columns, "tp_col", "virtual_stages", "dp_replicate", "dp_shard"} - {"dp"} == set(NAMES)
+    assert {*columns, "tp_col", "virtual_stages", "dp_replicate", "dp_shard", "zero_stage"} - {"dp"} == set(
+        NAMES
+    )
     assert [AXIS[n].heading for n in columns if n != "dp"] == [
-        "tp", "pp", "cp", "ep", "mbs", "nmb", "zero", "ckpt", "sp", "schedule"
+        "tp", "pp", "cp", "ep", "mbs", "nmb", "ckpt", "sp", "schedule"
     ]  # fmt: skip
     assert "cp" not in layout_columns([layout_row(ParallelConfig())])  # searched or used: a column
     assert {a["name"]: a["heading"] for a in axes_payload()} == {a.name: a.heading for a in AXES}
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(dp_shard=64, zero_stage=3), dict(dp_replicate=8), dict(dp_replicate=2, dp_shard=32, zero_stage=3),
+    dict(dp_shard=4, zero_stage=2, cp=4), dict(tp=8),
+])  # fmt: skip
+def test_the_plan_writes_data_parallelism_as_the_layouts_label(knobs: dict) -> None:
+    """The plan's dp cell is the label's dp tokens (ParallelConfig.describe, the exports' headers):
+    "dps64(z3)", not a dp column beside a zero column."""
+    from tuner.cli.plan import _cell
+
+    p = ParallelConfig(**knobs)
+    label = [t for t in p.describe().split() if t.startswith("dp")]
+    assert _cell("dp", layout_row(p, searched=("dp_replicate",))) == (" ".join(label) or "1")
 
 
 def test_world_size_is_the_product_of_the_world_axes() -> None:

@@ -173,6 +173,20 @@ def test_plan_bad_input_exits_2_without_traceback(args: list[str], message: str)
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_plan_without_a_global_batch_names_the_flag(tmp_path: Path) -> None:
+    proc = tuner("plan", "--model", "llama3.1-8b", "--cluster", "h100-80gb", "--gpus", "16")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (
+        "--global-batch: the global batch size in sequences is required (e.g. --global-batch 512)"
+        in proc.stderr
+    )
+    spec = tmp_path / "s.yaml"
+    spec.write_text("model: llama3.1-8b\ncluster: h100-80gb\nnum_gpus: 8\n")
+    proc = tuner("plan", "--spec", str(spec))
+    assert proc.returncode == 2 and f"or training.global_batch_size in --spec {spec}" in proc.stderr
+    assert tuner("plan", "--spec", str(spec), "--global-batch", "64", "--top", "1").returncode == 0
+
+
 def test_plan_reads_a_spec_file_and_reports_bad_keys(tmp_path: Path) -> None:
     studies = Path(__file__).resolve().parents[2] / "studies"
     proc = tuner("plan", "--spec", str(studies / "frontier-22b.yaml"), "--top", "3")
@@ -400,3 +414,12 @@ def test_a_bad_setting_is_one_line_naming_it() -> None:
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "TUNER_LEASE_S: Input should be a valid number, unable to parse string as a number (got 'soon')"
     )
+
+
+def test_export_help_says_what_each_format_writes() -> None:
+    text = " ".join(tuner("export", "--help").stdout.split())
+    for said in ("torchtitan: a Python config module for torchtitan 0.3.0 (not TOML)",
+                 "megatron: a `torchrun ... pretrain_gpt.py` command",
+                 "sbatch: a Slurm script that runs our own trainer's short benchmark of the layout (the trial "
+                 "again, not a training run)", "tuner plan ... --export FORMAT"):  # fmt: skip
+        assert said in text, said

@@ -120,8 +120,12 @@ def spec_data(opts: SpecOptions) -> dict[str, Any]:
         training["global_batch_size"] = opts.global_batch
     if opts.precision is not None:
         training["precision"] = opts.precision
-    if training:
-        data["training"] = training
+    if "global_batch_size" not in training:  # the one field a study cannot default
+        where = f" or training.global_batch_size in --spec {opts.spec}" if opts.spec is not None else ""
+        fail(
+            f"--global-batch: the global batch size in sequences is required (e.g. --global-batch 512){where}"
+        )
+    data["training"] = training
     return data
 
 

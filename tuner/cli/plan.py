@@ -185,8 +185,9 @@ def _print_terms(result: dict[str, Any]) -> None:
 
 
 # Axes the table shows inside another axis's column: tp x tp_col as "2x2", the schedule with its
-# virtual stages as "interleaved_1f1b/v2".
-_FOLDED = {"tp_col": "tp", "virtual_stages": "pp_schedule"}
+# virtual stages as "interleaved_1f1b/v2", the ZeRO stage (and HSDP's replicas) in dp's, as
+# ParallelConfig.describe and the exports' headers write them: "dps64(z3)", "dpr2 dps32(z3)".
+_FOLDED = {"tp_col": "tp", "virtual_stages": "pp_schedule", "zero_stage": "dp", "dp_replicate": "dp"}
 
 
 def layout_columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -209,6 +210,8 @@ def _heading(key: str) -> str:
 
 
 def _cell(key: str, k: dict[str, Any]) -> str:
+    if key == "dp":
+        return _dp_cell(k)
     value = k.get(key, AXIS[key].default if key in AXIS else None)
     if key == "tp" and k.get("tp_col", 1) > 1:
         return f"{value}x{k['tp_col']}"  # row x column
@@ -219,6 +222,19 @@ def _cell(key: str, k: dict[str, Any]) -> str:
     if isinstance(value, bool):
         return "y" if value else "n"
     return str(value)
+
+
+def _dp_cell(k: dict[str, Any]) -> str:
+    """Data parallelism as the layout's label writes it (trainer/contract/axes.py tokens):
+    replicated "dpr8", sharded "dps64(z3)", HSDP "dpr2 dps32(z3)"; "1" without any."""
+    dp, zero = k["dp"], k.get("zero_stage", 0)
+    if dp == 1:
+        return "1"
+    if not zero:
+        return f"dpr{dp}"
+    replicas = k.get("dp_replicate", 1)
+    shard = f"dps{dp // replicas}(z{zero})"
+    return f"dpr{replicas} {shard}" if replicas > 1 else shard
 
 
 def register(app: typer.Typer) -> None:

@@ -190,10 +190,18 @@ def cancel(ctx: typer.Context, study: StudyRef, url: Url = None, token: Token = 
 
 def export(
     ctx: typer.Context, study: StudyRef,
-    fmt: Annotated[str, typer.Option("--format", help="torchtitan | megatron | sbatch")] = "torchtitan",
+    fmt: Annotated[str, typer.Option("--format", help="torchtitan | megatron | sbatch (what each writes: above)")] = "torchtitan",
     url: Url = None, token: Token = None,
 ) -> None:  # fmt: skip
-    """The study's best layout as a ready launch config."""
+    """The study's best layout as a launch config, on stdout.
+
+    torchtitan: a Python config module for torchtitan 0.3.0 (not TOML): run it with `torchrun ... -m torchtitan.train --module FILE --config tuned_layout`; add the dataset, tokenizer, optimizer and step counts.
+
+    megatron: a `torchrun ... pretrain_gpt.py` command with the layout's and the model's flags (megatron-core 0.19.2); add the data, tokenizer, optimizer and iteration arguments.
+
+    sbatch: a Slurm script that runs our own trainer's short benchmark of the layout (the trial again, not a training run).
+
+    Each file says in comments what the framework runs differently from what was measured; a layout it cannot run is refused with the reason. For a layout never trialled: `tuner plan ... --export FORMAT`."""
     from tuner.exports import FORMATS
 
     if fmt not in FORMATS:
