@@ -18,6 +18,10 @@ Sources (repository@commit:path, read 2026-12-03):
   bus bandwidth 85 GB/s at 128 MiB against the node's 4 x 25 GB/s NICs.
 - [ROCM-FA] ROCm/flash-attention issue #44 (2024-02, MI250X, third party): the CK flash attention
   forward at 25-29 % of a GCD's peak (sequences 256-576); its backward "substantially slower".
+- [MAMF-2026] stas00/ml-engineering@744d01e1:compute/accelerator/README.md (read 2026-12-07), the
+  same table's newer rows: B200 1745.0 / 2250 bf16 (fp8 3432.5 / 4500), B300 1769.0 / 2250 (fp8
+  3353.3 / 4500), GB200 1822.0 / 2500 (fp8 3615.6 / 5000), MI325X 784.9 / 1300, MI355X 1565.0 (the
+  table divides by MI350X's 2300; AMD's MI355X peak is 2500).
 """
 
 from __future__ import annotations
@@ -53,7 +57,12 @@ LEVELS: dict[str, DeviceLevel] = {
     "H100 PCIe": H100,  # not measured: the SXM part's fractions
     # H200: the H100 die (GEMM and comm as H100); HBM triad 4.15 / 4.8 TB/s, FA2 329.3 [AZ-H200].
     "H200": DeviceLevel(H100.gemm, 0.865, 0.333, H100.comm),
-    "B200": H100,  # not measured here: H100's fractions
+    # Blackwell: GEMM from [MAMF-2026] (bf16; their fp8 GEMMs reach about the same fraction:
+    # 0.763, 0.745, 0.723); HBM, flash attention and NCCL not measured: H100's fractions.
+    "B200": DeviceLevel(0.776, H100.memory, H100.flash_attention, H100.comm),
+    "B300": DeviceLevel(0.786, H100.memory, H100.flash_attention, H100.comm),
+    "GB200": DeviceLevel(0.729, H100.memory, H100.flash_attention, H100.comm),
+    "GB300": DeviceLevel(0.729, H100.memory, H100.flash_attention, H100.comm),  # no GEMM figure: GB200's
     # MI250X, per GCD: GEMM 147.0 / 191.5 [MAMF, ROCm 6.2, the older table that did not flush caches
     # between runs]; HBM not measured: A100's fraction; flash attention: [ROCM-FA]'s forward 0.25
     # taken for forward + backward (an assumption: no full measurement); RCCL 85 / 100 GB/s across
@@ -61,6 +70,10 @@ LEVELS: dict[str, DeviceLevel] = {
     "MI250X": DeviceLevel(gemm=0.767, memory=A100.memory, flash_attention=0.25, comm=0.85),
     # MI300X: GEMM 668.4 / 1300 [MAMF, ROCm 6.3, tunable ops]; the rest not verified here: A100's.
     "MI300X": DeviceLevel(0.514, A100.memory, A100.flash_attention, A100.comm),
+    # MI325X: GEMM 784.9 / 1307.4 [MAMF-2026]; MI355X 1565.0 / 2500 (AMD's peak, not the table's
+    # 2300); the rest not verified: A100's, as MI300X.
+    "MI325X": DeviceLevel(0.600, A100.memory, A100.flash_attention, A100.comm),
+    "MI355X": DeviceLevel(0.626, A100.memory, A100.flash_attention, A100.comm),
     # V100 SXM2: HBM saxpy 810 / 900 GB/s [GPUI-V100]; no GEMM, attention or NCCL figure: A100's
     # (its tensor cores issue 116.4 of 125.3 TFLOP/s in GPUInspector's peak test, above that).
     "V100": DeviceLevel(A100.gemm, 0.90, A100.flash_attention, A100.comm),

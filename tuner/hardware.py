@@ -52,6 +52,32 @@ CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
                        intra_node_latency_us=4, inter_node_latency_us=8),
     "h200-141gb": _gpus("H200", gpus_per_node=8, device_memory_gb=141, intra_node_gbps=450, inter_node_gbps=400,
                         intra_node_latency_us=4, inter_node_latency_us=8),
+    # The devices of 2026 (issue 38; figures and sources: docs/perfmodel.md "Devices of 2026").
+    # Latencies: H100's for NVLink 5 and InfiniBand / Ethernet (none measured). Memory: the data
+    # sheets' (B300: 270 GB, the part's name in MLPerf's system descriptions, of its 288 label).
+    # DGX / HGX B200: 8 GPUs on NVLink 5 (1.8 TB/s bidirectional = 900 per direction), one
+    # ConnectX-7 at 400 Gb/s per GPU = 400 GB/s a node.
+    "b200": _gpus("B200", gpus_per_node=8, device_memory_gb=180, intra_node_gbps=900, inter_node_gbps=400,
+                  intra_node_latency_us=4, inter_node_latency_us=8),
+    # DGX / HGX B300: as B200, one ConnectX-8 at 800 Gb/s per GPU = 800 GB/s a node.
+    "b300": _gpus("B300", gpus_per_node=8, device_memory_gb=270, intra_node_gbps=900, inter_node_gbps=800,
+                  intra_node_latency_us=4, inter_node_latency_us=8),
+    # GB200 NVL72: trays of 4 GPUs (a Slurm node), 72 on one NVLink 5 domain (18 trays); one
+    # ConnectX-7 at 400 Gb/s per GPU (DGX GB200; AWS's p6e has 800) = 200 GB/s a tray.
+    "gb200-nvl72": _gpus("GB200", gpus_per_node=4, scaleup_domain=72, device_memory_gb=186, intra_node_gbps=900,
+                         inter_node_gbps=200, intra_node_latency_us=4, inter_node_latency_us=8),
+    # GB300 NVL72: as GB200 NVL72, one ConnectX-8 at 800 Gb/s per GPU = 400 GB/s a tray (secondary
+    # sources only), 279 GB a GPU.
+    "gb300-nvl72": _gpus("GB300", gpus_per_node=4, scaleup_domain=72, device_memory_gb=279, intra_node_gbps=900,
+                         inter_node_gbps=400, intra_node_latency_us=4, inter_node_latency_us=8),
+    # AMD's 8-GPU boards: a full Infinity Fabric mesh, 7 links a GPU; per direction 7 x 64 = 448 GB/s
+    # (MI300X, MI325X) or 7 x 76.8 = 537.6 (MI355X) to all peers at once, a pair only its one link
+    # (a group of 2-4 gets less than this, not modelled: docs/perfmodel.md). One 400 Gb/s NIC per
+    # GPU = 400 GB/s a node (Azure ND MI300X v5; MI325X and MI355X platforms: assumed the same, no
+    # vendor figure found). Latencies: the ClusterSpec defaults (none measured).
+    "mi300x": _gpus("MI300X", gpus_per_node=8, device_memory_gb=192, intra_node_gbps=448, inter_node_gbps=400),
+    "mi325x": _gpus("MI325X", gpus_per_node=8, device_memory_gb=256, intra_node_gbps=448, inter_node_gbps=400),
+    "mi355x": _gpus("MI355X", gpus_per_node=8, device_memory_gb=288, intra_node_gbps=537.6, inter_node_gbps=400),
     # Frontier (OLCF user guide): 4 MI250X = 8 GCDs per node, 64 GB HBM2e per GCD; Infinity Fabric
     # 50-100 GB/s between GCDs of different MI250X (50 taken: rings cross them); 4 x 25 GB/s
     # Slingshot-11 NICs per node.

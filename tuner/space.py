@@ -112,8 +112,12 @@ class SearchSpace:
         gpus_per_node: int,
         global_batch_size: int,
         space: SpaceSpec | None = None,
+        domain: int | None = None,
     ):
         self.model, self.num_gpus, self.gpus_per_node = model, num_gpus, gpus_per_node
+        # The scale-up domain (ClusterSpec.domain_size): where tp, ep and cp groups may go without
+        # crossing the network. A node's GPUs by default; NVL72's 72.
+        self.domain = domain or gpus_per_node
         self.global_batch_size = global_batch_size
         self.space = space or SpaceSpec()
         # A scaling study tries several device counts (space.num_gpus); by default, all of them.
@@ -132,6 +136,7 @@ class SearchSpace:
             spec.cluster.gpus_per_node,
             spec.training.global_batch_size,
             spec.space,
+            domain=spec.cluster.domain_size,
         )
 
     def _candidates(self) -> Iterator[ParallelConfig | tuple[str, str]]:
@@ -182,26 +187,31 @@ class SearchSpace:
                 f"{self.global_batch_size}",
             ))  # fmt: skip
         tensor = config.tp * config.tp_col  # one block of neighbouring ranks (trainer/contract/topology.py)
-        if tensor > self.gpus_per_node and not self.space.allow_cross_node_tp:
+        fabric = (
+            f"gpus_per_node ({self.domain})"
+            if self.domain == self.gpus_per_node
+            else f"scaleup_domain ({self.domain})"
+        )
+        if tensor > self.domain and not self.space.allow_cross_node_tp:
             if config.tp_col > 1:
-                msg = f"tp ({config.tp}) x tp_col ({config.tp_col}) = {tensor} > gpus_per_node ({self.gpus_per_node})"
+                msg = f"tp ({config.tp}) x tp_col ({config.tp_col}) = {tensor} > {fabric}"
                 out.append((RULE_CROSS_NODE_TENSOR, msg))
             else:
-                out.append((RULE_CROSS_NODE_TP, f"tp ({config.tp}) > gpus_per_node ({self.gpus_per_node})"))
-        if config.ep > self.gpus_per_node and not self.space.allow_cross_node_ep:
-            # ep neighbouring ranks of a stage (trainer/contract/topology.py: expert_groups): past a node
-            # every MoE layer's all-to-alls cross the network
+                out.append((RULE_CROSS_NODE_TP, f"tp ({config.tp}) > {fabric}"))
+        if config.ep > self.domain and not self.space.allow_cross_node_ep:
+            # ep neighbouring ranks of a stage (trainer/contract/topology.py: expert_groups): past the
+            # fast fabric every MoE layer's all-to-alls cross the network
             out.append((
                 RULE_CROSS_NODE_EP,
-                f"ep ({config.ep}) > gpus_per_node ({self.gpus_per_node}): the expert group's all-to-alls "
+                f"ep ({config.ep}) > {fabric}: the expert group's all-to-alls "
                 "would cross nodes on every MoE layer (set space.allow_cross_node_ep to search it)",
             ))  # fmt: skip
-        if config.cp > 1 and config.cp * tensor > self.gpus_per_node and not self.space.allow_cross_node_cp:
-            # cp ranks tp x tp_col apart (trainer/contract/topology.py): past a node every layer's K/V
-            # gathers cross the network
+        if config.cp > 1 and config.cp * tensor > self.domain and not self.space.allow_cross_node_cp:
+            # cp ranks tp x tp_col apart (trainer/contract/topology.py): past the fast fabric every
+            # layer's K/V gathers cross the network
             out.append((
                 RULE_CROSS_NODE_CP,
-                f"cp ({config.cp}) x tp ({tensor}) = {config.cp * tensor} > gpus_per_node ({self.gpus_per_node}): "
+                f"cp ({config.cp}) x tp ({tensor}) = {config.cp * tensor} > {fabric}: "
                 "the context-parallel group's K/V gathers would cross nodes on every layer (set "
                 "space.allow_cross_node_cp to search it)",
             ))  # fmt: skip

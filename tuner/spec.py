@@ -195,6 +195,27 @@ class ClusterSpec(_Strict):
     # few cores): the step then takes at least the node's total busy time over its cores. May be a
     # fraction: 4 emulated nodes on one 2-core machine have 0.5 cores each.
     cores_per_node: PositiveFloat | None = None
+    # The scale-up domain: devices joined by the fast fabric (NVLink / NVSwitch, Infinity Fabric) at
+    # intra_node_gbps. None: a node (an HGX / DGX board of 8); a rack of nodes where the fabric
+    # spans it (GB200 / GB300 NVL72: 72 GPUs on 18 trays of 4), a multiple of gpus_per_node. Groups
+    # inside it (tp, ep, cp, dp) talk at intra_node_gbps; past it, over the nodes' network.
+    scaleup_domain: PositiveInt | None = Field(
+        None, description="devices on the fast fabric (NVL72: 72); default: a node (gpus_per_node)"
+    )
+
+    @model_validator(mode="after")
+    def _domain_of_whole_nodes(self) -> ClusterSpec:
+        if self.scaleup_domain is not None and self.scaleup_domain % self.gpus_per_node:
+            raise ValueError(
+                f"scaleup_domain ({self.scaleup_domain}) must be a multiple of gpus_per_node ({self.gpus_per_node}): "
+                "the fast fabric joins whole nodes"
+            )
+        return self
+
+    @property
+    def domain_size(self) -> int:
+        """Devices on one scale-up fabric: scaleup_domain, or a node's."""
+        return self.scaleup_domain or self.gpus_per_node
 
     @field_validator("device")
     @classmethod

@@ -9,6 +9,10 @@ MI250X is two GCDs, each its own device):
   V100 and T4 have fp16 tensor cores and no bf16: their "low precision" peak is fp16's.
 - AMD: Instinct MI250X (per GCD: 383 TFLOP/s bf16 and 3.2768 TB/s per MI250X, halved) and MI300X
   data sheets.
+- The devices of 2026 (issue 38): B200, GB200 (NVL72), B300, GB300 (NVL72), MI325X, MI355X, with
+  their dense FP8 and FP4 peaks; every figure and its source (vendor pages, reference
+  architectures, ROCm's documentation; secondary sources named where the vendor's page was not
+  readable) in docs/perfmodel.md, "Devices of 2026".
 CPU ranks have no data sheet we can trust across machines: a nominal 0.05 TFLOP/s fp32 per rank
 (a core's AVX2 FMA at ~3 GHz sustains 0.05-0.1) and ~10 GB/s. The performance model's CPU
 constants (tuner/perfconstants.py) are fitted relative to these nominal figures, so CPU MFU
@@ -34,17 +38,27 @@ class Device:
     # halved: Gen5 x16 64, Gen4 32, Gen3 16; MI250X: a GCD's Infinity Fabric link to the CPU on
     # Frontier, 36): what offloaded activations cross (trainer/offload.py). Not measured here.
     host_gbps: float = 32.0
+    # Dense FP8 (e4m3) and FP4 (NVFP4 / MXFP4) tensor-core peaks; None: the device has none or no
+    # figure was found (docs/perfmodel.md).
+    peak_tflops_fp8: float | None = None
+    peak_tflops_fp4: float | None = None
 
     def peak_tflops(self, dtype: Dtype) -> float:
         return self.peak_tflops_fp32 if dtype == "fp32" else self.peak_tflops_bf16
 
 
-# More specific names first: "H100 PCIe" before "H100", "A100-SXM4-40GB" before "A100".
+# More specific names first: "H100 PCIe" before "H100", "A100-SXM4-40GB" before "A100", "GB200"
+# before "B200" (a substring of it).
 DEVICES: tuple[Device, ...] = (
-    Device("B200", 2250.0, 80.0, 8000.0, 64.0),
-    Device("H200", 989.4, 66.9, 4800.0, 64.0),
-    Device("H100 PCIe", 756.0, 51.2, 2000.0, 64.0),
-    Device("H100", 989.4, 66.9, 3350.0, 64.0),  # SXM5
+    # Blackwell's fp32 peak: B200's 80 for each (no other figure found); host link PCIe Gen5 (the Grace
+    # superchips' NVLink-C2C to host memory is not priced).
+    Device("GB300", 2500.0, 80.0, 8000.0, 64.0, peak_tflops_fp8=5000.0, peak_tflops_fp4=15000.0),
+    Device("GB200", 2500.0, 80.0, 8000.0, 64.0, peak_tflops_fp8=5000.0, peak_tflops_fp4=10000.0),
+    Device("B300", 2250.0, 80.0, 8000.0, 64.0, peak_tflops_fp8=4500.0, peak_tflops_fp4=13125.0),
+    Device("B200", 2250.0, 80.0, 8000.0, 64.0, peak_tflops_fp8=4500.0, peak_tflops_fp4=9000.0),
+    Device("H200", 989.4, 66.9, 4800.0, 64.0, peak_tflops_fp8=1978.9),
+    Device("H100 PCIe", 756.0, 51.2, 2000.0, 64.0, peak_tflops_fp8=1513.0),
+    Device("H100", 989.4, 66.9, 3350.0, 64.0, peak_tflops_fp8=1978.9),  # SXM5
     Device("A100-SXM4-40GB", 312.0, 19.5, 1555.0),
     Device("A100-PCIE-40GB", 312.0, 19.5, 1555.0),
     Device("A100", 312.0, 19.5, 2039.0),  # 80 GB SXM4
@@ -53,7 +67,10 @@ DEVICES: tuple[Device, ...] = (
     Device("A10G", 70.0, 31.2, 600.0),  # AWS A10G data sheet: 70 TFLOP/s tensor, dense
     Device("V100", 125.0, 15.7, 900.0, 16.0),  # SXM2; fp16 tensor cores
     Device("T4", 65.0, 8.1, 320.0, 16.0),  # fp16 tensor cores
-    Device("MI300X", 1307.4, 163.4, 5300.0, 64.0),
+    # MI355X and MI325X fp32: MI300X's 163.4 (no figure checked here).
+    Device("MI355X", 2500.0, 163.4, 8000.0, 64.0, peak_tflops_fp8=5000.0, peak_tflops_fp4=10000.0),
+    Device("MI325X", 1307.4, 163.4, 6000.0, 64.0, peak_tflops_fp8=2614.9),
+    Device("MI300X", 1307.4, 163.4, 5300.0, 64.0, peak_tflops_fp8=2614.9),
     Device("MI250X", 191.5, 47.9, 1638.4, 36.0),  # per GCD
 )
 CPU = Device("cpu", 0.05, 0.05, 10.0, 10.0)  # nominal, per rank (see the module docstring); host = device

@@ -93,15 +93,16 @@ class Link:
 
 def group_link(cluster: ClusterSpec, size: int, stride: int) -> Link:
     """The link of a group of `size` ranks `stride` apart, placed as the trainer places them
-    (trainer/contract/topology.py: mesh order pp, dp, tp; ranks in blocks per node). Within a node: the
-    intra-node link. Across nodes: the node's network shared by the groups that cross it at the
-    same time, never above intra."""
+    (trainer/contract/topology.py: mesh order pp, dp, tp; ranks in blocks per node). Within a
+    scale-up domain (a node, or an NVL72 rack: ClusterSpec.domain_size): the intra-node link.
+    Across domains: the node's network shared by the groups that cross it at the same time, never
+    above intra."""
     g = cluster.gpus_per_node
-    per_node = members_per_node(size, stride, g)
     cpu = {} if cluster.cores_per_node is None else {
         "core_gbps": cluster.intra_node_gbps, "core_latency_us": cluster.intra_node_latency_us}  # fmt: skip
-    if size <= per_node:
+    if size <= members_per_node(size, stride, cluster.domain_size):
         return Link(cluster.intra_node_gbps, cluster.intra_node_latency_us, "intra", **cpu)
+    per_node = members_per_node(size, stride, g)
     share = cluster.inter_node_gbps * per_node / g
     return Link(min(cluster.intra_node_gbps, share), cluster.inter_node_latency_us, "inter", **cpu)
 

@@ -216,10 +216,10 @@ def probs_a2a_calls(p: ParallelConfig) -> int:
 def a2a(case: Case) -> Comm:
     """One MoE layer's all-to-alls for one micro-batch, by tier: the hidden states' and the routing
     weights' (4 bytes an assignment: latency more than bytes). The ep group is ep neighbouring
-    ranks (trainer/contract/topology.py: expert_groups): inside a node when ep <= gpus_per_node.
-    Spanning nodes, the peers on the rank's node take their share at the node's link and the rest
-    cross the network, where every rank of the node sends at once: inter_node_gbps /
-    gpus_per_node each."""
+    ranks (trainer/contract/topology.py: expert_groups): inside a node (or a scale-up domain of
+    nodes, NVL72's 72 GPUs: ClusterSpec.domain_size) when ep fits in it. Spanning domains, the
+    peers in the rank's domain take their share at the fast link and the rest cross the network,
+    where every rank of the node sends at once: inter_node_gbps / gpus_per_node each."""
     m, p, c, cluster = case.model, case.layout, case.constants, case.cluster
     assert cluster is not None
     if p.ep <= 1:
@@ -240,9 +240,10 @@ def a2a(case: Case) -> Comm:
                    link.core_latency_us)  # fmt: skip
     network = Link(cluster.inter_node_gbps / g, cluster.inter_node_latency_us, "inter", link.core_gbps,
                    link.core_latency_us)  # fmt: skip
-    intra = sum(n * (b * (g - 1) / p.ep / (on_node.rate_gbps(c) * 1e9) + on_node.latency_us * 1e-6)
+    d = cluster.domain_size  # the group's members on the rank's fast fabric
+    intra = sum(n * (b * (d - 1) / p.ep / (on_node.rate_gbps(c) * 1e9) + on_node.latency_us * 1e-6)
                 for n, b in calls)  # fmt: skip
-    inter = sum(n * (b * (p.ep - g) / p.ep / (network.rate_gbps(c) * 1e9) + network.latency_us * 1e-6 + overhead)
+    inter = sum(n * (b * (p.ep - d) / p.ep / (network.rate_gbps(c) * 1e9) + network.latency_us * 1e-6 + overhead)
                 for n, b in calls)  # fmt: skip
     return Comm(intra, inter)
 
