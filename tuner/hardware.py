@@ -70,14 +70,17 @@ CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
     # sources only), 279 GB a GPU.
     "gb300-nvl72": _gpus("GB300", gpus_per_node=4, scaleup_domain=72, device_memory_gb=279, intra_node_gbps=900,
                          inter_node_gbps=400, intra_node_latency_us=4, inter_node_latency_us=8),
-    # AMD's 8-GPU boards: a full Infinity Fabric mesh, 7 links a GPU; per direction 7 x 64 = 448 GB/s
-    # (MI300X, MI325X) or 7 x 76.8 = 537.6 (MI355X) to all peers at once, a pair only its one link
-    # (a group of 2-4 gets less than this, not modelled: docs/perfmodel.md). One 400 Gb/s NIC per
-    # GPU = 400 GB/s a node (Azure ND MI300X v5; MI325X and MI355X platforms: assumed the same, no
-    # vendor figure found). Latencies: the ClusterSpec defaults (none measured).
-    "mi300x": _gpus("MI300X", gpus_per_node=8, device_memory_gb=192, intra_node_gbps=448, inter_node_gbps=400),
-    "mi325x": _gpus("MI325X", gpus_per_node=8, device_memory_gb=256, intra_node_gbps=448, inter_node_gbps=400),
-    "mi355x": _gpus("MI355X", gpus_per_node=8, device_memory_gb=288, intra_node_gbps=537.6, inter_node_gbps=400),
+    # AMD's 8-GPU boards: a full Infinity Fabric mesh, 7 links a GPU, 64 GB/s each per direction
+    # (MI355X 76.8): 448 (537.6) to all peers at once, a group of k its k - 1 links
+    # (intra_node_peer_gbps). One 400 Gb/s NIC per GPU = 400 GB/s a node (Azure ND MI300X v5;
+    # MI325X and MI355X platforms: assumed the same, no vendor figure found). Latencies: the
+    # ClusterSpec defaults (none measured).
+    "mi300x": _gpus("MI300X", gpus_per_node=8, device_memory_gb=192, intra_node_gbps=448, intra_node_peer_gbps=64,
+                    inter_node_gbps=400),
+    "mi325x": _gpus("MI325X", gpus_per_node=8, device_memory_gb=256, intra_node_gbps=448, intra_node_peer_gbps=64,
+                    inter_node_gbps=400),
+    "mi355x": _gpus("MI355X", gpus_per_node=8, device_memory_gb=288, intra_node_gbps=537.6,
+                    intra_node_peer_gbps=76.8, inter_node_gbps=400),
     # Frontier (OLCF user guide): 4 MI250X = 8 GCDs per node, 64 GB HBM2e per GCD; Infinity Fabric
     # 50-100 GB/s between GCDs of different MI250X (50 taken: rings cross them); 4 x 25 GB/s
     # Slingshot-11 NICs per node.

@@ -202,6 +202,12 @@ class ClusterSpec(_Strict):
     scaleup_domain: PositiveInt | None = Field(
         None, description="devices on the fast fabric (NVL72: 72); default: a node (gpus_per_node)"
     )
+    # A fabric that is a full mesh of point-to-point links (AMD's Infinity Fabric boards: 7 links a
+    # GPU) instead of a switch: each pair's own link, GB/s per direction. A group of k then reaches
+    # (k - 1) links, at most intra_node_gbps. None: a switch (NVSwitch), every group at intra_node_gbps.
+    intra_node_peer_gbps: PositiveFloat | None = Field(
+        None, description="per-pair link of a full-mesh fabric (MI300X: 64 GB/s); default: a switch"
+    )
 
     @model_validator(mode="after")
     def _domain_of_whole_nodes(self) -> ClusterSpec:

@@ -98,3 +98,16 @@ def test_the_nvl72_presets_are_one_domain_of_72_and_the_plan_uses_it() -> None:
     assert candidates and all(c["config"]["tp"] == 8 for c in candidates)
     for c in candidates:  # 8 ranks on two trays: NVLink, not the trays' network
         assert c["predicted"]["terms"]["tp_comm_inter_s"] == 0 < c["predicted"]["terms"]["tp_comm_intra_s"]
+
+
+@pytest.mark.parametrize(("preset", "size", "gbps"), [
+    ("mi300x", 2, 64), ("mi300x", 4, 192), ("mi300x", 8, 448), ("mi355x", 2, 76.8), ("mi355x", 8, 537.6),
+    ("h100-80gb", 2, 450), ("h100-80gb", 8, 450),  # NVSwitch: every pair at the full rate
+])  # fmt: skip
+def test_a_full_mesh_gives_a_group_its_links_to_the_others(preset: str, size: int, gbps: float) -> None:
+    """AMD's boards are a mesh of pairwise Infinity Fabric links (ClusterSpec.intra_node_peer_gbps):
+    a group of k ranks reaches k - 1 of them; an NVSwitch gives any group the whole rate."""
+    from tuner.hardware import cluster_preset
+
+    link = group_link(ClusterSpec(**cluster_preset(preset)), size, 1)
+    assert link.tier == "intra" and link.gbps == pytest.approx(gbps)

@@ -101,10 +101,19 @@ def group_link(cluster: ClusterSpec, size: int, stride: int) -> Link:
     cpu = {} if cluster.cores_per_node is None else {
         "core_gbps": cluster.intra_node_gbps, "core_latency_us": cluster.intra_node_latency_us}  # fmt: skip
     if size <= members_per_node(size, stride, cluster.domain_size):
-        return Link(cluster.intra_node_gbps, cluster.intra_node_latency_us, "intra", **cpu)
+        return Link(mesh_gbps(cluster, size), cluster.intra_node_latency_us, "intra", **cpu)
     per_node = members_per_node(size, stride, g)
     share = cluster.inter_node_gbps * per_node / g
     return Link(min(cluster.intra_node_gbps, share), cluster.inter_node_latency_us, "inter", **cpu)
+
+
+def mesh_gbps(cluster: ClusterSpec, members: int) -> float:
+    """What `members` ranks of one scale-up domain reach each: the switch's intra_node_gbps, or on a
+    full mesh of pairwise links (ClusterSpec.intra_node_peer_gbps) the k - 1 links to the group's
+    other members (MI300X: tp 2 at 64 GB/s, tp 8 at 448), at most intra_node_gbps."""
+    if cluster.intra_node_peer_gbps is None:
+        return cluster.intra_node_gbps
+    return min(cluster.intra_node_gbps, max(members - 1, 1) * cluster.intra_node_peer_gbps)
 
 
 def ranks_per_core(cluster: ClusterSpec, world_size: int) -> float:
