@@ -6,14 +6,15 @@ on H100-80GB and on H200-141GB (`--suite moe`); Llama 3.1 8B and 70B at 32k-128k
 context parallelism on H100-80GB (`--suite long`); the published BF16 layouts of
 bench/moe_published.py and bench/cp_published.py as those scripts price them (`--suite published`).
 
-    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --json
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --json  # large
+    flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite small --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite llama --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite moe --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite long --json
     flock /tmp/parallel-tuner-measure.lock .venv/bin/python -m bench.memory_oracle --suite published --json
 
 For every layout the oracle builds the trainer at full size on fake tensors ("cuda" mode: bf16
-mixed precision, AdamW's foreach step, every step's peak) for the first and the last pipeline rank,
+mixed precision, AdamW's fused step, every step's peak) for the first and the last pipeline rank,
 with two micro-batch counts extended linearly to the layout's (trainer/memcheck.py). Layouts that
 differ only in their global batch share those simulations. Each simulation is recorded in
 --records (JSON lines), so a re-run simulates only what is missing and `--no-simulate` compares
@@ -56,7 +57,8 @@ from tuner.spec import ClusterSpec, padded_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
-RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle.jsonl"
+RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle.jsonl"  # the small suite's
+LARGE_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_large.jsonl"
 LLAMA_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_llama.jsonl"
 CLUSTER = "a100-80gb"
 LLAMA_CLUSTER = "h100-80gb"
@@ -78,6 +80,10 @@ SHAPES: dict[str, list[str]] = {
         "tp=8,pp=2,mbs=2,ac=selective,zero=2",
         "tp=4,pp=4,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=selective,sp=true",
         "tp=2,pp=4,pp_schedule=gpipe,ac=full,zero=3",
+        # issue 37: op-level checkpointing, offload, the norms recomputed (Megatron's layernorm module)
+        "tp=8,ac=op,sp=true,zero=2",
+        "tp=8,ac=offload,sp=true,zero=3",
+        "tp=8,ac=layernorm,sp=true,zero=2",
     ],
     "gpt-175b": [
         "tp=8,pp=16,ac=selective,sp=true",
@@ -87,6 +93,10 @@ SHAPES: dict[str, list[str]] = {
         "tp=4,pp=16,ac=full",
         "tp=8,pp=4,ac=full,sp=true,zero=3",
         "tp=8,pp=32,sp=true",
+        # issue 37: the V schedules (block recompute is refused there), offload
+        "tp=8,pp=8,pp_schedule=zbv,virtual_stages=2,sp=true,zero=2",
+        "tp=8,pp=8,pp_schedule=dualpipev,virtual_stages=2,ac=layernorm,sp=true,zero=2",
+        "tp=8,pp=8,ac=offload,sp=true,zero=2",
     ],
     "gpt-1t": [
         "tp=8,pp=64,ac=selective,sp=true",
@@ -94,6 +104,7 @@ SHAPES: dict[str, list[str]] = {
         "tp=8,pp=32,pp_schedule=interleaved_1f1b,virtual_stages=2,ac=selective,sp=true",
         "tp=8,pp=16,ac=full,sp=true,zero=3",
         "tp=8,pp=64,mbs=2,ac=full",
+        "tp=8,pp=32,ac=offload,sp=true,zero=2",  # issue 37
     ],
 }
 GPUS = {"gpt-22b": (1024, 2048), "gpt-175b": (1024, 2048), "gpt-1t": (2048, 3072)}
@@ -240,7 +251,8 @@ LONG_GLOBAL_BATCHES = {"llama3.1-8b": (32, 64, 128), "llama3.1-70b": (64, 128, 2
 LONG_RECORDS = ROOT / "bench" / "own_tables" / "memory_oracle_long.jsonl"
 MOE_CLUSTERS = ("h100-80gb", "h200-141gb")
 SUITES = {  # name: (shapes, GPU counts, global batches, clusters (fit judged on each), records)
-    "large": (SHAPES, GPUS, GLOBAL_BATCHES, (CLUSTER,), RECORDS),
+    "large": (SHAPES, GPUS, GLOBAL_BATCHES, (CLUSTER,), LARGE_RECORDS),
+    "small": ({}, {}, {}, (CLUSTER,), RECORDS),  # SMALL_LAYOUTS (layouts()), fit judged on A100-80GB
     "llama": (LLAMA_SHAPES, LLAMA_GPUS, LLAMA_GLOBAL_BATCHES, (LLAMA_CLUSTER,), LLAMA_RECORDS),
     "moe": (MOE_SHAPES, MOE_GPUS, MOE_GLOBAL_BATCHES, MOE_CLUSTERS, MOE_RECORDS),
     "long": (LONG_SHAPES, LONG_GPUS, LONG_GLOBAL_BATCHES, (LLAMA_CLUSTER,), LONG_RECORDS),
@@ -453,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--records",
         type=Path,
-        help=f"recorded simulations (JSON lines; default {RECORDS.name}, llama: {LLAMA_RECORDS.name}, "
-        f"moe: {MOE_RECORDS.name}, long: {LONG_RECORDS.name})",
+        help=f"recorded simulations (JSON lines; default large: {LARGE_RECORDS.name}, small: {RECORDS.name}, "
+        f"llama: {LLAMA_RECORDS.name}, moe: {MOE_RECORDS.name}, long: {LONG_RECORDS.name})",
     )
     parser.add_argument("--no-simulate", action="store_true", help="use the recorded simulations only")
     parser.add_argument(
