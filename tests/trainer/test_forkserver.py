@@ -18,7 +18,7 @@ import pytest
 from tests.trainer.helpers import tiny_config
 from tests.trainer.test_launch import assert_nothing_left, wait_for_processes
 from trainer.contract.parallel import ParallelConfig
-from trainer.contract.trial_dir import LOG_FILE, SOCKET_VAR, TAG_VAR
+from trainer.contract.trial_dir import LOG_FILE, SOCKET_VAR, TAG_VAR, trial_tag
 from trainer.forkclient import TAG_ROOM, ForkServer
 from trainer.launch import (
     kill_trial,
@@ -129,9 +129,10 @@ def test_the_fork_server_dying_ends_its_trials_and_the_next_trial_gets_a_new_one
     dispatcher, name = LocalDispatcher(num_devices=2, env={"TRAINER_FAULT": "hang:1:1"}), new_tag()
     try:
         hung = dispatcher.submit(tiny_config(DP2), name=name, work_dir=tmp_path / "hung", timeout_s=300)
+        tag = trial_tag(name, tmp_path / "hung")
         first = dispatcher.server
         assert first is not None
-        wait_for_processes(name, 4)
+        wait_for_processes(tag, 4)
         ranks = children(first.process.pid)
         assert len(ranks) == 2
         first.process.kill()
@@ -141,7 +142,7 @@ def test_the_fork_server_dying_ends_its_trials_and_the_next_trial_gets_a_new_one
             assert time.monotonic() < deadline, "the trial did not end after its fork server died"
             time.sleep(0.2)
         assert not report.outcome.ok
-        assert trial_processes(name) == [] and all(_ppid(p) is None for p in ranks)
+        assert trial_processes(tag) == [] and all(_ppid(p) is None for p in ranks)
         dispatcher.env = {}
         ok = dispatcher.submit(tiny_config(DP2), name=new_tag(), work_dir=tmp_path / "ok", timeout_s=300)
         second = dispatcher.server

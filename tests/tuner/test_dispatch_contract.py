@@ -22,6 +22,7 @@ from tests.tuner.fakes import FakeClock, FakeCluster, FakeDispatcher, ok
 from trainer.contract.parallel import ParallelConfig
 from trainer.contract.presets import MODEL_PRESETS
 from trainer.contract.result import BenchmarkConfig
+from trainer.contract.trial_dir import trial_tag
 from trainer.launch import trial_processes
 from tuner.dispatch import DispatchError, JobHandle, JobReport
 from tuner.outcome import FailureKind
@@ -161,10 +162,11 @@ def test_a_job_runs_to_its_outcome_and_a_new_dispatcher_sees_the_same(kind: Kind
 def test_cancel_ends_the_job_and_leaves_no_process(kind: Kind, tmp_path: Path) -> None:
     d, name = kind.make(HANG), _name(kind, "hang")
     job = d.submit(TWO, name=name, work_dir=tmp_path / "hang", timeout_s=600)
+    tag = trial_tag(name, tmp_path / "hang")
     kind.wait(d, job, done=False)
     if kind.processes_on_this_machine:
         deadline = time.monotonic() + 120
-        while len(trial_processes(name)) < 2:  # the ranks are up (launcher, ranks)
+        while len(trial_processes(tag)) < 2:  # the ranks are up (launcher, ranks)
             assert time.monotonic() < deadline, "the trial's processes never started"
             time.sleep(0.5)
     d.cancel(job)
@@ -172,9 +174,9 @@ def test_cancel_ends_the_job_and_leaves_no_process(kind: Kind, tmp_path: Path) -
     assert report.outcome.failure is FailureKind.CANCELLED, report
     if kind.processes_on_this_machine:
         deadline = time.monotonic() + 30  # Slurm's slurmstepd signals the ranks asynchronously
-        while trial_processes(name) and time.monotonic() < deadline:
+        while trial_processes(tag) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert trial_processes(name) == []
+        assert trial_processes(tag) == []
 
 
 def test_find_returns_the_job_submitted_under_a_name(kind: Kind, tmp_path: Path) -> None:
@@ -199,4 +201,32 @@ def test_a_hung_job_ends_as_a_timeout(timed_kind: Kind, tmp_path: Path) -> None:
     job = d.submit(TWO, name=name, work_dir=tmp_path / "timeout", timeout_s=12)
     report = kind.wait(d, job)
     assert report.outcome.failure is FailureKind.TIMEOUT, report
-    assert not kind.processes_on_this_machine or trial_processes(name) == []
+    assert not kind.processes_on_this_machine or trial_processes(trial_tag(name, tmp_path / "timeout")) == []
+
+
+@pytest.mark.distributed
+def test_two_tuners_trials_of_one_name_are_not_each_others(tmp_path: Path) -> None:
+    """Two tuners with their own databases on one host both name their first trial pt1-t0-a1:
+    cancelling one's trial leaves the other's running (a trial's processes are found by its name
+    and its work dir, trainer/contract/trial_dir.py: trial_tag)."""
+    from tuner.dispatch.local import LocalDispatcher
+
+    ours, theirs = LocalDispatcher(num_devices=2, env=HANG), LocalDispatcher(num_devices=2, env=HANG)
+    name = "pt1-t0-a1"
+    mine = ours.submit(ONE, name=name, work_dir=tmp_path / "a" / "t0", timeout_s=600)
+    other = theirs.submit(ONE, name=name, work_dir=tmp_path / "b" / "t0", timeout_s=600)
+    try:
+        local = _local()
+        for d, job in ((ours, mine), (theirs, other)):
+            local.wait(d, job, done=False)
+        ours.cancel(mine)
+        assert ours.poll(mine).outcome.failure is FailureKind.CANCELLED
+        assert trial_processes(trial_tag(name, tmp_path / "a" / "t0")) == []
+        assert theirs.poll(other).state == "RUNNING"
+        assert trial_processes(trial_tag(name, tmp_path / "b" / "t0"))
+    finally:
+        ours.cancel(mine)
+        theirs.cancel(other)
+        ours.close()
+        theirs.close()
+    assert trial_processes(trial_tag(name, tmp_path / "b" / "t0")) == []

@@ -16,6 +16,7 @@ import yaml
 from sqlalchemy import select
 
 from trainer.contract.result import BenchmarkConfig
+from trainer.contract.trial_dir import trial_tag
 from trainer.launch import trial_processes
 from tuner import store
 from tuner.db import Calibration, connect
@@ -77,8 +78,9 @@ def test_failed_trials_are_recorded_and_the_study_completes(tmp_path: Path) -> N
     assert ([e["kind"] for e in crashed.attempt_log], crashed.told) == (["crash", "crash"], "infeasible")
     # No process of any attempt is left, the hung one included (killed by its supervisor's limit).
     for t in trials:
+        work_dir = JobHandle.parse(t.job_id).work_dir
         for attempt in range(1, t.attempts + 1):
-            assert trial_processes(store.job_name(t.study_id, t.number, attempt)) == []
+            assert trial_processes(trial_tag(store.job_name(t.study_id, t.number, attempt), work_dir)) == []
     # The exported sbatch holds exactly the config the best trial ran with, all but the study's floor
     # for pruning while running (set once a trial has completed): a rerun measures the layout whatever it is.
     with sessions() as s:

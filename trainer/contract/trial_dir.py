@@ -22,6 +22,7 @@ their own names; the variables below are ours.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -61,6 +62,15 @@ class NoResult(Exception):
     def __init__(self, path: Path, missing: bool, reason: str = ""):
         self.path, self.missing = path, missing
         super().__init__(f"no result file {path}" if missing else f"unreadable result file {path}: {reason}")
+
+
+def trial_tag(name: str, work_dir: Path) -> str:
+    """The tag every process of a trial attempt carries (TAG_VAR): its job name, unique in one
+    database only, and a digest of its work dir, unique on one file system. Two tuners with their
+    own databases on one host (or two tests) both have a "pt1-t0-a1"; by name alone each would find
+    and kill the other's ranks."""
+    digest = hashlib.sha256(str(Path(work_dir).absolute()).encode()).hexdigest()[:12]
+    return f"{name}.{digest}"
 
 
 def prepare(work_dir: Path, cfg: BenchmarkConfig) -> None:

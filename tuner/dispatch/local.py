@@ -21,7 +21,14 @@ import weakref
 from pathlib import Path
 
 from trainer.contract.result import BenchmarkConfig
-from trainer.contract.trial_dir import FORKSERVER_VAR, SOCKET_VAR, read_config, read_launch, read_result
+from trainer.contract.trial_dir import (
+    FORKSERVER_VAR,
+    SOCKET_VAR,
+    read_config,
+    read_launch,
+    read_result,
+    trial_tag,
+)  # fmt: skip
 from trainer.forkclient import ForkServer
 from trainer.launch import LocalRun, launcher_name, start_local
 from tuner.dispatch.base import DispatchError, JobHandle, JobReport
@@ -100,7 +107,7 @@ class LocalDispatcher:
         if self.gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
         try:
-            run = start_local(cfg, work_dir, timeout_s=timeout_s, env=env, tag=name,
+            run = start_local(cfg, work_dir, timeout_s=timeout_s, env=env, tag=trial_tag(name, work_dir),
                               command=command)  # fmt: skip
         except OSError as e:
             raise DispatchError(f"cannot start the trial's launcher: {e}") from None
@@ -138,7 +145,7 @@ class LocalDispatcher:
             run = LocalRun.attach(work_dir)
         except ValueError:  # launched on another host: not ours to find
             return None
-        if run is None or run.tag != name:
+        if run is None or run.tag != trial_tag(name, work_dir):
             return None
         return JobHandle(self.kind, self._job_id(run), work_dir)  # type: ignore[arg-type]
 

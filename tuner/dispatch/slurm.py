@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.contract.result import BenchmarkConfig
-from trainer.contract.trial_dir import LOG_FILE, SCRIPT_FILE, TAG_VAR, log_tail, prepare, read_result
+from trainer.contract.trial_dir import (
+    LOG_FILE,
+    SCRIPT_FILE,
+    TAG_VAR,
+    log_tail,
+    prepare,
+    read_result,
+    trial_tag,
+)
 from tuner.backoff import Backoff
 from tuner.dispatch.base import DispatchError, JobHandle, JobReport
 from tuner.dispatch.sbatch import SiteSettings, SlurmResources, job_name, render_script
@@ -94,7 +102,7 @@ class SlurmDispatcher:
     def submit(self, cfg: BenchmarkConfig, *, name: str, work_dir: Path, timeout_s: float) -> JobHandle:
         prepare(work_dir, cfg)
         # Every process of the trial carries its tag, as local trials do (trainer/launch.py).
-        env = {**self.env, TAG_VAR: name}
+        env = {**self.env, TAG_VAR: trial_tag(name, work_dir)}
         (work_dir / SCRIPT_FILE).write_text(render_script(cfg, work_dir=work_dir, spec=self.spec,
                                                           site=self.site, env=env))  # fmt: skip
         resources = SlurmResources.for_trial(cfg, name=name, timeout_s=timeout_s, spec=self.spec, site=self.site,
