@@ -23,7 +23,9 @@ def _recorded(suite: str, models: tuple[str, ...] | None) -> tuple[list[dict], t
 
 
 # each suite re-simulated since the trainer last moved a peak, with the models of it (None: all)
-@pytest.mark.parametrize(("suite", "models"), [("small", None), ("moe", None), ("long", None)])
+@pytest.mark.parametrize(
+    ("suite", "models"), [("small", None), ("moe", None), ("long", None), ("llama", None)]
+)
 def test_the_recorded_oracle_suites_meet_their_criteria(suite: str, models: tuple[str, ...] | None) -> None:
     rows, clusters = _recorded(suite, models)
     for name in clusters:

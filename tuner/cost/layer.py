@@ -305,10 +305,15 @@ def weight_output_bytes_per_token(
     the gradient at each op that takes a weight, its output's): the linears' outputs
     (attention_ops, mlp_ops; `mlp` False: attention's alone) in the compute dtype, and the two
     norms' (over tp with sequence parallelism) in the residual's (`res`: autocast runs the norms in
-    fp32)."""
+    fp32). With sequence parallelism the input half also all-gathers again the input of each
+    column-parallel block (attention's q/k/v, the MLP's), whole, which the weight half's GEMMs
+    take (the forward kept it sharded): measured on the memory oracle, 2026-12-07."""
     ops = attention_ops(m, p, cb) + (mlp_ops(m, p, cb, m.ffn_size, p.tp) if mlp else [])
     norms = 2 * m.hidden_size / (p.tp if p.sequence_parallel else 1) * (res or cb)
-    return sum(op.bytes for op in ops if op.flops) + norms
+    regathered = (
+        (2 if mlp else 1) * m.hidden_size / p.tp_col * cb if p.sequence_parallel and p.tp > 1 else 0.0
+    )
+    return sum(op.bytes for op in ops if op.flops) + norms + regathered
 
 
 def op_activation_bytes_per_token(

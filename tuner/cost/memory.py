@@ -89,6 +89,14 @@ class RankBytes:
     offloaded: float = 0.0  # activation offload: one micro-batch's saved activations the stage sends to host
     unpacked: float = 0.0  # ... and what its biggest backward (the MLP's or attention's) brings back
     first_grads: float = 0.0  # ... and the gradients its last layer to run a backward (and the root) land
+    # FSDP2's reduce-scatter of a layer's gradients: its flat input, in the reduce dtype, which FSDP2
+    # keeps (for its stream's sync) until the next layer's reduce-scatter; and the head's gradient in
+    # the compute dtype, which the root's post-backward reduces only at the backward's end
+    reduce_held: float = 0.0
+    head_grad: float = 0.0
+    # the embedding's gradient as its backward gives it (compute dtype; a vocab-parallel one whole),
+    # beside the fp32 one FSDP2's post-backward accumulates it into
+    embed_grad: float = 0.0
     # A V schedule's split backward: what its input half keeps for its weight half, one
     # micro-batch's in all the rank's layers (and the head's, on the last stage)
     weight_outputs: float = 0.0
@@ -219,6 +227,14 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
     else:
         params_all = params
     bf16_grads = case.grad_reduce_dtype == "bf16"
+    # FSDP2's reduce-scatter input, flat in the reduce dtype, kept until the next module's
+    # post-backward (torch's reduce_scatter_max_input_buffers, 1): in a layer's MLP or experts'
+    # backward, the layer after's (a MoE layer's dense part: its experts' reduce came before)
+    reduce_held = 0.0
+    if p.zero_stage > 0 and weight_shards(case) > 1:
+        local_experts = moe.experts / moe.num_moe if moe is not None and moe.num_moe else 0.0
+        dense_part = (moe.layer_params - local_experts) if local_experts else layer_params(m, t, k)
+        reduce_held = (2 if bf16_grads else 4) * dense_part
     weight_outputs = 0.0
     if p.pp_schedule in V_SCHEDULES:
         per_token = weight_output_bytes_per_token(m, p, cb, residual)
@@ -252,6 +268,9 @@ def rank_bytes(case: Case, stage: int) -> RankBytes:
         # torch's schedules keep a forward's output in a local variable until the next forward:
         # through the micro-batch's backward, after the loss has let its logits go
         output_held=cb * logits if last and p.pp > 1 else 0.0,
+        reduce_held=reduce_held,
+        head_grad=cb * v * h / t / k if last and dp > 1 and low else 0.0,
+        embed_grad=cb * v * h / (t * k if k > 1 else 1) if first and dp > 1 and low else 0.0,
     )  # fmt: skip
 
 
@@ -298,6 +317,11 @@ def forward_backward(
             held * (inflight - 1) + r.layers + flow + r.output_held,
         ),  # in a layer's backward
     ]
+    if r.reduce_held and not accumulates:  # FSDP2 reduce-scatters each layer's gradients: in a
+        # layer's backward (its recompute's activations there) the layer before's flat input is
+        # still held, and the head's gradient; the layer's own gradients are mostly yet to come
+        moments.append((working, grads + r.head_grad,
+                        held * (inflight - 1) + r.layers + flow + r.output_held + r.reduce_held))  # fmt: skip
     if r.head:  # the loss, every layer's activations still there
         moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held * inflight + r.loss))
     if first_backward and n > 1:  # GPipe: the next backward, with the first's gradients

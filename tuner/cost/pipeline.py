@@ -498,7 +498,9 @@ def v_moments(
 
     for kind, j, _ in v_order(p.pp_schedule, p.pp, p.num_microbatches, stage):
         first_stage = first_rank and j == 0
-        logits = r.output_held if first_rank and j == 1 else 0.0
+        # the last stage's backward: the logits its schedule holds, and the head's weight gradient
+        # (its weight half's, in the compute dtype, until FSDP2's next post-backward folds it in)
+        logits = r.output_held + r.head_grad if first_rank and j == 1 else 0.0
         if kind == "F":
             held += acts[j] + r.boundary
             if first_rank and j == 1:  # the loss, at the end of the last stage's forward
@@ -515,8 +517,12 @@ def v_moments(
             held += kept[j]
             continue
         if kind == "B" or first_stage:
-            backward_moment(r.boundary + logits)
-            held -= acts[j] + (r.boundary if kind == "B" else 0.0)
+            # the first stage's backward ends in the embedding's, its gradient in the compute dtype
+            # beside the accumulated one
+            backward_moment(r.boundary + logits + (r.embed_grad if first_stage else 0.0))
+            # its activations and output go; the first stage's weight half (its whole backward)
+            # lets go the gradient it received at its input half too
+            held -= acts[j] + (r.boundary if kind == "B" else 2 * r.boundary if first_stage else 0.0)
         else:  # a weight half: the kept gradients, the activations and the input's gradient go
             backward_moment(0.0)
             held -= acts[j] + kept[j] + r.boundary
