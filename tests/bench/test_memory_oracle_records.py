@@ -40,10 +40,10 @@ def test_the_recorded_oracle_suites_meet_their_criteria(suite: str, models: tupl
 
 def test_the_published_bf16_layouts_fit_as_the_oracle_says() -> None:
     """Each published BF16 layout of bench/moe_published.py and bench/cp_published.py fits, and the
-    oracle agrees; within 6 %: Llama 3's 128k stage (405B, tp8 pp16 cp16, full recompute) is at
-    -5.2 %, over the suites' 5 % (docs/benchmarks.md), not traced yet."""
+    oracle agrees, within the suites' 5 % (Llama 3's 128k stage, 405B tp8 pp16 cp16, was at -5.2 %
+    until the embedding's backward was priced: docs/benchmarks.md, twelfth session)."""
     rows, (cluster,) = _recorded("published", None)
     summary = memory_oracle.compare(rows, ModelConstants(), ClusterSpec(**cluster_preset(cluster)))
     assert summary["oracle_fits"] == len(rows) == 2
     assert (summary["fit_disagreements"], summary["missed_ooms"]) == (0, 0), summary["disagreements"]
-    assert summary["max_error"] <= 0.06, summary
+    assert summary["max_error"] <= 0.05, summary

@@ -555,9 +555,10 @@ def test_dense_predictions_unchanged() -> None:
     CPU studies also by the CPU defaults' refit) when data parallelism's overlap began to be
     priced from the trainer's order of operations, not a fitted fraction, its gathers counted as
     FSDP2 runs them and an untied head's gradients reduced with the embedding's
-    (tuner/cost/data.py overlap_rule; issue 37); 2 rows' memory (x 1.009, x 1.027: ZeRO-3 with full
-    recompute) when a layer's backward began to hold the layer after's reduce-scatter input and the
-    head's gradient (tuner/cost/memory.py reduce_held, head_grad; issue 37)."""
+    (tuner/cost/data.py overlap_rule; issue 37); 4 rows' memory (x 1.003 to x 1.027) when a layer's
+    backward began to hold the layer after's reduce-scatter input and the head's gradient, and the
+    embedding's backward its compute-dtype gradient (tuner/cost/memory.py reduce_held, head_grad,
+    embed_grad; issue 37)."""
     rows = json.loads(GOLDEN.read_text())
     assert len(rows) > 300
     specs = {}

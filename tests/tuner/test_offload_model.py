@@ -54,14 +54,15 @@ def _predicted(model: ModelConfig, parallel: ParallelConfig, device: str) -> flo
 
 
 def test_a_gpu_holds_less_and_a_cpu_rank_no_less() -> None:
-    """On a GPU the layers' activations leave the device (the MoE's weights and optimizer state
-    outweigh its activations here); on a CPU rank host memory is the device."""
+    """On a GPU the layers' activations leave the device; on a CPU rank host memory is the device.
+    The MoE's peak here is its embedding's backward (its weights and optimizer state outweigh its
+    activations), which offloading leaves as it is: no more, not less."""
     for model, parallel, share in (
         (GPT, P(dp_shard=2, zero_stage=3, micro_batch_size=2), 0.7),
         (MOE, P(ep=2, dp_shard=2, zero_stage=2), 1.0),
     ):
         offloaded = dataclasses.replace(parallel, activation_checkpoint="offload")
-        assert _predicted(model, offloaded, "gpu") < share * _predicted(model, parallel, "gpu")
+        assert _predicted(model, offloaded, "gpu") <= share * _predicted(model, parallel, "gpu")
         assert _predicted(model, offloaded, "cpu") >= _predicted(model, parallel, "cpu")
 
 

@@ -322,6 +322,12 @@ def forward_backward(
         # still held, and the head's gradient; the layer's own gradients are mostly yet to come
         moments.append((working, grads + r.head_grad,
                         held * (inflight - 1) + r.layers + flow + r.output_held + r.reduce_held))  # fmt: skip
+    if r.embed_grad:  # the first stage's backward ends in the embedding's: its gradient in the
+        # compute dtype (vocab-parallel: whole, then its shard split off), the head's still there,
+        # the last layer's reduce-scatter input held (a pipeline's stage reduces at its step's end)
+        embed = r.embed_grad * (1 + 1 / p.tp) if p.tp > 1 and p.tp_col == 1 else r.embed_grad
+        moments.append((r.root if p.zero_stage == 3 else r.whole, accumulated + r.head_grad + embed,
+                        held * (inflight - 1) + (0.0 if accumulates else r.reduce_held)))  # fmt: skip
     if r.head:  # the loss, every layer's activations still there
         moments.append((r.root if p.zero_stage == 3 else r.whole, grads, held * inflight + r.loss))
     if first_backward and n > 1:  # GPipe: the next backward, with the first's gradients
