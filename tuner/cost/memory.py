@@ -89,9 +89,8 @@ class RankBytes:
     offloaded: float = 0.0  # activation offload: one micro-batch's saved activations the stage sends to host
     unpacked: float = 0.0  # ... and what its biggest backward (the MLP's or attention's) brings back
     first_grads: float = 0.0  # ... and the gradients its last layer to run a backward (and the root) land
-    # FSDP2's reduce-scatter of a layer's gradients: its flat input, in the reduce dtype, which FSDP2
-    # keeps (for its stream's sync) until the next layer's reduce-scatter; and the head's gradient in
-    # the compute dtype, which the root's post-backward reduces only at the backward's end
+    # FSDP2's reduce-scatter input held in a layer's backward (see rank_bytes), and the head's
+    # gradient in the compute dtype, which the root's post-backward reduces only at the backward's end
     reduce_held: float = 0.0
     head_grad: float = 0.0
     # the embedding's gradient as its backward gives it (compute dtype; a vocab-parallel one whole),
@@ -318,7 +317,7 @@ def forward_backward(
         ),  # in a layer's backward
     ]
     if r.reduce_held and not accumulates:  # FSDP2 reduce-scatters each layer's gradients: in a
-        # layer's backward (its recompute's activations there) the layer before's flat input is
+        # layer's backward (its recompute's activations there) the layer after's flat input is
         # still held, and the head's gradient; the layer's own gradients are mostly yet to come
         moments.append((working, grads + r.head_grad,
                         held * (inflight - 1) + r.layers + flow + r.output_held + r.reduce_held))  # fmt: skip
